@@ -1,0 +1,1 @@
+"""accelerate-txn: transactional, verified training checkpoints for Hugging Face Accelerate."""

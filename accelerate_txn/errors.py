@@ -1,0 +1,72 @@
+"""The library's exception hierarchy.
+
+Every exception subclasses a built-in (so ``except ValueError`` in user code keeps working), takes a single
+message argument and is therefore picklable: errors travel between ranks. Messages say what is wrong, where,
+and what to do.
+
+When a phase fails on some ranks, every rank raises the same exception: the common class of the failing ranks'
+errors when they agree, :class:`CheckpointRankError` otherwise. ``failures`` maps each failing rank to its
+message (it is empty for an error raised on one process only).
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(RuntimeError):
+    """Base class of every error raised by accelerate-txn."""
+
+    failures: dict[int, str]
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message)
+        self.failures = {}
+
+
+class CheckpointRankError(CheckpointError):
+    """Ranks failed with different errors (or with errors that are not the library's own)."""
+
+
+class CheckpointIntegrityError(CheckpointError, ValueError):
+    """A checkpoint on disk is incomplete, truncated, altered or not a checkpoint at all."""
+
+
+class CheckpointConfigurationError(CheckpointError, ValueError):
+    """The live training configuration does not match the checkpoint, or the library is misconfigured."""
+
+
+class CheckpointLockedError(CheckpointError):
+    """Another live writer holds the lock on the checkpoint directory."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """The destination already exists (or belongs to another run)."""
+
+
+class NoCheckpointError(CheckpointError, FileNotFoundError):
+    """No complete checkpoint could be found where one was requested."""
+
+
+class RestoreFailedError(CheckpointError):
+    """A restore failed part-way: training state is inconsistent until a successful reload."""
+
+
+class UnsupportedVersionError(CheckpointError):
+    """The installed Accelerate/PyTorch pair is outside the validated table."""
+
+
+class NonFiniteStateError(CheckpointError, ValueError):
+    """A tensor about to be saved or just restored contains NaN or Inf."""
+
+
+__all__ = [
+    "CheckpointConfigurationError",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointIntegrityError",
+    "CheckpointLockedError",
+    "CheckpointRankError",
+    "NoCheckpointError",
+    "NonFiniteStateError",
+    "RestoreFailedError",
+    "UnsupportedVersionError",
+]
