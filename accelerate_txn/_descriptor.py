@@ -1,0 +1,333 @@
+"""The training-configuration descriptor: what a checkpoint was saved *for*, and its comparison on load.
+
+The descriptor is plain JSON recorded in the manifest. On load the live descriptor must equal the saved
+one, except for the documented migrations in :func:`compare_descriptor` (legacy metadata keys, scheduler
+class names recorded with their module, FSDP group order when no scheduler depends on it).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import types
+import warnings
+from typing import Any
+
+import torch
+
+from ._config import checkpoint_config, plain, raw_optimizer
+from ._jsondiff import differences
+from .errors import CheckpointConfigurationError
+
+SUPPORTED_BACKENDS = ("FSDP", "NO", "MULTI_CPU", "MULTI_GPU")
+FSDP_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+def class_name(value: Any) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def backend(accelerator: Any) -> str:
+    return accelerator.distributed_type.name
+
+
+def is_fsdp1_sharded(accelerator: Any) -> bool:
+    """True for FSDP1 with ``SHARDED_STATE_DICT``: the configuration the protected path is built for."""
+    if backend(accelerator) != "FSDP":
+        return False
+    plugin = accelerator.state.fsdp_plugin
+    return (
+        plugin is not None
+        and getattr(plugin, "fsdp_version", 1) == 1
+        and getattr(plugin.state_dict_type, "name", None) == "SHARDED_STATE_DICT"
+    )
+
+
+def validate_owner(accelerator: Any) -> None:
+    """Reject configurations the protected path does not support, with the reason and the fix."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    mode = backend(accelerator)
+    if mode not in SUPPORTED_BACKENDS:
+        raise CheckpointConfigurationError(
+            f"Protected checkpoints support {', '.join(SUPPORTED_BACKENDS)}; this Accelerator uses {mode}. "
+            "Unpatch it (unpatch_accelerate_fsdp) to use native save_state/load_state."
+        )
+    if accelerator.project_configuration.save_on_each_node:
+        raise CheckpointConfigurationError(
+            "Protected checkpoints need one shared checkpoint filesystem: set "
+            "ProjectConfiguration(save_on_each_node=False)."
+        )
+    if mode != "FSDP":
+        return
+    if not is_fsdp1_sharded(accelerator):
+        raise CheckpointConfigurationError(
+            "Protected FSDP checkpoints require FSDP1 with state_dict_type=SHARDED_STATE_DICT."
+        )
+    if len(accelerator._models) != len(accelerator._optimizers):
+        raise CheckpointConfigurationError(
+            f"Protected FSDP checkpoints need one optimizer per prepared model; this Accelerator has "
+            f"{len(accelerator._models)} models and {len(accelerator._optimizers)} optimizers."
+        )
+    for optimizer in accelerator._optimizers:
+        if type(raw_optimizer(optimizer)) not in FSDP_OPTIMIZERS:
+            raise CheckpointConfigurationError(
+                f"Protected FSDP checkpoints support torch.optim Adam, AdamW and SGD; got "
+                f"{class_name(raw_optimizer(optimizer))}."
+            )
+    for model in accelerator._models:
+        for unit in FSDP.fsdp_modules(model):
+            if unit.sharding_strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
+                raise CheckpointConfigurationError(
+                    f"Protected FSDP checkpoints support FULL_SHARD and SHARD_GRAD_OP; got {unit.sharding_strategy.name}."
+                )
+            if unit.cpu_offload.offload_params and not unit._use_orig_params:
+                raise CheckpointConfigurationError(
+                    "FSDP parameter CPU offload requires use_orig_params=True for a reliable restore: set "
+                    "FullyShardedDataParallelPlugin(use_orig_params=True)."
+                )
+
+
+def parameter_layout(model: Any, optimizer: torch.optim.Optimizer) -> tuple[list[list[str]], dict[str, Any]]:
+    """Optimizer groups as parameter names, and every parameter's original (unsharded) shape and dtype."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp._common_utils import _get_param_to_fqns
+
+    names = _get_param_to_fqns(model)
+    groups = [[name for parameter in group["params"] for name in names[parameter]] for group in optimizer.param_groups]
+    shapes: dict[str, Any] = {}
+    for parameter, fqns in names.items():
+        for name in fqns:
+            shapes[name] = (tuple(parameter.shape), parameter.dtype, parameter.requires_grad)
+    for unit in FSDP.fsdp_modules(model):
+        handle = unit._handle
+        if handle is None:
+            continue
+        flat = handle.flat_param
+        if unit._use_orig_params:
+            pairs = [(name, shape) for parameter, shape in zip(flat._params, flat._shapes) for name in names[parameter]]
+        else:
+            pairs = list(zip(names[flat], flat._shapes))
+        for name, shape in pairs:
+            _old, dtype, requires_grad = shapes.get(name, (None, flat.dtype, flat.requires_grad))
+            shapes[name] = (tuple(shape), dtype, requires_grad)
+    return groups, shapes
+
+
+def _plain_names(model: Any, accelerator: Any) -> tuple[list[list[str]], dict[str, Any]]:
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    named = dict(unwrapped.named_parameters())
+    by_id = {id(parameter): name for name, parameter in named.items()}
+    shapes = {name: (tuple(p.shape), p.dtype, p.requires_grad) for name, p in named.items()}
+    return by_id, shapes  # type: ignore[return-value]
+
+
+def _callable_signature(function: Any) -> dict[str, Any]:
+    if isinstance(function, functools.partial):
+        return {"partial": _callable_signature(function.func), "args": plain(function.args, "partial args"),
+                "kwargs": plain(function.keywords, "partial kwargs")}
+    if isinstance(function, types.FunctionType):
+        return {
+            "function": function.__name__,
+            "defaults": plain(function.__defaults__, f"{function.__name__} defaults"),
+            "keywords": plain(function.__kwdefaults__, f"{function.__name__} keyword defaults"),
+            "closure": [plain(cell.cell_contents, f"{function.__name__} closure") for cell in function.__closure__ or ()],
+        }
+    raise CheckpointConfigurationError(
+        f"LR scheduler callable {class_name(function)} cannot be described for a checkpoint: use a plain function or "
+        "functools.partial, whose defaults and closure can be compared on resume."
+    )
+
+
+def describe(accelerator: Any, *, require_model_ids: bool = True) -> dict[str, Any]:
+    """The live training-configuration descriptor of one Accelerator (JSON-able). Mutates nothing."""
+    validate_owner(accelerator)
+    config = checkpoint_config(accelerator)
+    fsdp = backend(accelerator) == "FSDP"
+    known = {id(model) for model in accelerator._models}
+    strangers = [name for model, name in config.model_ids.items() if id(model) not in known]
+    if config.model_ids and (strangers or len(config.model_ids) != len(accelerator._models)):
+        raise CheckpointConfigurationError(
+            "configure_checkpointing(model_ids=...) must name every prepared model, and only prepared models "
+            f"(unknown roles: {strangers}); pass the models returned by accelerator.prepare()."
+        )
+    classes = [class_name(accelerator.unwrap_model(model, keep_torch_compile=False)) for model in accelerator._models]
+    models, optimizers = [], []
+    for index, model in enumerate(accelerator._models):
+        optimizer = raw_optimizer(accelerator._optimizers[index]) if index < len(accelerator._optimizers) else None
+        units: list[dict[str, Any]] = []
+        if fsdp:
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            groups, shapes = parameter_layout(model, optimizer)
+            units = [{"original_params": unit._use_orig_params, "cpu_offload": unit.cpu_offload.offload_params,
+                      "sharding": unit.sharding_strategy.name} for unit in FSDP.fsdp_modules(model)]
+        else:
+            by_id, shapes = _plain_names(model, accelerator)
+            groups = ([[by_id.get(id(p), "<not in model>") for p in group["params"]] for group in optimizer.param_groups]
+                      if optimizer is not None else [])
+        role = config.model_ids.get(model)
+        if role is None:
+            if classes.count(classes[index]) > 1 and require_model_ids:
+                raise CheckpointConfigurationError(
+                    f"Several prepared models are {classes[index]}: name them with "
+                    "configure_checkpointing(accelerator, model_ids={'role': model, ...}) so a resume cannot swap them."
+                )
+            role = (f"legacy_model_{index}" if classes.count(classes[index]) > 1
+                    else "model" if len(classes) == 1 else classes[index])
+        unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+        model_config = getattr(unwrapped, "config", None)
+        model_config = ({str(k): v for k, v in dict(model_config).items() if not str(k).startswith("_")}
+                        if hasattr(model_config, "items") else {})
+        models.append({
+            "id": role,
+            "class": classes[index],
+            "parameters": {name: {"shape": list(shape), "dtype": str(dtype), "requires_grad": bool(grad)}
+                           for name, (shape, dtype, grad) in sorted(shapes.items())},
+            "config": _safe_plain(model_config),
+            "fsdp": units,
+        })
+        if optimizer is not None:
+            optimizers.append({
+                "class": class_name(optimizer),
+                "groups": groups,
+                "execution": [{key: plain(group.get(key, False), key) for key in ("capturable", "fused", "differentiable")}
+                              for group in optimizer.param_groups],
+            })
+    if len({model["id"] for model in models}) != len(models):
+        raise CheckpointConfigurationError("Checkpoint model roles must be unique; check configure_checkpointing(model_ids=...)")
+    schedulers = []
+    for wrapped in accelerator._schedulers:
+        scheduler = getattr(wrapped, "scheduler", wrapped)
+        bound = getattr(scheduler, "optimizer", None)
+        index = next((i for i, opt in enumerate(accelerator._optimizers) if bound in (opt, raw_optimizer(opt))), None)
+        if index is None:
+            raise CheckpointConfigurationError(
+                f"LR scheduler {class_name(scheduler)} is not bound to an optimizer prepared by this Accelerator."
+            )
+        row: dict[str, Any] = {"class": class_name(scheduler), "optimizer": index}
+        if hasattr(scheduler, "lr_lambdas"):
+            row["functions"] = [_callable_signature(function) for function in scheduler.lr_lambdas]
+        schedulers.append(row)
+    return {
+        "world_size": accelerator.num_processes,
+        "backend": backend(accelerator),
+        "mixed_precision": str(accelerator.mixed_precision),
+        "accumulation_steps": accelerator.gradient_accumulation_steps,
+        "models": models,
+        "optimizers": optimizers,
+        "schedulers": schedulers,
+        "custom_objects": [class_name(obj) for obj in accelerator._custom_objects],
+        "scaler": class_name(accelerator.scaler) if accelerator.scaler is not None else None,
+        "private_states": json.loads(json.dumps(config.private_states, sort_keys=True)),
+        "training": config.metadata,
+        "dataloaders": [{
+            "class": class_name(loader),
+            "dataset": class_name(getattr(loader.dataset, "checkpoint_dataset", loader.dataset)),
+            "workers": getattr(loader, "num_workers", 0),
+            "stateful": bool(getattr(loader, "use_stateful_dataloader", False)),
+        } for loader in accelerator._dataloaders],
+    }
+
+
+def _safe_plain(value: dict[str, Any]) -> dict[str, Any]:
+    # Model configs may hold values a manifest cannot record (e.g. callables); record the representable part.
+    result = {}
+    for key, item in value.items():
+        try:
+            result[key] = plain(item, key)
+        except CheckpointConfigurationError:
+            result[key] = repr(item)
+    return result
+
+
+def _normalise(descriptor: dict[str, Any], reorder_groups: bool) -> dict[str, Any]:
+    descriptor = json.loads(json.dumps(descriptor))
+    descriptor.pop("hooks", None)  # early manifests recorded hook identities
+    for state in descriptor.get("private_states", {}).values():
+        state.setdefault("schema_version", 1)
+    for scheduler in descriptor.get("schedulers", []):
+        scheduler["class"] = scheduler["class"].rsplit(".", 1)[-1]
+        for function in scheduler.get("functions", []):
+            _strip_callable_module(function)
+    if reorder_groups:
+        for optimizer in descriptor.get("optimizers", []):
+            pairs = sorted(zip(optimizer["groups"], optimizer["execution"]), key=lambda pair: sorted(pair[0]))
+            optimizer["groups"] = [sorted(group) for group, _ in pairs]
+            optimizer["execution"] = [execution for _, execution in pairs]
+    return descriptor
+
+
+def _strip_callable_module(signature: dict[str, Any]) -> None:
+    if "partial" in signature:
+        _strip_callable_module(signature["partial"])
+    if "function" in signature:
+        signature["function"] = signature["function"].rsplit(".", 1)[-1]
+    signature.pop("code", None)
+
+
+def compare_descriptor(
+    saved: dict[str, Any],
+    current: dict[str, Any],
+    *,
+    legacy_metadata_keys: tuple[str, ...] = (),
+    legacy_metadata_groups: tuple[tuple[str, ...], ...] = (),
+    where: str = "checkpoint",
+    warn: bool = True,
+) -> list[str]:
+    """Raise :class:`CheckpointConfigurationError` unless ``saved`` matches ``current``.
+
+    Migrations: legacy metadata groups (absent as a whole -> current values, with a warning; partially absent
+    -> error); FSDP optimizer group order when neither side has a scheduler. Returns migrated keys.
+    """
+    reorder = (saved.get("backend") == current.get("backend") == "FSDP"
+               and not saved.get("schedulers") and not current.get("schedulers"))
+    saved, current = _normalise(saved, reorder), _normalise(current, reorder)
+    training = saved.setdefault("training", {})
+    migrated: list[str] = []
+    for group in (legacy_metadata_keys, *legacy_metadata_groups):
+        absent = sorted(set(group) - set(training))
+        if absent and set(group) & set(training):
+            raise CheckpointConfigurationError(
+                f"{where}: training metadata records only part of the field group {sorted(group)} (missing {absent}); "
+                "a partial migration would guess values. Restore from a checkpoint that records all of them."
+            )
+        migrated.extend(absent)
+    for key in migrated:
+        training[key] = current["training"][key]
+    found = differences(saved, current)
+    if found:
+        raise CheckpointConfigurationError(
+            f"{where} was saved for a different training configuration:\n  " + "\n  ".join(found)
+            + "\nResume with the configuration it was saved with (models and roles, optimizer type and groups, "
+            "schedulers, precision, accumulation, world size, dataloaders, metadata), or start a new run directory."
+        )
+    if migrated and warn:
+        warnings.warn(
+            f"{where} lacks training metadata {migrated}; using the current values. They cannot be verified "
+            "historically; the next save records them.", RuntimeWarning, stacklevel=3,
+        )
+    return migrated
+
+
+def participants(owners: Any) -> dict[str, Any]:
+    """``{component: Accelerator}``: one Accelerator is the root component ``""``; a dict names sub-directories."""
+    from pathlib import PurePosixPath
+
+    items = owners.items() if isinstance(owners, dict) else [("", owners)]
+    result: dict[str, Any] = {}
+    for name, owner in sorted(items, key=lambda kv: str(kv[0])):
+        path = PurePosixPath(str(name))
+        if path.is_absolute() or ".." in path.parts:
+            raise CheckpointConfigurationError(f"Checkpoint component {name!r} must be a relative path inside the checkpoint")
+        key = "" if str(path) == "." else path.as_posix()
+        if key in result or any(owner is other for other in result.values()):
+            raise CheckpointConfigurationError(f"Checkpoint components and Accelerators must be unique (component {key!r})")
+        if any(other and (key == "" or path.is_relative_to(other) or PurePosixPath(other).is_relative_to(path))
+               for other in result) or ("" in result and key):
+            raise CheckpointConfigurationError(f"Checkpoint component {key!r} overlaps another component")
+        result[key] = owner
+    if not result:
+        raise CheckpointConfigurationError("save/load_training_checkpoint needs at least one Accelerator")
+    return result

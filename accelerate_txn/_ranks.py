@@ -1,0 +1,145 @@
+"""Rank agreement: run a phase everywhere and raise the same error everywhere; agree on digests.
+
+Every helper here is a collective when a default process group exists: all ranks of the group must call it
+in the same order. Without a process group they run locally.
+
+* :func:`run_phase` runs a local function on every rank, then exchanges one flag per rank (a fixed-size
+  all-reduce). Only if some rank failed are the failure messages gathered; every rank then raises the same
+  exception. ``BaseException`` is caught on purpose: DCP's ``CheckpointException`` derives from it.
+* :func:`agree` exchanges a fixed-size sha256 digest of a value (O(world) bytes, not O(world x value)). Only on
+  a mismatch is rank 0's value broadcast, so each disagreeing rank can explain what differs.
+* :func:`on_main` computes a value on rank 0 (as a phase) and broadcasts it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ._jsondiff import differences
+from .errors import CheckpointConfigurationError, CheckpointError, CheckpointRankError
+
+T = TypeVar("T")
+_DIGEST = 32
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank(group: Any = None) -> int:
+    return dist.get_rank(group) if distributed() else 0
+
+
+def world_size(group: Any = None) -> int:
+    return dist.get_world_size(group) if distributed() else 1
+
+
+def _device(group: Any = None) -> torch.device:
+    # NCCL only moves CUDA tensors; gloo only CPU ones.
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def raise_gathered(failures: dict[int, tuple[str, str]], context: str, cause: BaseException | None = None) -> NoReturn:
+    """Raise one exception describing ``failures`` (rank -> (library class name or "", message))."""
+    from . import errors
+
+    names = {name for name, _ in failures.values()}
+    cls: type[CheckpointError] = CheckpointRankError
+    if len(names) == 1:
+        candidate = getattr(errors, next(iter(names)), None) if next(iter(names)) else None
+        if isinstance(candidate, type) and issubclass(candidate, CheckpointError):
+            cls = candidate
+    if world_size() == 1:
+        message = f"{context} failed: {next(iter(failures.values()))[1]}"
+    else:
+        detail = "; ".join(f"rank {r}: {msg}" for r, (_, msg) in sorted(failures.items()))
+        message = f"{context} failed on rank(s) {sorted(failures)}: {detail}"
+    error = cls(message)
+    error.failures = {r: msg for r, (_, msg) in failures.items()}
+    raise error from cause
+
+
+def run_phase(function: Callable[[], T], context: str = "Checkpoint phase", group: Any = None) -> T:
+    """Run ``function`` on every rank; if it raises anywhere, raise the same error on every rank."""
+    result: Any = None
+    failure: tuple[str, str, bool] | None = None
+    caught: BaseException | None = None
+    try:
+        result = function()
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        caught = exc
+        agreed = isinstance(exc, CheckpointError) and bool(exc.failures)  # raised everywhere by a nested phase
+        name = type(exc).__name__ if isinstance(exc, CheckpointError) else ""
+        failure = (name, str(exc) if agreed else _describe(exc), agreed)
+    if not distributed():
+        if caught is None:
+            return result
+        if isinstance(caught, CheckpointError) or not isinstance(caught, Exception):
+            raise caught
+        raise_gathered({0: failure[:2]}, context, caught)  # type: ignore[index]
+    flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32, device=_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if not flag.item():
+        return result
+    gathered: list[Any] = [None] * world_size(group)
+    dist.all_gather_object(gathered, failure, group=group)
+    if caught is not None and not isinstance(caught, Exception):
+        raise caught  # KeyboardInterrupt/SystemExit on this rank: the others were told above.
+    if caught is not None and all(item is not None and item[2] and item[1] == failure[1] for item in gathered):
+        raise caught  # the same already-agreed error on every rank: pass it on unchanged
+    failures = {r: item[:2] for r, item in enumerate(gathered) if item is not None}
+    raise_gathered(failures, context, caught)
+
+
+def digest(value: Any) -> bytes:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).digest()
+
+
+def agree(value: Any, what: str, group: Any = None) -> None:
+    """Check that every rank holds the same JSON-able ``value``; raise the same error everywhere if not."""
+    if not distributed() or world_size(group) == 1:
+        return
+    device = _device(group)
+    mine = torch.frombuffer(bytearray(digest(value)), dtype=torch.uint8).to(device)
+    everyone = [torch.empty(_DIGEST, dtype=torch.uint8, device=device) for _ in range(world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    if all(torch.equal(everyone[0], other) for other in everyone[1:]):
+        return
+    # Rare path: explain. Only rank 0's value travels, to every rank.
+    holder = [value if rank(group) == 0 else None]
+    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    reference = json.loads(json.dumps(holder[0], sort_keys=True, default=str))
+    local = json.loads(json.dumps(value, sort_keys=True, default=str))
+
+    def explain() -> None:
+        found = differences(reference, local, names=("rank 0", f"rank {rank(group)}"), limit=3)
+        if found:
+            raise CheckpointConfigurationError(
+                f"Ranks disagree on {what}: {'; '.join(found)}. Every rank must run the same configuration; "
+                "check rank-dependent code before save_state/load_state."
+            )
+
+    run_phase(explain, f"Agreeing on {what}", group)
+
+
+def on_main(function: Callable[[], T], context: str = "Checkpoint phase") -> T:
+    """Compute ``function()`` on rank 0 only (errors raised everywhere) and broadcast its value."""
+    value = run_phase(lambda: function() if rank() == 0 else None, context)
+    if distributed():
+        holder = [value]
+        dist.broadcast_object_list(holder, src=0)
+        value = holder[0]
+    return value

@@ -1,0 +1,202 @@
+"""``save_training_checkpoint``: publish one Accelerator (or a named group) as one atomic checkpoint.
+
+Order (each step a rank phase: a failure anywhere raises the same error everywhere):
+
+1. preflight on every rank: descriptor, no pending gradients, not mid-accumulation, optional finite check;
+2. every rank agrees on the path, descriptors, policies, retention and hook counts (fixed-size digests);
+3. rank 0 takes the directory lock, refuses to overwrite or to mix runs, removes dead writers' leftovers and
+   creates the staging sibling;
+4. native ``save_state`` of every component into staging (user hooks synchronised);
+5. every rank checks its required files and fsyncs the staged tree;
+6. rank 0 checks every rank's files, writes the manifest last (fsynced), renames staging onto the final name,
+   fsyncs the parent, then prunes older complete checkpoints of the same run.
+
+On failure the iteration counters are restored and staging is removed; nothing is published.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from ._config import checkpoint_config, ensure_not_failed, raw_optimizer
+from ._descriptor import describe, participants
+from ._finite import check_finite_state
+from ._manifest import MANIFEST, PROTOCOL, build_inventory, write_manifest
+from ._native import automatic_naming_off, native_method, synchronized_hooks
+from ._ranks import agree, on_main, rank, run_phase
+from ._required import check_required_files
+from ._select import complete_run_id, numbered_checkpoints, prune
+from ._staging import DirectoryLock, StagedDirectory, fsync_tree, new_id, remove_leftovers, staging_leftovers
+from ._versions import installed_versions
+from .errors import CheckpointConfigurationError, CheckpointExistsError
+
+logger = logging.getLogger(__name__)
+
+
+def _preflight(owners: dict[str, Any]) -> dict[str, Any]:
+    descriptors = {}
+    for name, owner in owners.items():
+        ensure_not_failed(owner)
+        descriptors[name] = describe(owner)
+        if not owner.sync_gradients:
+            raise CheckpointConfigurationError(
+                "save_state() was called in the middle of gradient accumulation (accelerator.sync_gradients is "
+                "False): save after the optimizer step of a full accumulation cycle."
+            )
+        pending = [n for model in owner._models for n, p in model.named_parameters() if p.grad is not None]
+        if pending:
+            raise CheckpointConfigurationError(
+                f"save_state() found pending gradients (e.g. {pending[0]}): a checkpoint must be taken after "
+                "optimizer.step() and optimizer.zero_grad(set_to_none=True), or resumed training would differ."
+            )
+        if checkpoint_config(owner).check_finite:
+            check_finite_state([list(model.parameters()) for model in owner._models], "model parameters")
+            check_finite_state([raw_optimizer(opt).state for opt in owner._optimizers], "optimizer state")
+    return descriptors
+
+
+def _resolve_destination(primary: Any, output_dir: Any, checkpoint_limit: int | None) -> tuple[Path, int | None]:
+    project = primary.project_configuration
+    if project.automatic_checkpoint_naming:
+        # As native Accelerate: automatic naming decides the directory.
+        path = Path(primary.project_dir) / "checkpoints" / f"checkpoint_{primary.save_iteration}"
+        if checkpoint_limit is None:
+            checkpoint_limit = project.total_limit
+    elif output_dir is None:
+        raise CheckpointConfigurationError(
+            "save_state() needs an output_dir unless ProjectConfiguration(automatic_checkpoint_naming=True) is set"
+        )
+    else:
+        path = Path(output_dir)
+    if checkpoint_limit is not None and checkpoint_limit < 1:
+        raise CheckpointConfigurationError(f"checkpoint_limit/total_limit must be at least 1, got {checkpoint_limit}")
+    return path.expanduser().absolute(), checkpoint_limit
+
+
+class _Reservation:
+    """Rank 0's side of the transaction: the lock and the staged directory."""
+
+    def __init__(self, path: Path, run_id: str) -> None:
+        self.lock = DirectoryLock(path.parent)
+        self.staged = StagedDirectory(path, run_id)
+
+    def open(self) -> str:
+        path = self.staged.final
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.lock.acquire()
+        try:
+            if path.exists():
+                raise CheckpointExistsError(
+                    f"Refusing to overwrite {path}: it already exists. Resume from it, or save to a new directory "
+                    "(with automatic naming, set accelerator.project_configuration.iteration past it)."
+                )
+            runs = {complete_run_id(p) for _, p in numbered_checkpoints(path.parent)} - {None}
+            strangers = runs - {self.staged.run_id}
+            if strangers:
+                raise CheckpointExistsError(
+                    f"{path.parent} holds checkpoints of another training run ({sorted(strangers)[0]}); "
+                    "resume that run with load_state() first, or save into a new directory."
+                )
+            # Under the lock no other writer is alive: leftovers of our run, or of runs that never published
+            # here, are dead. Another run's leftovers (it owns checkpoints here) are reported, not touched.
+            abandoned = {run for _, run in staging_leftovers(path.parent)} - runs
+            remove_leftovers(path.parent, abandoned | {self.staged.run_id})
+            return str(self.staged.create())
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def publish(self, owners: dict[str, Any], descriptors: dict[str, Any], run_id: str) -> str:
+        staging = self.staged.staging
+        for name, owner in owners.items():
+            check_required_files(owner, staging / name, range(owner.num_processes))
+        checksum = "full" if any(checkpoint_config(o).checksum == "full" for o in owners.values()) else "metadata"
+        manifest = {
+            "protocol": PROTOCOL,
+            "status": "complete",
+            "run_id": run_id,
+            "transaction_id": self.staged.txid,
+            "components": descriptors,
+            "steps": {name: owner.step for name, owner in owners.items()},
+            "versions": installed_versions(),
+            "integrity": checksum,
+            "files": build_inventory(staging, checksum),
+        }
+        write_manifest(staging, manifest)
+        return str(self.staged.publish())
+
+    def close(self) -> None:
+        try:
+            self.staged.discard()
+        finally:
+            self.lock.release()
+
+
+def save_training_checkpoint(
+    owners: Any,
+    output_dir: str | Path | None = None,
+    *,
+    checkpoint_limit: int | None = None,
+    safe_serialization: bool = True,
+    **kwargs: Any,
+) -> Path:
+    """Atomically save one Accelerator, or ``{component: Accelerator}`` as one checkpoint; returns its path.
+
+    Collective: every rank calls it. Either a complete, verified checkpoint is published at the returned path
+    and older complete checkpoints of the same run beyond ``checkpoint_limit`` (default: ``total_limit`` with
+    automatic naming) are pruned, or every rank raises the same error and nothing is published.
+    """
+    group = run_phase(lambda: participants(owners), "Checking checkpoint participants")
+    primary = next(iter(group.values()))
+    path, limit = run_phase(lambda: _resolve_destination(primary, output_dir, checkpoint_limit), "Resolving the path")
+    descriptors = run_phase(lambda: _preflight(group), "Checkpoint preflight")
+    policies = {name: {"finite": checkpoint_config(o).check_finite, "checksum": checkpoint_config(o).checksum}
+                for name, o in group.items()}
+    hooks = {name: [len(o._save_model_state_pre_hook), len(o._load_model_state_pre_hook)] for name, o in group.items()}
+    agree({"path": str(path), "limit": limit, "policies": policies, "hooks": hooks}, "the checkpoint path and policies")
+    agree(descriptors, "the training configuration")
+    run_ids = sorted({checkpoint_config(o).run_id for o in group.values()} - {None})
+    agree(run_ids, "the run id")
+    if len(run_ids) > 1:
+        raise CheckpointConfigurationError(
+            f"These Accelerators were restored from different runs {run_ids}: save them separately."
+        )
+    run_id: str = on_main(lambda: run_ids[0] if run_ids else new_id(), "Choosing the run id")
+    iterations = {id(o): (o, o.project_configuration.iteration) for o in group.values()}
+    reservation = _Reservation(path, run_id) if rank() == 0 else None
+    published: str | None = None
+    try:
+        staging = Path(on_main(lambda: reservation.open(), f"Reserving {path}"))  # type: ignore[union-attr]
+        for name, owner in group.items():
+            target = staging / name
+            save = native_method(owner, "save_state")
+
+            def native_save(owner: Any = owner, target: Path = target, save: Any = save) -> None:
+                with automatic_naming_off(owner), synchronized_hooks(owner):
+                    save(str(target), safe_serialization=safe_serialization, **kwargs)
+
+            run_phase(native_save, f"Saving {name or 'the checkpoint'} into {staging}")
+            run_phase(lambda owner=owner, target=target: check_required_files(owner, target, (owner.process_index,)),
+                      "Checking this rank's staged files")
+        # Every rank flushes what it wrote (on a shared filesystem only the writer's fsync is reliable).
+        run_phase(lambda: fsync_tree(staging), "Flushing the staged checkpoint")
+        published = on_main(lambda: reservation.publish(group, descriptors, run_id), f"Publishing {path}")  # type: ignore[union-attr]
+        for owner in group.values():
+            checkpoint_config(owner).run_id = run_id
+        if limit is not None:
+            on_main(lambda: [str(p) for p in prune(path.parent, run_id, limit, path)], "Retention")
+    except BaseException:
+        if published is None:
+            for owner, iteration in iterations.values():
+                owner.project_configuration.iteration = iteration
+        raise
+    finally:
+        if reservation is not None:
+            reservation.close()
+    # Native save_state advanced each iteration counter once per call: keep exactly one advance.
+    for owner, iteration in iterations.values():
+        owner.project_configuration.iteration = iteration + 1
+    logger.info("Published checkpoint %s (%s)", published, MANIFEST)
+    return Path(published)

@@ -1,0 +1,240 @@
+"""Code that runs inside launched ranks (real gloo process groups). Each scenario performs several checks in
+one process group to amortise start-up, and returns observations that the pytest side asserts on."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import accelerate_txn
+from accelerate_txn import CheckpointError, configure_checkpointing, register_checkpoint_state
+from accelerate_txn.testing import TinyModel, fsdp_accelerator
+
+
+def warmup_lambda(step: int, warmup: int = 3) -> float:
+    return min(1.0, (step + 1) / warmup)
+
+
+def _local_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    """This rank's shards of the parameters and optimizer state, keyed stably."""
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    opt = getattr(optimizer, "optimizer", optimizer)
+    names = {id(p): name for name, p in model.named_parameters()}
+    state = {names[id(p)]: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+             for p, s in opt.state.items() if s}
+    return {"params": params, "optim": state}
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Names of entries that differ (bitwise) between two _local_state results."""
+    bad = [n for n in a["params"] if not torch.equal(a["params"][n], b["params"][n])]
+    if set(a["optim"]) != set(b["optim"]):
+        bad.append(f"optimizer state keys {sorted(a['optim'])} vs {sorted(b['optim'])}")
+    for name in set(a["optim"]) & set(b["optim"]):
+        for key, value in a["optim"][name].items():
+            other = b["optim"][name].get(key)
+            if not (torch.is_tensor(value) and torch.is_tensor(other) and torch.equal(value, other)):
+                bad.append(f"optim {name}.{key}")
+    return bad
+
+
+def _train(accelerator: Any, model: Any, optimizer: Any, scheduler: Any | None, steps: int, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed + accelerator.process_index)
+    for _ in range(steps):
+        batch = torch.randn(4, 16, generator=generator)
+        loss = model(batch).pow(2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _build(seed: int, *, width: int = 16, lr: float = 1e-2, use_orig_params: bool = True, **kwargs: Any) -> tuple:
+    accelerator = fsdp_accelerator(use_orig_params=use_orig_params, **kwargs)
+    torch.manual_seed(seed)
+    model = accelerator.prepare(TinyModel(width=width))  # FSDP1: build the optimizer on the wrapped model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(warmup_lambda, warmup=3))
+    optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
+    return accelerator, model, optimizer, scheduler
+
+
+def _error(function: Any) -> dict[str, Any] | None:
+    try:
+        function()
+    except CheckpointError as exc:
+        return {"type": type(exc).__name__, "message": str(exc), "failures": sorted(exc.failures)}
+    except BaseException as exc:  # noqa: BLE001 - report what escaped
+        return {"type": type(exc).__name__, "message": str(exc), "failures": None}
+    return None
+
+
+def roundtrip(root: str, use_orig_params: bool) -> dict[str, Any]:
+    """Patched save_state/load_state round trip into a fresh model and optimizer, then rejections."""
+    root_path = Path(root)
+    rank = int(os.environ["RANK"])
+    obs: dict[str, Any] = {}
+    acc, model, opt, sched = _build(0, use_orig_params=use_orig_params)
+    noise = torch.Generator().manual_seed(100 + rank)
+    progress = {"batches": 0}
+    register_checkpoint_state(acc, {"noise": noise}, progress)
+    _train(acc, model, opt, sched, 3, seed=1)
+    progress["batches"] = 3 * (rank + 1)
+    noise.manual_seed(555 + rank)
+    # A path containing the directory names Accelerate 1.7-1.14 match by substring.
+    path = root_path / "run_optimizer_pytorch_model_fsdp" / "ckpt"
+    saved_at = acc.save_state(str(path))
+    obs["saved_at"] = str(saved_at)
+    obs["listing"] = sorted(os.listdir(path))
+    obs["no_staging_left"] = not [p for p in path.parent.iterdir() if ".staging-" in p.name]
+    expected = _local_state(model, opt)
+    expected_rng = torch.rand(3)
+    expected_noise = torch.rand(3, generator=noise)
+    expected_lr = sched.get_last_lr()
+    expected_step = acc.step
+
+    # A fresh model (other initial values) and a fresh optimizer: the normal resume.
+    acc2, model2, opt2, sched2 = _build(7, use_orig_params=use_orig_params)
+    noise2 = torch.Generator().manual_seed(999)
+    progress2 = {"batches": -1}
+    register_checkpoint_state(acc2, {"noise": noise2}, progress2)
+    torch.manual_seed(12345)
+    acc2.load_state(str(path))
+    got = _local_state(model2, opt2)
+    obs["roundtrip_differences"] = _same(expected, got)
+    obs["optimizer_entries"] = len(got["optim"])
+    obs["rng_restored"] = torch.equal(torch.rand(3), expected_rng)
+    obs["private_generator_restored"] = torch.equal(torch.rand(3, generator=noise2), expected_noise)
+    obs["progress_restored"] = progress2 == progress
+    obs["scheduler_restored"] = sched2.get_last_lr() == expected_lr
+    obs["step_restored"] = acc2.step == expected_step
+
+    # Rejections: each leaves the live model untouched.
+    before = _local_state(model2, opt2)
+
+    def corrupted(name: str, damage: Any) -> str:
+        target = root_path / f"bad_{name}"
+        if rank == 0:
+            shutil.copytree(path, target)
+            damage(target)
+        acc2.wait_for_everyone()
+        return str(target)
+
+    def truncate(target: Path) -> None:
+        payload = next((target / "pytorch_model_fsdp_0").glob("*.distcp"))
+        with payload.open("r+b") as stream:
+            stream.truncate(payload.stat().st_size // 2)
+
+    def flip(target: Path) -> None:
+        rng_file = target / "random_states_1.pkl"
+        data = bytearray(rng_file.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        rng_file.write_bytes(bytes(data))
+
+    def drop_rank_file(target: Path) -> None:
+        (target / "random_states_1.pkl").unlink()
+
+    rejections = {}
+    for name, damage in (("truncated", truncate), ("flipped", flip), ("missing_rank_file", drop_rank_file)):
+        bad = corrupted(name, damage)
+        rejections[name] = _error(lambda bad=bad: acc2.load_state(bad))
+        rejections[name]["unchanged"] = not _same(before, _local_state(model2, opt2))
+    # A different model (wider layers): rejected before any change.
+    acc3, model3, opt3, _ = _build(7, use_orig_params=use_orig_params, width=24)
+    register_checkpoint_state(acc3, {"noise": torch.Generator()}, {"batches": 0})
+    before3 = _local_state(model3, opt3)
+    rejections["configuration"] = _error(lambda: acc3.load_state(str(path)))
+    rejections["configuration"]["unchanged"] = not _same(before3, _local_state(model3, opt3))
+    obs["rejections"] = rejections
+
+    # A save hook that raises on rank 1 only: every rank raises, nothing is published.
+    def failing_hook(models: Any, weights: Any, output_dir: str) -> None:
+        if rank == 1:
+            raise RuntimeError("hook exploded on rank 1")
+
+    handle = acc2.register_save_state_pre_hook(failing_hook)
+    hook_target = root_path / "hooked"
+    iteration = acc2.project_configuration.iteration
+    obs["hook_failure"] = _error(lambda: acc2.save_state(str(hook_target)))
+    acc2.wait_for_everyone()  # rank 0 removes the staging directory before it returns
+    obs["hook_nothing_published"] = not hook_target.exists() and not [
+        p for p in root_path.iterdir() if ".staging-" in p.name]
+    obs["hook_iteration_restored"] = acc2.project_configuration.iteration == iteration
+    handle.remove()
+    # Refuses to overwrite.
+    obs["overwrite"] = _error(lambda: acc2.save_state(str(path)))
+    return obs
+
+
+def retention(root: str) -> dict[str, Any]:
+    """Automatic naming + total_limit: older checkpoints go only after the new one is published."""
+    obs: dict[str, Any] = {}
+    acc, model, opt, sched = _build(0, project_dir=root, automatic_checkpoint_naming=True, total_limit=2)
+    checkpoints = Path(root) / "checkpoints"
+    seen_during_save: list[list[str]] = []
+
+    def observe(models: Any, weights: Any, output_dir: str) -> None:
+        seen_during_save.append(sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("checkpoint_")))
+
+    acc.register_save_state_pre_hook(observe)
+    states = []
+    for _ in range(3):
+        _train(acc, model, opt, sched, 1, seed=len(states))
+        acc.save_state()
+        states.append(_local_state(model, opt))
+    obs["seen_during_save"] = seen_during_save
+    obs["after"] = sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith("."))
+    obs["iteration"] = acc.project_configuration.iteration
+    # Resume with automatic selection into a fresh accelerator: picks the newest and continues numbering.
+    acc2, model2, opt2, _ = _build(3, project_dir=root, automatic_checkpoint_naming=True, total_limit=2)
+    acc2.register_save_state_pre_hook(lambda *a: None)
+    acc2.load_state()
+    obs["resumed_differences"] = _same(states[-1], _local_state(model2, opt2))
+    obs["resumed_iteration"] = acc2.project_configuration.iteration
+    return obs
+
+
+def dispatch_toggles(root: str) -> dict[str, Any]:
+    """Env toggle off = native; per-instance opt-in/out."""
+    obs: dict[str, Any] = {}
+    acc, model, opt, sched = _build(0)
+    _train(acc, model, opt, sched, 1, seed=0)
+    acc.save_state(os.path.join(root, "auto"))
+    obs["auto_has_manifest"] = os.path.exists(os.path.join(root, "auto", accelerate_txn.MANIFEST))
+    accelerate_txn.unpatch_accelerate_fsdp(acc)
+    acc.save_state(os.path.join(root, "unpatched"))
+    obs["unpatched_has_manifest"] = os.path.exists(os.path.join(root, "unpatched", accelerate_txn.MANIFEST))
+    accelerate_txn.patch_accelerate_fsdp(acc)
+    acc.save_state(os.path.join(root, "repatched"))
+    obs["repatched_has_manifest"] = os.path.exists(os.path.join(root, "repatched", accelerate_txn.MANIFEST))
+    # A native (legacy) checkpoint loads through the protected path with a warning and checked files.
+    acc2, model2, opt2, _ = _build(5)
+    configure_checkpointing(acc2, allow_legacy=True)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc2.load_state(os.path.join(root, "unpatched"))
+    obs["legacy_warned"] = any("no completion manifest" in str(w.message) for w in caught)
+    obs["legacy_differences"] = _same(_local_state(model, opt), _local_state(model2, opt2))
+    configure_checkpointing(acc2, allow_legacy=False)
+    obs["legacy_refused"] = _error(lambda: acc2.load_state(os.path.join(root, "unpatched")))
+    return obs
+
+
+def env_off(root: str) -> dict[str, Any]:
+    """VIDEOX_ACCELERATE_PATCHES=0: native unless opted in."""
+    acc, model, opt, sched = _build(0)
+    _train(acc, model, opt, sched, 1, seed=0)
+    acc.save_state(os.path.join(root, "native"))
+    native = os.path.exists(os.path.join(root, "native", accelerate_txn.MANIFEST))
+    accelerate_txn.patch_accelerate_fsdp(acc)
+    acc.save_state(os.path.join(root, "opted_in"))
+    opted = os.path.exists(os.path.join(root, "opted_in", accelerate_txn.MANIFEST))
+    return {"native_has_manifest": native, "opted_in_has_manifest": opted}

@@ -1,0 +1,127 @@
+"""Real 2-process gloo tests of the protected FSDP1 path (hard timeouts: a hang fails, never stalls CI).
+
+Each launch runs several checks in one process group (see tests/_scenarios.py); the tests below assert on
+the observations each rank returned."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from accelerate_txn.testing import launch
+
+pytestmark = pytest.mark.distributed
+TIMEOUT = 240
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["orig_params", "flat_params"])
+def roundtrip(request: Any, tmp_path_factory: Any) -> list[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("roundtrip")
+    return launch("tests._scenarios:roundtrip", 2, args=(str(root), request.param), timeout=TIMEOUT)
+
+
+def test_roundtrip_restores_params_optimizer_scheduler_rng_and_private_state_exactly(roundtrip: list) -> None:
+    for obs in roundtrip:
+        assert obs["roundtrip_differences"] == []
+        assert obs["optimizer_entries"] > 0  # a fresh optimizer got its moments back, not silently nothing
+        assert obs["rng_restored"] and obs["private_generator_restored"] and obs["progress_restored"]
+        assert obs["scheduler_restored"] and obs["step_restored"]
+
+
+def test_save_publishes_a_manifest_and_leaves_no_staging(roundtrip: list) -> None:
+    for obs in roundtrip:
+        assert "checkpoint_manifest.json" in obs["listing"]
+        assert {"optimizer_0", "pytorch_model_fsdp_0", "random_states_0.pkl", "random_states_1.pkl",
+                "scheduler.bin", "training_state_0.pt", "training_state_1.pt"} <= set(obs["listing"])
+        assert obs["no_staging_left"]
+
+
+def test_path_containing_accelerate_directory_names_round_trips(roundtrip: list) -> None:
+    # Accelerate 1.7-1.14 choose DCP directories by substring; the saved path contains both names.
+    for obs in roundtrip:
+        assert "optimizer" in obs["saved_at"] and "pytorch_model_fsdp" in obs["saved_at"]
+        assert obs["roundtrip_differences"] == []
+
+
+@pytest.mark.parametrize("case, message", [
+    ("truncated", r"__0_0\.distcp has \d+ bytes; the manifest recorded \d+"),
+    ("flipped", r"random_states_1\.pkl does not match its sha256"),
+    ("missing_rank_file", r"random_states_1\.pkl is missing"),
+    ("configuration", r"saved for a different training configuration:\n  models\[0\]\.parameters\.body\.0\.bias\.shape"),
+])
+def test_damaged_or_mismatched_checkpoint_is_rejected_on_every_rank_before_any_change(
+        roundtrip: list, case: str, message: str) -> None:
+    import re
+
+    errors = [obs["rejections"][case] for obs in roundtrip]
+    expected_type = "CheckpointConfigurationError" if case == "configuration" else "CheckpointIntegrityError"
+    for error in errors:
+        assert error["type"] == expected_type
+        assert re.search(message, error["message"]), error["message"]
+        assert error["unchanged"], "the live model or optimizer changed before the rejection"
+    assert errors[0]["message"] == errors[1]["message"]  # the same error on every rank
+
+
+def test_hook_raising_on_one_rank_makes_every_rank_raise_and_publishes_nothing(roundtrip: list) -> None:
+    for obs in roundtrip:
+        failure = obs["hook_failure"]
+        assert failure["type"] == "CheckpointRankError"
+        assert failure["failures"] == [1]
+        assert "hook exploded on rank 1" in failure["message"]
+        assert obs["hook_nothing_published"]
+        assert obs["hook_iteration_restored"]
+
+
+def test_existing_checkpoint_is_never_overwritten(roundtrip: list) -> None:
+    for obs in roundtrip:
+        assert obs["overwrite"]["type"] == "CheckpointExistsError"
+        assert "Refusing to overwrite" in obs["overwrite"]["message"]
+
+
+@pytest.fixture(scope="module")
+def retention(tmp_path_factory: Any) -> list[dict[str, Any]]:
+    return launch("tests._scenarios:retention", 2, args=(str(tmp_path_factory.mktemp("retention")),), timeout=TIMEOUT)
+
+
+def test_total_limit_deletes_only_after_the_new_checkpoint_is_published(retention: list) -> None:
+    for obs in retention:
+        # While checkpoint_2 was being written, checkpoint_0 and checkpoint_1 both still existed.
+        assert obs["seen_during_save"] == [[], ["checkpoint_0"], ["checkpoint_0", "checkpoint_1"]]
+        assert obs["after"] == ["checkpoint_1", "checkpoint_2"]
+        assert obs["iteration"] == 3
+
+
+def test_automatic_resume_selects_newest_and_continues_numbering(retention: list) -> None:
+    for obs in retention:
+        assert obs["resumed_differences"] == []
+        assert obs["resumed_iteration"] == 3
+
+
+@pytest.fixture(scope="module")
+def toggles(tmp_path_factory: Any) -> list[dict[str, Any]]:
+    return launch("tests._scenarios:dispatch_toggles", 2, args=(str(tmp_path_factory.mktemp("toggles")),),
+                  timeout=TIMEOUT)
+
+
+def test_per_instance_unpatch_and_patch(toggles: list) -> None:
+    for obs in toggles:
+        assert obs["auto_has_manifest"] is True
+        assert obs["unpatched_has_manifest"] is False
+        assert obs["repatched_has_manifest"] is True
+
+
+def test_legacy_checkpoint_loads_with_warning_or_is_refused(toggles: list) -> None:
+    rank0, rank1 = toggles
+    assert rank0["legacy_warned"]
+    for obs in toggles:
+        assert obs["legacy_differences"] == []
+        assert obs["legacy_refused"]["type"] == "CheckpointIntegrityError"
+        assert "allow_legacy=False" in obs["legacy_refused"]["message"]
+
+
+def test_env_toggle_off_runs_native_unless_opted_in(tmp_path: Any) -> None:
+    results = launch("tests._scenarios:env_off", 2, args=(str(tmp_path),), timeout=TIMEOUT,
+                     env={"VIDEOX_ACCELERATE_PATCHES": "0"})
+    for obs in results:
+        assert obs == {"native_has_manifest": False, "opted_in_has_manifest": True}
