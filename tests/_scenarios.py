@@ -92,6 +92,13 @@ def roundtrip(root: str, use_orig_params: bool) -> dict[str, Any]:
     saved_at = acc.save_state(str(path))
     obs["saved_at"] = str(saved_at)
     obs["listing"] = sorted(os.listdir(path))
+    import json
+
+    import accelerate
+
+    manifest = json.loads((path / accelerate_txn.MANIFEST).read_text())
+    obs["manifest_versions"] = manifest["versions"]
+    obs["installed_versions"] = {"accelerate": accelerate.__version__, "torch": torch.__version__}
     obs["no_staging_left"] = not [p for p in path.parent.iterdir() if ".staging-" in p.name]
     expected = _local_state(model, opt)
     expected_rng = torch.rand(3)
@@ -238,3 +245,38 @@ def env_off(root: str) -> dict[str, Any]:
     acc.save_state(os.path.join(root, "opted_in"))
     opted = os.path.exists(os.path.join(root, "opted_in", accelerate_txn.MANIFEST))
     return {"native_has_manifest": native, "opted_in_has_manifest": opted}
+
+
+def killable_save(root: str, block_at_save: int) -> None:
+    """Save every step; at save number ``block_at_save`` rank 0 signals and blocks inside the save (to be killed)."""
+    import signal
+
+    acc, model, opt, sched = _build(0, project_dir=root, automatic_checkpoint_naming=True, total_limit=3)
+    saves = {"count": 0}
+
+    def block(models: Any, weights: Any, output_dir: str) -> None:
+        saves["count"] += 1
+        if saves["count"] == block_at_save and acc.process_index == 0:
+            Path(root, "blocked-in-save").write_text(output_dir)
+            while True:  # stay inside the save until SIGKILL
+                signal.pause()
+
+    acc.register_save_state_pre_hook(block)
+    for step in range(block_at_save):
+        _train(acc, model, opt, sched, 1, seed=step)
+        acc.save_state()
+
+
+def resume_after_kill(root: str) -> dict[str, Any]:
+    """After a kill -9 mid-save: resume selects the last complete checkpoint; the next save is not blocked."""
+    checkpoints = Path(root) / "checkpoints"
+    obs: dict[str, Any] = {"before": sorted(p.name for p in checkpoints.iterdir() if p.name != ".accelerate-txn.lock")}
+    acc, model, opt, sched = _build(3, project_dir=root, automatic_checkpoint_naming=True, total_limit=3)
+    acc.register_save_state_pre_hook(lambda *args: None)  # same hook count as the killed run
+    acc.load_state()
+    obs["next_iteration"] = acc.project_configuration.iteration
+    _train(acc, model, opt, sched, 1, seed=99)
+    acc.save_state()
+    acc.wait_for_everyone()
+    obs["after"] = sorted(p.name for p in checkpoints.iterdir() if p.name != ".accelerate-txn.lock")
+    return obs

@@ -37,6 +37,12 @@ def test_save_publishes_a_manifest_and_leaves_no_staging(roundtrip: list) -> Non
         assert obs["no_staging_left"]
 
 
+def test_manifest_records_the_real_library_versions(roundtrip: list) -> None:
+    # Regression: the reference design recorded hard-coded "1.7.0"/"2.7.0" and rejected anything else.
+    for obs in roundtrip:
+        assert obs["manifest_versions"] == obs["installed_versions"]
+
+
 def test_path_containing_accelerate_directory_names_round_trips(roundtrip: list) -> None:
     # Accelerate 1.7-1.14 choose DCP directories by substring; the saved path contains both names.
     for obs in roundtrip:
@@ -125,3 +131,44 @@ def test_env_toggle_off_runs_native_unless_opted_in(tmp_path: Any) -> None:
                      env={"VIDEOX_ACCELERATE_PATCHES": "0"})
     for obs in results:
         assert obs == {"native_has_manifest": False, "opted_in_has_manifest": True}
+
+
+def test_kill_9_mid_save_leaves_previous_checkpoint_selected_and_next_save_unblocked(tmp_path: Any) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from accelerate_txn.testing import free_port
+
+    port = free_port()
+    code = f"from tests._scenarios import killable_save; killable_save({str(tmp_path)!r}, 3)"
+    processes = [
+        subprocess.Popen([sys.executable, "-c", code], cwd=os.getcwd(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL,
+                         env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                              "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                              "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()})
+        for rank in range(2)
+    ]
+    marker = tmp_path / "blocked-in-save"
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        while not marker.exists():  # poll the filesystem for the saver's signal, with a deadline
+            assert time.monotonic() < deadline, "the saver never reached its third save"
+            assert all(p.poll() is None for p in processes), "a saver exited before reaching its third save"
+            time.sleep(0.05)
+        staging_of_killed_save = marker.read_text()
+    finally:
+        for process in processes:
+            process.send_signal(signal.SIGKILL)
+            process.wait(timeout=30)
+    assert ".checkpoint_2.staging-" in staging_of_killed_save
+    results = launch("tests._scenarios:resume_after_kill", 2, args=(str(tmp_path),), timeout=TIMEOUT)
+    for obs in results:
+        assert [name for name in obs["before"] if not name.startswith(".")] == ["checkpoint_0", "checkpoint_1"]
+        assert any(".checkpoint_2.staging-" in name for name in obs["before"])  # the killed save's leftover
+        assert "checkpoint_2" not in obs["before"]  # never published
+        assert obs["next_iteration"] == 2  # resumed from checkpoint_1
+        assert obs["after"] == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]  # saved; leftover cleaned
