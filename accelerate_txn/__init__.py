@@ -14,7 +14,7 @@ from ._config import configure_checkpointing
 from ._finite import check_finite_state, check_finite_training_value
 from ._load import load_training_checkpoint
 from ._manifest import MANIFEST, PROTOCOL
-from ._patch import install, patch_accelerate_fsdp, unpatch_accelerate_fsdp, uninstall
+from ._patch import install, patch_accelerate_fsdp, uninstall, unpatch_accelerate_fsdp
 from ._ranks import agree, on_main
 from ._rng import register_checkpoint_state
 from ._save import save_training_checkpoint

@@ -170,7 +170,8 @@ def load_sharded_optimizer(accelerator: Any, optimizer: Any, model: Any, input_d
     run_phase(lambda: load(state, storage_reader=FileSystemReader(str(directory)), process_group=group,
                            planner=DefaultLoadPlanner(flatten_sharded_tensors=False)),
               "Reading the FSDP optimizer checkpoint", group)
-    run_phase(lambda: align_groups(state["optimizer"], expected, optimizer, allow_reorder=allow_reorder),
+    saved = state.pop("optimizer")
+    run_phase(lambda: align_groups(saved, expected, optimizer, allow_reorder=allow_reorder),
               "Validating the FSDP optimizer checkpoint", group)
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=True),
                               ShardedOptimStateDictConfig(offload_to_cpu=True)):
@@ -178,9 +179,9 @@ def load_sharded_optimizer(accelerator: Any, optimizer: Any, model: Any, input_d
         # load pre-hooks of custom ones may need the old state).
         if not optimizer._optimizer_load_state_dict_pre_hooks:
             optimizer.state.clear()
-        local = run_phase(lambda: FSDP.optim_state_dict_to_load(model, optimizer, state["optimizer"]),
+        local = run_phase(lambda: FSDP.optim_state_dict_to_load(model, optimizer, saved),
                           "Converting the FSDP optimizer state", group)
-        del state
+        saved.clear()  # the converted copy is all that is needed now
         run_phase(lambda: optimizer.load_state_dict(local), "Loading the FSDP optimizer state", group)
 
 

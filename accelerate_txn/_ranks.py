@@ -79,7 +79,7 @@ def run_phase(function: Callable[[], T], context: str = "Checkpoint phase", grou
     caught: BaseException | None = None
     try:
         result = function()
-    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+    except BaseException as exc:  # on purpose: DCP's CheckpointException derives from BaseException
         caught = exc
         agreed = isinstance(exc, CheckpointError) and bool(exc.failures)  # raised everywhere by a nested phase
         name = type(exc).__name__ if isinstance(exc, CheckpointError) else ""

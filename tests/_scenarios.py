@@ -70,7 +70,7 @@ def _error(function: Any) -> dict[str, Any] | None:
         function()
     except CheckpointError as exc:
         return {"type": type(exc).__name__, "message": str(exc), "failures": sorted(exc.failures)}
-    except BaseException as exc:  # noqa: BLE001 - report what escaped
+    except BaseException as exc:
         return {"type": type(exc).__name__, "message": str(exc), "failures": None}
     return None
 
