@@ -280,3 +280,48 @@ def resume_after_kill(root: str) -> dict[str, Any]:
     acc.wait_for_everyone()
     obs["after"] = sorted(p.name for p in checkpoints.iterdir() if p.name != ".accelerate-txn.lock")
     return obs
+
+
+def disagreement_and_native_gap(root: str) -> dict[str, Any]:
+    """Ranks that disagree raise the same explained error; the post-restore check catches an empty optimizer."""
+    from accelerate_txn._fsdp_optimizer import verify_restored
+
+    obs: dict[str, Any] = {}
+    rank = int(os.environ["RANK"])
+    acc, model, opt, sched = _build(0)
+    _train(acc, model, opt, sched, 2, seed=0)
+    path = Path(root) / "ckpt"
+    acc.save_state(str(path))
+    configure_checkpointing(acc, metadata={"dataset": "laion" if rank == 0 else "coyo"})
+    obs["disagreement"] = _error(lambda: acc.save_state(str(Path(root) / "never")))
+    obs["disagreement_published_nothing"] = not (Path(root) / "never").exists()
+    # Native Accelerate (instance opted out) loading into a fresh optimizer restores no optimizer state,
+    # silently; the verification the protected path runs after every restore catches exactly that.
+    acc2, model2, opt2, _ = _build(5)
+    accelerate_txn.unpatch_accelerate_fsdp(acc2)
+    acc2.load_state(str(path))
+    obs["native_optimizer_entries"] = sum(1 for s in getattr(opt2, "optimizer", opt2).state.values() if s)
+    obs["verify_native"] = _error(lambda: verify_restored(model2, opt2, path / "optimizer_0"))
+    return obs
+
+
+def multi_cpu_explicit(root: str) -> dict[str, Any]:
+    """The explicit API also protects a plain MULTI_CPU (DDP on CPU) Accelerator."""
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = TinyModel()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    _train(acc, model, opt, None, 2, seed=0)
+    path = accelerate_txn.save_training_checkpoint(acc, Path(root) / "ddp")
+    expected = _local_state(model, opt)
+    torch.manual_seed(1)
+    model2 = TinyModel()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    acc2 = Accelerator(cpu=True)
+    model2, opt2 = acc2.prepare(model2, opt2)
+    accelerate_txn.load_training_checkpoint(acc2, path)
+    return {"backend": acc2.distributed_type.name, "manifest": (path / accelerate_txn.MANIFEST).is_file(),
+            "differences": _same(expected, _local_state(model2, opt2))}

@@ -171,3 +171,37 @@ def test_kill_9_mid_save_leaves_previous_checkpoint_selected_and_next_save_unblo
         assert "checkpoint_2" not in obs["before"]  # never published
         assert obs["next_iteration"] == 2  # resumed from checkpoint_1
         assert obs["after"] == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]  # saved; leftover cleaned
+
+
+@pytest.fixture(scope="module")
+def disagreement(tmp_path_factory: Any) -> list[dict[str, Any]]:
+    return launch("tests._scenarios:disagreement_and_native_gap", 2,
+                  args=(str(tmp_path_factory.mktemp("disagree")),), timeout=TIMEOUT)
+
+
+def test_ranks_with_different_configuration_raise_the_same_explained_error(disagreement: list) -> None:
+    messages = {obs["disagreement"]["message"] for obs in disagreement}
+    assert len(messages) == 1
+    message = messages.pop()
+    assert "Ranks disagree on the training configuration" in message
+    assert "training.dataset" in message and "laion" in message and "coyo" in message
+    assert all(obs["disagreement"]["type"] == "CheckpointConfigurationError" for obs in disagreement)
+    assert all(obs["disagreement_published_nothing"] for obs in disagreement)
+
+
+def test_restore_verification_catches_the_silently_empty_native_optimizer(disagreement: list) -> None:
+    import accelerate
+    from packaging.version import Version
+
+    for obs in disagreement:
+        if Version(accelerate.__version__) >= Version("1.13.0"):
+            assert obs["native_optimizer_entries"] == 0  # what native Accelerate silently leaves
+            assert obs["verify_native"]["type"] == "CheckpointIntegrityError"
+            assert "The optimizer was not restored" in obs["verify_native"]["message"]
+
+
+def test_explicit_api_protects_multi_cpu(tmp_path: Any) -> None:
+    for obs in launch("tests._scenarios:multi_cpu_explicit", 2, args=(str(tmp_path),), timeout=TIMEOUT):
+        assert obs["backend"] == "MULTI_CPU"
+        assert obs["manifest"] is True
+        assert obs["differences"] == []
