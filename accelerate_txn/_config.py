@@ -6,6 +6,7 @@ itself and nothing keeps it alive.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -23,6 +24,11 @@ CHECKSUM_MODES = ("metadata", "full")
 
 def plain(value: Any, where: str = "value") -> Any:
     """A JSON-able, key-sorted copy of ``value`` (one-element tensors become numbers); raises on anything else."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise CheckpointConfigurationError(
+            f"Checkpoint metadata {where} is {value!r}: a non-finite number never compares equal, so no resume could "
+            "ever match it. Record it as a string or leave it out."
+        )
     if value is None or isinstance(value, (str, bool, int, float)):
         return value
     if isinstance(value, (tuple, list)):

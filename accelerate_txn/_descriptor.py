@@ -315,6 +315,8 @@ def participants(owners: Any) -> dict[str, Any]:
     """``{component: Accelerator}``: one Accelerator is the root component ``""``; a dict names sub-directories."""
     from pathlib import PurePosixPath
 
+    if owners is None:
+        raise CheckpointConfigurationError("save/load_training_checkpoint needs an Accelerator or {component: Accelerator}")
     items = owners.items() if isinstance(owners, dict) else [("", owners)]
     result: dict[str, Any] = {}
     for name, owner in sorted(items, key=lambda kv: str(kv[0])):

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ PROTOCOL = 1
 _PAYLOAD_SUFFIXES = (".distcp", ".safetensors", ".bin")
 _SMALL = 16 * 1024 * 1024
 _CHUNK = 8 * 1024 * 1024
+_IDENTIFIER = re.compile(r"[0-9A-Za-z]+")
 
 
 def sha256_file(path: Path) -> str:
@@ -48,8 +50,11 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Reads DCP ``.metadata`` without executing arbitrary code: only DCP's metadata classes and the torch and
     pathlib types they are built from may be constructed."""
 
-    _MODULES = {"torch.distributed.checkpoint.metadata"}
     _NAMES = {
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                     "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    } | {
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         ("torch.serialization", "_get_layout"),
         ("torch", "Size"),
@@ -63,10 +68,13 @@ class _MetadataUnpickler(pickle.Unpickler):
     }
 
     def find_class(self, module: str, name: str) -> Any:
-        if module in self._MODULES or (module, name) in self._NAMES:
+        # Exact (module, name) pairs only: a dotted name would walk from an allowed module to anything it
+        # imports (e.g. "os.system" through a module that imports os).
+        if "." not in name and (module, name) in self._NAMES:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
+        value = getattr(torch, name, None) if module == "torch" and "." not in name else None
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            return value
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
 
 
@@ -75,10 +83,15 @@ def read_dcp_metadata(directory: Path) -> Any:
     path = Path(directory) / ".metadata"
     if not path.is_file():
         raise CheckpointIntegrityError(f"Missing DCP metadata {path}: the sharded state in {directory} is incomplete")
+    from torch.distributed.checkpoint.metadata import Metadata
+
     try:
-        return _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
     except Exception as exc:
         raise CheckpointIntegrityError(f"Unreadable DCP metadata {path}: {exc}") from exc
+    if not isinstance(metadata, Metadata):
+        raise CheckpointIntegrityError(f"{path} is not DCP metadata (it holds a {type(metadata).__name__})")
+    return metadata
 
 
 def check_dcp_payloads(directory: Path) -> Any:
@@ -170,12 +183,14 @@ def verify_manifest(directory: Path, manifest: dict[str, Any], *, full: bool) ->
     if manifest.get("status") != "complete":
         raise CheckpointIntegrityError(f"{where} does not mark a complete checkpoint (status {manifest.get('status')!r})")
     for key in ("run_id", "transaction_id"):
-        if not (isinstance(manifest.get(key), str) and manifest[key]):
-            raise CheckpointIntegrityError(f"{where} lacks its {key}")
+        if not (isinstance(manifest.get(key), str) and _IDENTIFIER.fullmatch(manifest[key])):
+            raise CheckpointIntegrityError(f"{where} lacks a valid {key} (letters and digits)")
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         raise CheckpointIntegrityError(f"{where} has no file inventory")
     for name, expected in files.items():
+        if not isinstance(expected, dict) or not isinstance(expected.get("size"), int):
+            raise CheckpointIntegrityError(f"{where} has a malformed entry for {name!r}")
         path = Path(directory) / relative_inside(name)
         if path.is_symlink() or not path.is_file():
             raise CheckpointIntegrityError(f"Checkpoint file {path} is missing (listed in {where})")

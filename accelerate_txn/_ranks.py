@@ -26,6 +26,8 @@ from .errors import CheckpointConfigurationError, CheckpointError, CheckpointRan
 
 T = TypeVar("T")
 _DIGEST = 32
+# Interrupts and exits stay what they are on the rank that got them (the other ranks are told).
+_PASS_THROUGH = (KeyboardInterrupt, SystemExit, GeneratorExit)
 
 
 def distributed() -> bool:
@@ -48,7 +50,11 @@ def _device(group: Any = None) -> torch.device:
 
 
 def _describe(exc: BaseException) -> str:
-    text = str(exc)
+    # Must never raise: a failure here would skip this rank's collective and hang the others.
+    try:
+        text = str(exc)
+    except Exception as broken:  # e.g. an exception whose __str__ is itself broken
+        text = f"<message unavailable: {type(broken).__name__} in __str__>"
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
@@ -87,7 +93,7 @@ def run_phase(function: Callable[[], T], context: str = "Checkpoint phase", grou
     if not distributed():
         if caught is None:
             return result
-        if isinstance(caught, CheckpointError) or not isinstance(caught, Exception):
+        if isinstance(caught, (CheckpointError, *_PASS_THROUGH)):
             raise caught
         raise_gathered({0: failure[:2]}, context, caught)  # type: ignore[index]
     flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32, device=_device(group))
@@ -96,7 +102,7 @@ def run_phase(function: Callable[[], T], context: str = "Checkpoint phase", grou
         return result
     gathered: list[Any] = [None] * world_size(group)
     dist.all_gather_object(gathered, failure, group=group)
-    if caught is not None and not isinstance(caught, Exception):
+    if isinstance(caught, _PASS_THROUGH):
         raise caught  # KeyboardInterrupt/SystemExit on this rank: the others were told above.
     if caught is not None and all(item is not None and item[2] and item[1] == failure[1] for item in gathered):
         raise caught  # the same already-agreed error on every rank: pass it on unchanged

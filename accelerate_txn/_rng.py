@@ -43,7 +43,14 @@ def load_weights_only(path: Path) -> Any:
     except FileNotFoundError:
         raise CheckpointIntegrityError(f"Missing checkpoint file {path}") from None
     except Exception as exc:
-        raise CheckpointIntegrityError(f"Unreadable checkpoint file {path}: {exc}") from exc
+        # torch's message suggests weights_only=False: exactly what must not be done with untrusted files.
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        first = next((line for line in lines if "GLOBAL" in line.upper() and "weights_only" not in line),
+                     lines[0] if lines else type(exc).__name__)
+        raise CheckpointIntegrityError(
+            f"Unreadable checkpoint file {path}: {first}. accelerate-txn reads it with weights_only=True and never "
+            "unpickles arbitrary objects; a file that needs more was not written by Accelerate or was altered."
+        ) from exc
 
 
 def capture_rng() -> dict[str, Any]:

@@ -10,9 +10,11 @@ Used by accelerate-txn's own tests and the demo; users may use it to test their 
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import multiprocessing
 import os
+import signal
 import socket
 import time
 import traceback
@@ -100,6 +102,7 @@ def _entry(target: str, rank: int, world_size: int, port: int, args: Sequence[An
                        "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
                        "OMP_NUM_THREADS": "1", **env})
     torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # launch() asks for stacks before killing a hang
     # FSDP1/ShardedTensor deprecation notices drown test output; library warnings stay visible.
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*(_get_pg_default_device|Multiple backends are registered).*")
@@ -155,10 +158,14 @@ def launch(target: str | Callable[..., Any], world_size: int = 2, *, args: Seque
         for process in processes:
             process.join(timeout=max(1.0, deadline - time.monotonic()))
     finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
+        alive = [process for process in processes if process.is_alive()]
+        for process in alive:
+            os.kill(process.pid, signal.SIGUSR1)  # dump every thread's stack to stderr (see _entry)
+        if alive:
+            alive[0].join(timeout=2.0)  # give the stack dumps a moment to be written
+        for process in alive:
+            process.kill()
+            process.join()
     failures = {rank: value for rank, (ok, value) in collected.items() if not ok}
     if failures:
         raise LaunchError("\n".join(f"--- rank {rank} ---\n{text}" for rank, text in sorted(failures.items())))

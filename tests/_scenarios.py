@@ -302,6 +302,42 @@ def disagreement_and_native_gap(root: str) -> dict[str, Any]:
     acc2.load_state(str(path))
     obs["native_optimizer_entries"] = sum(1 for s in getattr(opt2, "optimizer", opt2).state.values() if s)
     obs["verify_native"] = _error(lambda: verify_restored(model2, opt2, path / "optimizer_0"))
+
+    # DCP's CheckpointException derives from BaseException: raised on rank 1 only, every rank still raises.
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.utils import _wrap_exception
+
+    from accelerate_txn._ranks import run_phase
+
+    def dcp_failure() -> None:
+        if rank == 1:
+            try:
+                raise OSError("disk full")
+            except OSError as exc:
+                raise CheckpointException("simulated storage failure", {1: _wrap_exception(exc)}) from exc
+
+    obs["dcp_exception"] = _error(lambda: run_phase(dcp_failure, "Reading shards"))
+
+    # A restore that fails part-way (a load hook raising after the FSDP state was loaded) marks the Accelerator
+    # failed: optimizer.step() and saving raise until a load succeeds.
+    acc3, model3, opt3, sched3 = _build(9)
+
+    def broken_load_hook(models: Any, input_dir: str) -> None:
+        raise RuntimeError("load hook failed")
+
+    handle = acc3.register_load_state_pre_hook(broken_load_hook)
+    obs["partial_restore"] = _error(lambda: acc3.load_state(str(path)))
+    loss = model3(torch.randn(2, 16)).sum()
+    acc3.backward(loss)
+    obs["step_after_failed_restore"] = _error(opt3.step)
+    opt3.zero_grad(set_to_none=True)
+    obs["save_after_failed_restore"] = _error(lambda: acc3.save_state(str(Path(root) / "after_failure")))
+    handle.remove()
+    acc3.register_load_state_pre_hook(lambda models, input_dir: None)  # same hook count as the saver
+    acc3.load_state(str(path))
+    obs["recovered_differences"] = _same(_local_state(model, opt), _local_state(model3, opt3))
+    _train(acc3, model3, opt3, sched3, 1, seed=3)
+    obs["step_after_recovery"] = True
     return obs
 
 

@@ -200,6 +200,25 @@ def test_restore_verification_catches_the_silently_empty_native_optimizer(disagr
             assert "The optimizer was not restored" in obs["verify_native"]["message"]
 
 
+def test_dcp_checkpoint_exception_on_one_rank_is_raised_on_every_rank(disagreement: list) -> None:
+    for obs in disagreement:
+        error = obs["dcp_exception"]
+        assert error["type"] == "CheckpointRankError"
+        assert error["failures"] == [1]
+        assert "Reading shards failed on rank(s) [1]" in error["message"]
+        assert "CheckpointException" in error["message"]
+
+
+def test_restore_failing_part_way_blocks_step_and_save_until_a_successful_load(disagreement: list) -> None:
+    for obs in disagreement:
+        assert "load hook failed" in obs["partial_restore"]["message"]
+        assert obs["step_after_failed_restore"]["type"] == "RestoreFailedError"
+        assert "load a checkpoint successfully before calling optimizer.step()" in obs["step_after_failed_restore"]["message"]
+        assert obs["save_after_failed_restore"]["type"] == "RestoreFailedError"
+        assert obs["recovered_differences"] == []
+        assert obs["step_after_recovery"] is True
+
+
 def test_explicit_api_protects_multi_cpu(tmp_path: Any) -> None:
     for obs in launch("tests._scenarios:multi_cpu_explicit", 2, args=(str(tmp_path),), timeout=TIMEOUT):
         assert obs["backend"] == "MULTI_CPU"
