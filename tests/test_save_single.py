@@ -93,3 +93,15 @@ def test_check_finite_training_value_names_the_value() -> None:
     accelerate_txn.check_finite_training_value(1.5, "loss")
     with pytest.raises(accelerate_txn.NonFiniteStateError, match=r"Training value 'loss' is not finite"):
         accelerate_txn.check_finite_training_value(float("inf"), "loss")
+
+
+def test_checkpoint_source_identity_is_the_content_fingerprint(tmp_path: Path) -> None:
+    from accelerate_txn.weights import checkpoint_fingerprint
+
+    source = tmp_path / "weights.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.arange(6.0).reshape(2, 3)}, source)
+    identity = accelerate_txn.checkpoint_source_identity(source)
+    assert identity == checkpoint_fingerprint(source)
+    assert identity[0]["size"] == source.stat().st_size and len(identity[0]["sha256"]) == 64

@@ -1,0 +1,142 @@
+"""Protected vs native Accelerate checkpoint save/load on the same FSDP1 model, in one invocation.
+
+2 ranks, gloo, CPU. For each model size: native ``save_state`` (instance opted out) and the protected one,
+then native ``load_state`` and the protected one into an optimizer that has already stepped (a resume native
+can do: into a fresh optimizer native restores nothing). Reports per-phase wall-time medians, the ratio
+protected/native, and each rank's peak resident-memory growth during the load next to its own optimizer-shard
+bytes.
+
+    .venv/bin/python benchmarks/bench_checkpoint.py --sizes 50 --repeats 3
+    MALLOC_MMAP_THRESHOLD_=65536 .venv/bin/python benchmarks/bench_checkpoint.py --sizes 50 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as stream:
+        return int(stream.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _PeakRss:
+    """Samples this process's resident set every millisecond while active."""
+
+    def __enter__(self) -> _PeakRss:
+        self.base = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.base
+
+
+def _model(million: int) -> torch.nn.Module:
+    width = 2048
+    layers = max(1, round(million * 1e6 / (width * width + width)))
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+
+
+def worker(root: str, million: int, repeats: int) -> dict[str, Any]:
+    import accelerate_txn
+    from accelerate_txn.testing import fsdp_accelerator
+
+    accelerator = fsdp_accelerator()
+    torch.manual_seed(0)
+    model = accelerator.prepare(_model(million))
+    optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    model(torch.randn(2, 2048)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    raw = optimizer.optimizer
+    shard_bytes = sum(v.numel() * v.element_size() for s in raw.state.values() for v in s.values() if torch.is_tensor(v))
+    parameters = sum(p.numel() for p in model.parameters()) * accelerator.num_processes
+    times: dict[str, list[float]] = {key: [] for key in ("save_native", "save_protected", "load_native", "load_protected")}
+    growth: dict[str, list[int]] = {"load_native": [], "load_protected": []}
+    for repeat in range(repeats):
+        for mode in ("native", "protected"):
+            if mode == "native":
+                accelerate_txn.unpatch_accelerate_fsdp(accelerator)
+            else:
+                accelerate_txn.patch_accelerate_fsdp(accelerator)
+            path = os.path.join(root, f"{mode}_{repeat}")
+            accelerator.wait_for_everyone()
+            start = time.perf_counter()
+            accelerator.save_state(path)
+            accelerator.wait_for_everyone()
+            times[f"save_{mode}"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            with _PeakRss() as peak:
+                accelerator.load_state(path)
+                accelerator.wait_for_everyone()
+            times[f"load_{mode}"].append(time.perf_counter() - start)
+            growth[f"load_{mode}"].append(peak.growth)
+            accelerator.wait_for_everyone()
+            if accelerator.process_index == 0:
+                shutil.rmtree(path)
+    return {"parameters": parameters, "shard_bytes": shard_bytes,
+            "times": {key: statistics.median(values) for key, values in times.items()},
+            "growth": {key: max(values) for key, values in growth.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[50], help="model sizes in millions of parameters")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="also write the raw results here")
+    args = parser.parse_args()
+    from accelerate_txn.testing import launch
+
+    rows = []
+    for million in args.sizes:
+        with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as root:
+            results = launch(f"{__name__ if __name__ != '__main__' else 'benchmarks.bench_checkpoint'}:worker", 2,
+                             args=(root, million, args.repeats), timeout=1800)
+        rows.append({"million": million, "ranks": results})
+    print(f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}")
+    print("| model | phase | native s | protected s | protected/native |")
+    print("| --- | --- | --- | --- | --- |")
+    for row in rows:
+        rank0 = row["ranks"][0]
+        for phase in ("save", "load"):
+            native, protected = rank0["times"][f"{phase}_native"], rank0["times"][f"{phase}_protected"]
+            print(f"| {rank0['parameters'] / 1e6:.0f}M | {phase} | {native:.2f} | {protected:.2f} | {protected / native:.2f} |")
+    print()
+    print("| model | rank | own optimizer shard MB | load peak RSS growth native MB | protected MB | protected/shard |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        for rank, result in enumerate(row["ranks"]):
+            shard = result["shard_bytes"]
+            native, protected = result["growth"]["load_native"], result["growth"]["load_protected"]
+            print(f"| {result['parameters'] / 1e6:.0f}M | {rank} | {shard / 2**20:.0f} | {native / 2**20:.0f} | "
+                  f"{protected / 2**20:.0f} | {protected / shard:.2f} |")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
