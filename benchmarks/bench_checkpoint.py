@@ -109,12 +109,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     args = parser.parse_args()
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # ranks import benchmarks.bench_checkpoint
     from accelerate_txn.testing import launch
 
     rows = []
     for million in args.sizes:
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as root:
-            results = launch(f"{__name__ if __name__ != '__main__' else 'benchmarks.bench_checkpoint'}:worker", 2,
+            results = launch("benchmarks.bench_checkpoint:worker", 2,
                              args=(root, million, args.repeats), timeout=1800)
         rows.append({"million": million, "ranks": results})
     print(f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}")
