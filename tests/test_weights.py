@@ -28,7 +28,6 @@ from diffusers import UNet2DModel
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from accelerate_txn import weights
 from accelerate_txn._manifest import PROTOCOL, build_inventory, write_manifest
 from accelerate_txn._staging import DirectoryLock, staging_leftovers
 from accelerate_txn.errors import (
@@ -39,9 +38,7 @@ from accelerate_txn.errors import (
     NoCheckpointError,
 )
 from accelerate_txn.weights import (
-    _exchange_directories,
-    _read_dcp_metadata,
-    _recover_interrupted_export,
+    _publish,
     checkpoint_fingerprint,
     copy_diffusers_checkpoint,
     export_dcp_to_diffusers,
@@ -52,6 +49,8 @@ from accelerate_txn.weights import (
     safetensor_checkpoint_files,
     save_diffusers_state_dict,
 )
+from accelerate_txn.weights._dcp import _read_dcp_metadata
+from accelerate_txn.weights._publish import _exchange_directories, _recover_interrupted_export
 
 REPO = Path(__file__).resolve().parents[1]
 SHARD_NAME = re.compile(r"diffusion_pytorch_model-(\d{5})-of-(\d{5})\.safetensors\Z")
@@ -418,7 +417,7 @@ def test_reexport_without_rename_exchange_falls_back_to_two_renames(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, exported: tuple[Path, dict[str, torch.Tensor]]
 ) -> None:
     # Simulates a filesystem or OS without renameat2(RENAME_EXCHANGE), the only way to reach the fallback here.
-    monkeypatch.setattr(weights, "_exchange_directories", lambda _first, _second: False)
+    monkeypatch.setattr(_publish, "_exchange_directories", lambda _first, _second: False)
     out, _old = exported
     new = {"w": torch.full((4,), 2.0)}
     export(new, out)

@@ -1,0 +1,57 @@
+"""Model-weight I/O: bounded, atomic Diffusers/Hugging Face sharded-safetensors export and validated loading.
+
+Guarantees (each is pinned by ``tests/test_weights.py``):
+
+* **Validate everything, then change anything.** Every loader reads the safetensors headers (or, for ``.bin``
+  files, the ``weights_only`` payload) of every file first and checks keys, shapes, duplicates and the index
+  against the model before a single parameter is touched. Partial checkpoints and adapter (LoRA) files are
+  rejected with a message naming what is missing / unexpected.
+* **Bounded memory.** Exports consume the state dict shard by shard; loaders read one file at a time; the DCP
+  export materialises one shard at a time. Peak extra memory is about one shard, not the model.
+* **Atomic export.** An export is written into a hidden staging sibling (``accelerate_txn._staging``) and
+  published by a rename. Re-exporting over an earlier export swaps the two directories with one atomic
+  ``renameat2(RENAME_EXCHANGE)`` on Linux, so a reader or a crash sees either the complete old export or the
+  complete new one, never a directory whose index names missing shards.
+* **Nothing read is unpickled as arbitrary objects.** ``.bin`` files go through ``torch.load(weights_only=True)``;
+  DCP ``.metadata`` goes through a restricted unpickler (``_dcp._read_dcp_metadata``).
+
+Callers: one process (rank 0 after gathering the full state dict, or an offline job). Nothing here needs a
+process group.
+
+Layout (one concern per private module; this package only re-exports):
+
+* ``_common``: file-name constants, the dtype rule and small helpers shared by every module.
+* ``_export``: shard planning and writing, :func:`save_diffusers_state_dict`.
+* ``_publish``: atomic publish of an export (staging, lock, recovery, ``RENAME_EXCHANGE`` swap).
+* ``_layout``: index reading and locating a checkpoint's weight files, :func:`safetensor_checkpoint_files`.
+* ``_read``: reading weight files, header scans and validation against a model.
+* ``_loaders``: :func:`read_diffusers_state_dict`, :func:`load_model_checkpoint`,
+  :func:`copy_diffusers_checkpoint`, :func:`load_diffusers_checkpoint`, :func:`is_complete_diffusers_checkpoint`.
+* ``_fingerprint``: :func:`checkpoint_fingerprint`.
+* ``_dcp``: :func:`export_dcp_to_diffusers` and its DCP helpers.
+"""
+
+from ._dcp import export_dcp_to_diffusers
+from ._export import save_diffusers_state_dict
+from ._fingerprint import FingerprintEntry, checkpoint_fingerprint
+from ._layout import safetensor_checkpoint_files
+from ._loaders import (
+    copy_diffusers_checkpoint,
+    is_complete_diffusers_checkpoint,
+    load_diffusers_checkpoint,
+    load_model_checkpoint,
+    read_diffusers_state_dict,
+)
+
+__all__ = [
+    "FingerprintEntry",
+    "checkpoint_fingerprint",
+    "copy_diffusers_checkpoint",
+    "export_dcp_to_diffusers",
+    "is_complete_diffusers_checkpoint",
+    "load_diffusers_checkpoint",
+    "load_model_checkpoint",
+    "read_diffusers_state_dict",
+    "safetensor_checkpoint_files",
+    "save_diffusers_state_dict",
+]

@@ -1,0 +1,211 @@
+"""Offline export of a sharded training checkpoint (``torch.distributed.checkpoint``): :func:`export_dcp_to_diffusers`.
+
+``.metadata`` is read with a restricted unpickler (:func:`_read_dcp_metadata`), tensors with ``weights_only=True``;
+the output is planned, written and published exactly as by :func:`~._export.save_diffusers_state_dict`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._manifest import check_dcp_payloads, read_manifest, verify_manifest
+from ..errors import CheckpointConfigurationError, CheckpointIntegrityError, NoCheckpointError
+from ._common import (
+    ACCELERATE_FSDP_MODEL_DIR,
+    CONFIG_NAME,
+    DCP_MODEL_PREFIX,
+    DEFAULT_MAX_SHARD_SIZE,
+    PathLike,
+    _check_dtype,
+    _examples,
+    _output_dtype,
+    _shapes,
+)
+from ._export import _config_writer, _resolve_shard_size, _ShardPlan, _write_shards
+from ._publish import _publish_export
+from ._read import _check_matches_model
+
+
+def _read_dcp_metadata(directory: PathLike) -> Any:
+    """``Metadata`` of a ``torch.distributed.checkpoint`` directory, read without trusting the pickle.
+
+    DCP's own ``FileSystemReader.read_metadata`` calls ``pickle.load``, which runs whatever code the file names.
+    This delegates to the project's restricted reader (``_manifest.read_dcp_metadata``: only DCP's metadata
+    classes and the torch/pathlib types they are built from may be constructed; the globals real files use were
+    listed with ``pickletools``), which also checks that every payload range the metadata names exists in full
+    (``_manifest.check_dcp_payloads``). Anything else raises :class:`CheckpointIntegrityError` without running it.
+    """
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    metadata = check_dcp_payloads(Path(directory))
+    if not isinstance(metadata, Metadata):
+        raise CheckpointIntegrityError(
+            f"{Path(directory) / '.metadata'} holds a {type(metadata).__name__}, not DCP Metadata: it is not a "
+            "torch.distributed.checkpoint directory."
+        )
+    return metadata
+
+
+def _locate_dcp(dcp_dir: Path) -> Path:
+    """The DCP directory itself, or the model directory Accelerate writes inside a checkpoint directory.
+
+    A protected checkpoint directory (one with ``checkpoint_manifest.json``) is verified against its manifest
+    first: sizes, control-file hashes and DCP schemas (payload hashes are not re-read).
+    """
+    manifest = read_manifest(dcp_dir) if dcp_dir.is_dir() else None
+    if manifest is not None:
+        verify_manifest(dcp_dir, manifest, full=False)
+    if (dcp_dir / ".metadata").is_file():
+        return dcp_dir
+    nested = dcp_dir / ACCELERATE_FSDP_MODEL_DIR
+    if (nested / ".metadata").is_file():
+        return nested
+    raise NoCheckpointError(
+        f"No torch.distributed.checkpoint model state in {dcp_dir}: expected {dcp_dir / '.metadata'} or "
+        f"{nested / '.metadata'} (Accelerate's FSDP SHARDED_STATE_DICT layout)."
+    )
+
+
+def _dcp_tensors(metadata: Any, directory: Path, prefix: str) -> dict[str, Any]:
+    """``fqn -> TensorStorageMetadata`` of the model tensors, after checking every chunk has a storage record."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries = {fqn: entry for fqn, entry in metadata.state_dict_metadata.items() if fqn.startswith(prefix)}
+    if not entries:
+        sample = _examples(sorted(metadata.state_dict_metadata))
+        raise CheckpointIntegrityError(
+            f"{directory} holds no entries under the prefix {prefix!r} (it has: {sample or 'nothing'}). Pass the model "
+            "DCP directory, or the prefix its keys use."
+        )
+    not_tensors = sorted(fqn for fqn, entry in entries.items() if not isinstance(entry, TensorStorageMetadata))
+    if not_tensors:
+        raise CheckpointIntegrityError(
+            f"{directory} stores {len(not_tensors)} non-tensor model entr(ies) ({_examples(not_tensors)}), which "
+            "safetensors cannot hold: export those weights another way."
+        )
+    # Payload files and ranges were checked with the metadata; here: every chunk of every tensor is recorded.
+    stored = {(index.fqn, tuple(index.offset)) for index in metadata.storage_data}
+    problems = [
+        f"{fqn}: chunk at {list(chunk.offsets)} has no storage record"
+        for fqn, entry in entries.items()
+        for chunk in entry.chunks
+        if (fqn, tuple(chunk.offsets)) not in stored
+    ]
+    if problems:
+        raise CheckpointIntegrityError(
+            f"DCP checkpoint {directory} is incomplete or corrupt: {_examples(problems)}. Use a complete checkpoint."
+        )
+    return entries
+
+
+class _DCPSingleProcessLoader:
+    """Loads chosen tensors of a DCP directory on one process, with metadata read by :func:`_read_dcp_metadata`."""
+
+    def __init__(self, directory: Path, metadata: Any) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        class _VerifiedReader(FileSystemReader):
+            def read_metadata(self, *args: Any, **kwargs: Any) -> Any:  # never pickle.load
+                return metadata
+
+        self._reader = _VerifiedReader(directory)
+        self._directory = directory
+
+    def load(self, targets: dict[str, torch.Tensor]) -> None:
+        """Fill ``targets`` (fqn -> preallocated tensor) in place; chunks are narrowed into place by DCP."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            try:
+                dcp.load(targets, storage_reader=self._reader, planner=DefaultLoadPlanner(), no_dist=True)
+            except CheckpointException as exc:  # a BaseException: catch it deliberately
+                raise CheckpointIntegrityError(f"Reading DCP checkpoint {self._directory} failed: {exc}") from None
+
+
+def _config_source_writer(source: Any) -> tuple[Callable[[Path], None], dict[str, tuple[int, ...]] | None]:
+    """How to write ``config.json``, and the expected shapes when ``source`` is a model."""
+    if isinstance(source, (str, os.PathLike)):
+        config = Path(source)
+        config = config / CONFIG_NAME if config.is_dir() else config
+        try:
+            text = config.read_text()
+            json.loads(text)
+        except (OSError, ValueError) as exc:
+            raise CheckpointConfigurationError(
+                f"Cannot use {config} as the export's {CONFIG_NAME} ({exc}): pass the model, or a directory/file "
+                "holding its JSON config."
+            ) from None
+
+        def copy_config(directory: Path) -> None:
+            (directory / CONFIG_NAME).write_text(text)
+
+        return copy_config, None
+    expected = _shapes(source.state_dict()) if isinstance(source, torch.nn.Module) else None
+    return _config_writer(source), expected
+
+
+def export_dcp_to_diffusers(
+    dcp_dir: PathLike,
+    model_or_config_source: Any,
+    output_dir: PathLike,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    *,
+    dtype: torch.dtype | None = None,
+    prefix: str = DCP_MODEL_PREFIX,
+) -> Path:
+    """Export a sharded training checkpoint's model (DCP) as a Diffusers sharded-safetensors directory, offline.
+
+    ``dcp_dir``: a ``torch.distributed.checkpoint`` directory (``.metadata`` + ``*.distcp``), or a checkpoint
+    directory containing Accelerate's ``pytorch_model_fsdp_0/``; a protected checkpoint directory is verified
+    against its ``checkpoint_manifest.json`` first (an altered or incomplete one is refused). Keys under
+    ``prefix`` (Accelerate saves ``{"model": state_dict}``, hence ``"model."``) are exported with the prefix
+    removed; other entries are ignored.
+    ``model_or_config_source``: the model (a ``torch.nn.Module`` with ``save_config``; on the meta device is fine),
+    against whose ``state_dict()`` every key and shape is validated before anything is written, or a path to a
+    config directory/file that is copied as ``config.json`` (then only the checkpoint's own consistency is checked).
+
+    Runs on one process with no process group; chunks written by any number of ranks are reassembled by DCP.
+    Memory: one shard of tensors at a time. Output layout, dtype rule and atomic publish are those of
+    :func:`save_diffusers_state_dict`. ``.metadata`` is read with a restricted unpickler, tensors with
+    ``weights_only=True``.
+    """
+    where = Path(output_dir)
+    _check_dtype(dtype)
+    shard_size = _resolve_shard_size(max_shard_size)
+    directory = _locate_dcp(Path(dcp_dir))
+    metadata = _read_dcp_metadata(directory)
+    entries = _dcp_tensors(metadata, directory, prefix)
+    write_config, expected = _config_source_writer(model_or_config_source)
+    names = {fqn[len(prefix):]: fqn for fqn in entries}
+    if expected is not None:
+        _check_matches_model({name: tuple(entries[fqn].size) for name, fqn in names.items()}, expected, directory)
+    sizes = [
+        (name, entries[fqn].size.numel() * _output_dtype(dtype, entries[fqn].properties.dtype).itemsize)
+        for name, fqn in names.items()
+    ]
+    plan = _ShardPlan.build(sizes, shard_size, where)
+    loader = _DCPSingleProcessLoader(directory, metadata)
+
+    def fetch(keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        targets = {
+            names[key]: torch.empty(tuple(entries[names[key]].size), dtype=entries[names[key]].properties.dtype)
+            for key in keys
+        }
+        loader.load(targets)
+        return {key: targets[names[key]] for key in keys}
+
+    def write(staging: Path) -> None:
+        write_config(staging)
+        _write_shards(staging, plan, fetch, dtype)
+
+    return _publish_export(output_dir, write)

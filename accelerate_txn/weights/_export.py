@@ -1,0 +1,205 @@
+"""Exporting a full state dict as bounded Diffusers shards: shard planning and writing, :func:`save_diffusers_state_dict`.
+
+Publishing the written directory atomically is :mod:`._publish`'s job; the DCP export (:mod:`._dcp`) reuses the
+plan and the writer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from ..errors import CheckpointConfigurationError
+from ._common import (
+    DEFAULT_MAX_SHARD_SIZE,
+    SAFETENSORS_INDEX_NAME,
+    PathLike,
+    _check_dtype,
+    _examples,
+    _output_dtype,
+)
+from ._publish import _publish_export
+
+
+def _shard_name(index: int, count: int) -> str:
+    return f"diffusion_pytorch_model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def _resolve_shard_size(max_shard_size: int | str) -> int:
+    """Bytes per shard; accepts an int or a size string such as ``"5GB"`` (as ``save_pretrained`` does)."""
+    if isinstance(max_shard_size, str):
+        from accelerate.utils import convert_file_size_to_int
+
+        try:
+            size = convert_file_size_to_int(max_shard_size)
+        except ValueError:
+            size = -1
+    elif isinstance(max_shard_size, int) and not isinstance(max_shard_size, bool):
+        size = max_shard_size
+    else:
+        size = -1
+    if size <= 0:
+        raise CheckpointConfigurationError(
+            f"max_shard_size={max_shard_size!r} is not a positive size: pass bytes as an int or a string such as "
+            "'5GB'."
+        )
+    return size
+
+
+def _for_safetensors(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """CPU, contiguous, cast per the dtype rule; clone tensors sharing storage (tied weights) within one shard.
+
+    safetensors refuses aliased tensors in one file; a tied weight is therefore written twice, which loads back
+    exactly (``load_state_dict`` copies into the tied parameter twice).
+    """
+    ready: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for key, value in tensors.items():
+        value = value.detach().to(device="cpu", dtype=_output_dtype(dtype, value.dtype)).contiguous()
+        pointer = value.untyped_storage().data_ptr()
+        if value.numel() and pointer in storages:
+            value = value.clone()
+        storages.add(value.untyped_storage().data_ptr())
+        ready[key] = value
+    return ready
+
+
+# --------------------------------------------------------------------------------------------- shard planning
+
+
+@dataclass(frozen=True)
+class _ShardPlan:
+    """Which keys go into which shard file, decided from sizes alone before anything is written."""
+
+    shards: tuple[tuple[str, ...], ...]
+    total_size: int
+
+    @classmethod
+    def build(cls, sizes: list[tuple[str, int]], max_shard_size: int, where: Path) -> _ShardPlan:
+        """Greedy, in key order. Reports every tensor larger than ``max_shard_size`` at once."""
+        too_big = [f"{key} ({size} bytes)" for key, size in sizes if size > max_shard_size]
+        if too_big:
+            raise CheckpointConfigurationError(
+                f"Cannot export to {where}: {len(too_big)} tensor(s) exceed max_shard_size={max_shard_size} bytes "
+                f"({_examples(too_big)}). A tensor cannot be split across shards: raise max_shard_size to at least "
+                f"{max(size for _key, size in sizes)}."
+            )
+        shards: list[list[str]] = [[]]
+        filled = 0
+        for key, size in sizes:
+            if shards[-1] and filled + size > max_shard_size:
+                shards.append([])
+                filled = 0
+            shards[-1].append(key)
+            filled += size
+        return cls(tuple(tuple(keys) for keys in shards), sum(size for _key, size in sizes))
+
+    def files(self) -> Iterator[tuple[str, tuple[str, ...]]]:
+        for number, keys in enumerate(self.shards, 1):
+            yield _shard_name(number, len(self.shards)), keys
+
+    def index(self) -> dict[str, Any]:
+        weight_map = {key: name for name, keys in self.files() for key in keys}
+        return {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(weight_map.items()))}
+
+
+def _write_shards(
+    staging: Path,
+    plan: _ShardPlan,
+    fetch: Callable[[tuple[str, ...]], dict[str, torch.Tensor]],
+    dtype: torch.dtype | None,
+) -> None:
+    """Write every shard of ``plan`` and the index into ``staging``; ``fetch(keys)`` yields one shard's tensors.
+
+    Only one shard's tensors are referenced here at a time, which is what bounds the export's memory.
+    """
+    for filename, keys in plan.files():
+        tensors = _for_safetensors(fetch(keys), dtype)
+        save_file(tensors, staging / filename, metadata={"format": "pt"})
+        del tensors
+    (staging / SAFETENSORS_INDEX_NAME).write_text(json.dumps(plan.index(), indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------------------------- export
+
+
+def _check_state_dict(state_dict: Mapping[str, Any], where: Path) -> None:
+    if not isinstance(state_dict, Mapping):
+        raise CheckpointConfigurationError(
+            f"Cannot export to {where}: state_dict must be a dict of name -> tensor, got {type(state_dict).__name__}."
+        )
+    if not state_dict:
+        raise CheckpointConfigurationError(
+            f"Cannot export an empty state dict to {where}: gather the full model state first (under FSDP every "
+            "rank must take part in gathering before rank 0 exports)."
+        )
+    bad = [
+        repr(key)
+        for key, value in state_dict.items()
+        if not isinstance(key, str)
+        or not isinstance(value, torch.Tensor)
+        or value.layout != torch.strided
+        or value.is_meta
+    ]
+    if bad:
+        raise CheckpointConfigurationError(
+            f"Cannot export to {where}: {len(bad)} entr(ies) are not dense, materialised tensors with string "
+            f"names ({_examples(bad)}). Pass a full state dict (not meta tensors, sparse tensors or nested dicts)."
+        )
+
+
+def _config_writer(model: Any) -> Callable[[Path], None]:
+    save_config = getattr(model, "save_config", None)
+    if not callable(save_config):
+        raise CheckpointConfigurationError(
+            f"{type(model).__name__} has no save_config(): pass the Diffusers model (ModelMixin/ConfigMixin) or an "
+            "object offering save_config(directory), so the export carries the config.json loaders need."
+        )
+    return save_config
+
+
+def save_diffusers_state_dict(
+    state_dict: MutableMapping[str, torch.Tensor],
+    model: Any,
+    output_dir: PathLike,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    *,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Export ``state_dict`` as bounded Diffusers shards plus the index and ``model``'s config, atomically.
+
+    Layout of ``output_dir`` afterwards (nothing else): ``diffusion_pytorch_model-0000i-of-0000n.safetensors``,
+    ``diffusion_pytorch_model.safetensors.index.json`` and ``config.json`` (from ``model.save_config``).
+
+    * Consumes ``state_dict``: each shard's tensors are popped as it is written, so the peak extra memory is about
+      one shard (only tensors that need a copy - another device, another dtype, non-contiguous - cost memory).
+      Every argument check runs first: if one fails, the dict is untouched. If writing fails part-way, the dict is
+      partially consumed and ``output_dir`` is unchanged.
+    * ``dtype``: floating tensors are cast to it; integer and boolean tensors never are. ``None`` keeps every dtype.
+    * Re-export over an earlier export replaces it completely (stale shards disappear) and atomically: until the
+      new export is complete, readers see the old one. A directory holding other files is refused.
+
+    Raises :class:`CheckpointConfigurationError` for an empty dict, non-tensor values, a bad ``dtype`` or a tensor
+    larger than ``max_shard_size``; :class:`CheckpointExistsError` if ``output_dir`` holds foreign files;
+    :class:`CheckpointLockedError` if another writer is exporting into the same parent directory.
+    Returns ``output_dir`` as an absolute path. Call it on one process (rank 0, after gathering).
+    """
+    where = Path(output_dir)
+    _check_dtype(dtype)
+    shard_size = _resolve_shard_size(max_shard_size)
+    _check_state_dict(state_dict, where)
+    write_config = _config_writer(model)
+    sizes = [(key, value.numel() * _output_dtype(dtype, value.dtype).itemsize) for key, value in state_dict.items()]
+    plan = _ShardPlan.build(sizes, shard_size, where)
+
+    def write(staging: Path) -> None:
+        write_config(staging)  # first: a failing save_config must not cost the caller's state dict
+        _write_shards(staging, plan, lambda keys: {key: state_dict.pop(key) for key in keys}, dtype)
+
+    return _publish_export(output_dir, write)

@@ -1,0 +1,163 @@
+"""What weight files hold: reading ``.safetensors``/``.bin`` files, header scans and validation against a model.
+
+Shared by the loaders (:mod:`._loaders`) and the DCP export (:mod:`._dcp`). Every check reads headers only
+(``.bin`` files are memory-mapped) and reports every problem in one error.
+"""
+
+from __future__ import annotations
+
+import pickle
+import zipfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+
+from ..errors import CheckpointIntegrityError
+from ._common import _examples, _shapes, _strip
+from ._layout import _WeightFiles
+
+_ADAPTER_MARKERS = ("lora", "lokr", "loha", "adapter", ".alpha")
+
+
+def _load_bin(path: Path, state_dict_key: str | None = None) -> dict[str, torch.Tensor]:
+    """A PyTorch ``.bin``/``.pt`` state dict, read with ``weights_only=True`` (memory-mapped when possible).
+
+    Unwraps ``{"state_dict": ...}`` and then ``state_dict_key`` when present, and insists on a flat name -> tensor
+    dict.
+    """
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except pickle.UnpicklingError as exc:
+        raise CheckpointIntegrityError(
+            f"{path} holds objects other than tensors and plain containers, which torch.load(weights_only=True) "
+            f"refuses to unpickle ({str(exc).splitlines()[0]}). Convert it to safetensors from a trusted environment."
+        ) from None
+    except (OSError, RuntimeError, EOFError) as exc:
+        raise CheckpointIntegrityError(f"{path} is not a readable PyTorch state dict ({exc}): re-export it.") from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if state_dict_key is not None and isinstance(state, dict) and isinstance(state.get(state_dict_key), dict):
+        state = state[state_dict_key]
+    if not isinstance(state, dict):
+        raise CheckpointIntegrityError(f"{path} holds a {type(state).__name__}, not a state dict of tensors.")
+    bad = sorted(repr(key) for key, value in state.items() if not (isinstance(key, str) and torch.is_tensor(value)))
+    if bad:
+        raise CheckpointIntegrityError(
+            f"{path} is not a flat state dict: {_examples(bad)} are not name -> tensor entries. Pass state_dict_key "
+            "to select the nested model weights, or a weights-only file."
+        )
+    return state
+
+
+def _file_shapes(path: Path, state_dict_key: str | None = None) -> dict[str, tuple[int, ...]]:
+    """Key -> shape of one weight file, from the safetensors header (no tensor payload is read)."""
+    if path.suffix != ".safetensors":
+        return _shapes(_load_bin(path, state_dict_key))
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as reader:
+            return {key: tuple(reader.get_slice(key).get_shape()) for key in reader.keys()}
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointIntegrityError(
+            f"{path} is not a readable safetensors file ({exc}): it is truncated or corrupt. Re-export it."
+        ) from None
+
+
+def _read_file(path: Path, state_dict_key: str | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of one weight file, on CPU."""
+    if path.suffix != ".safetensors":
+        return _load_bin(path, state_dict_key)
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointIntegrityError(f"{path} could not be read ({exc}): re-export it.") from None
+
+
+def _scan(
+    weights: _WeightFiles, *, strip_prefix: str | None = None, state_dict_key: str | None = None
+) -> dict[str, tuple[int, ...]]:
+    """Key (``strip_prefix`` removed) -> shape over all files, validated: no duplicates, index matches exactly.
+
+    Reads headers only (``.bin`` files are memory-mapped). Every problem is reported in one error.
+    """
+    found: dict[str, tuple[int, ...]] = {}
+    origin: dict[str, str] = {}
+    stored: set[str] = set()
+    duplicates: list[str] = []
+    misplaced: list[str] = []
+    weight_map = weights.weight_map
+    for file in weights.files:
+        for source_key, shape in _file_shapes(file, state_dict_key).items():
+            key = _strip(source_key, strip_prefix)
+            if key in found:
+                duplicates.append(f"{key} (in {origin[key]} and {file.name})")
+                continue
+            if weight_map is not None and weight_map.get(source_key) != file.name:
+                misplaced.append(f"{source_key} (in {file.name}, index says {weight_map.get(source_key) or 'nothing'})")
+            found[key], origin[key] = shape, file.name
+            stored.add(source_key)
+    problems = []
+    if duplicates:
+        problems.append(f"{len(duplicates)} tensor(s) stored twice: {_examples(duplicates)}")
+    if misplaced:
+        problems.append(f"{len(misplaced)} tensor(s) not where the index {weights.index} says: {_examples(misplaced)}")
+    unbacked = sorted(set(weight_map or ()) - stored)
+    if unbacked:
+        problems.append(f"the index lists {len(unbacked)} tensor(s) that no shard holds: {_examples(unbacked)}")
+    if not found:
+        problems.append("it holds no tensors")
+    if problems:
+        raise CheckpointIntegrityError(
+            f"Checkpoint {weights.source} is inconsistent: {'; '.join(problems)}. The export is partial, mixed with "
+            "another export, or corrupt: re-export it."
+        )
+    return found
+
+
+def _looks_like_adapter(keys: list[str]) -> bool:
+    return any(marker in key.lower() for key in keys for marker in _ADAPTER_MARKERS)
+
+
+def _check_matches_model(
+    found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], source: Path
+) -> None:
+    """Raise :class:`CheckpointIntegrityError` unless ``found`` has exactly the model's keys and shapes."""
+    missing = sorted(expected.keys() - found.keys())
+    unexpected = sorted(found.keys() - expected.keys())
+    mismatched = sorted(
+        f"{key}: checkpoint {list(found[key])} vs model {list(expected[key])}"
+        for key in expected.keys() & found.keys()
+        if tuple(found[key]) != tuple(expected[key])
+    )
+    if not (missing or unexpected or mismatched):
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing {len(missing)} of {len(expected)} model tensor(s): {_examples(missing)}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected tensor(s): {_examples(unexpected)}")
+    if mismatched:
+        parts.append(f"{len(mismatched)} shape mismatch(es): {_examples(mismatched)}")
+    if unexpected and _looks_like_adapter(unexpected):
+        advice = (
+            "It looks like an adapter (LoRA) file, not full model weights: load it with the adapter loader "
+            "(e.g. load_lora_weights) or pass the full weights."
+        )
+    elif missing and not (unexpected or mismatched):
+        advice = "The checkpoint is partial (an interrupted export or a subset): pass a complete export."
+    else:
+        advice = "Pass weights exported from this model architecture and config."
+    raise CheckpointIntegrityError(f"Checkpoint {source} does not match the model: {'; '.join(parts)}. {advice}")
+
+
+def _iter_tensors(files: tuple[Path, ...], state_dict_key: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(key, tensor)`` for every tensor; safetensors files are read one tensor at a time."""
+    for file in files:
+        if file.suffix != ".safetensors":
+            yield from _load_bin(file, state_dict_key).items()
+            continue
+        with safe_open(str(file), framework="pt", device="cpu") as reader:
+            for key in reader.keys():
+                yield key, reader.get_tensor(key)
