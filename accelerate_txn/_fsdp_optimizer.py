@@ -15,6 +15,7 @@ Peak memory is still above one shard: ``FSDP.optim_state_dict_to_load`` all-gath
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,9 @@ import torch.distributed as dist
 
 from ._config import raw_optimizer
 from ._descriptor import parameter_layout
+from ._fsdp_geometry import GeometryMismatch, Member, boxes, flat_members
 from ._manifest import read_dcp_metadata
-from ._ranks import run_phase
+from ._ranks import any_rank, run_phase
 from .errors import CheckpointConfigurationError, CheckpointIntegrityError
 
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -144,44 +146,300 @@ def saved_state_names(directory: Path) -> set[str]:
             if len(path) >= 4 and path[0] == "optimizer" and path[1] == "state"}
 
 
+class _SafePlanner:
+    """DCP load planner factory: no re-flattening of our sharded destination, and non-tensor entries (parameter
+    group options) read with ``weights_only=True`` instead of DCP's default unrestricted unpickling."""
+
+    @staticmethod
+    def create() -> Any:
+        from torch.distributed.checkpoint._traverse import set_element
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        class SafeLoadPlanner(DefaultLoadPlanner):
+            def load_bytes(self, read_item: Any, value: Any) -> None:
+                loaded = torch.load(value, weights_only=True)
+                if self.flatten_state_dict:
+                    set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+                else:
+                    self.state_dict[read_item.dest_index.fqn] = loaded
+
+        # Our destination is already sharded: the default flattening drops empty local shards (ranks that own
+        # no rows of a small parameter) and then fails on the schema.
+        return SafeLoadPlanner(flatten_sharded_tensors=False)
+
+
+def _read(state: dict[str, Any], directory: Path, group: Any, what: str) -> None:
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    run_phase(lambda: load(state, storage_reader=FileSystemReader(str(directory)), process_group=group,
+                           planner=_SafePlanner.create()), what, group)
+
+
+def _saved_groups(metadata: Any, directory: Path, group: Any) -> dict[str, Any]:
+    """Read only the parameter-group entries (small) of the optimizer checkpoint."""
+    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    flat: dict[str, Any] = {}
+    for key, stored in metadata.state_dict_metadata.items():
+        path = metadata.planner_data[key]
+        if len(path) >= 2 and path[0] == "optimizer" and path[1] == "param_groups":
+            flat[key] = (torch.empty(tuple(stored.size), dtype=stored.properties.dtype)
+                         if isinstance(stored, TensorStorageMetadata) else None)
+    state = unflatten_state_dict(flat, {key: metadata.planner_data[key] for key in flat})
+    _read(state, directory, group, "Reading the optimizer parameter groups")
+    return state.get("optimizer", {})
+
+
+@dataclass
+class _Owner:
+    """One live optimizer parameter (a flat parameter, or an original one with ``use_orig_params``) and the
+    original parameters whose elements make up its local state tensors."""
+
+    parameter: torch.nn.Parameter
+    numel: int
+    members: list[tuple[Member, int]] = field(default_factory=list)  # (member, position in the local state)
+
+
+def _owners(model: Any, optimizer: torch.optim.Optimizer, group: Any) -> dict[str, tuple[_Owner, Member]]:
+    """fqn -> (live optimizer parameter holding it, its geometry on every rank)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp._common_utils import _get_param_to_fqns
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    names = _get_param_to_fqns(model)
+    in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    result: dict[str, tuple[_Owner, Member]] = {}
+    for unit in FSDP.fsdp_modules(model):
+        if unit._handle is None:
+            continue
+        flat = unit._handle.flat_param
+        if unit._use_orig_params:
+            fqns = [names[p][0] for p in flat._params]
+        else:
+            fqns = list(names[flat])
+        members = flat_members(flat, fqns, world, rank)
+        if unit._use_orig_params:
+            for parameter, member in zip(flat._params, members):
+                owner = _Owner(parameter, parameter.numel())
+                piece = member.pieces.get(rank)
+                if piece is not None:
+                    owner.members.append((member, 0))
+                if id(parameter) in in_optimizer:
+                    result[member.fqn] = (owner, member)
+        else:
+            owner = _Owner(flat, flat.numel())
+            for member in members:
+                piece = member.pieces.get(rank)
+                if piece is not None:
+                    owner.members.append((member, piece.shard_offset))
+                if id(flat) in in_optimizer:
+                    result[member.fqn] = (owner, member)
+    return result
+
+
+def _plan(metadata: Any, owners: dict[str, tuple[_Owner, Member]], group: Any
+          ) -> tuple[dict[str, Any], dict[int, dict[str, torch.Tensor]]]:
+    """Allocate every rank-local state tensor once and describe, for DCP, which boxes of each saved tensor land
+    where in it. Returns (DCP load state dict, owner id -> {state key -> local tensor})."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    rank = dist.get_rank(group)
+    local: dict[int, dict[str, torch.Tensor]] = {}
+    flat: dict[str, Any] = {}
+    for key, stored in metadata.state_dict_metadata.items():
+        path = metadata.planner_data[key]
+        if len(path) < 4 or path[1] != "state" or not isinstance(stored, TensorStorageMetadata):
+            continue
+        fqn, name, dtype = str(path[2]), str(path[-1]), stored.properties.dtype
+        owner, member = owners[fqn]
+        if not stored.size:  # a 0-dim entry ("step"): stored whole, read whole by every rank
+            flat[key] = torch.empty((), dtype=dtype)
+            continue
+        states = local.setdefault(id(owner.parameter), {})
+        destination = states.get(name)
+        if destination is None:
+            destination = torch.zeros(owner.numel, dtype=dtype)  # zeros: a flat shard's padding stays zero
+            states[name] = destination
+        elif destination.dtype != dtype:
+            raise CheckpointIntegrityError(f"Optimizer state {key} is {dtype}, other parameters of its flat "
+                                           f"parameter store {destination.dtype}")
+        shards_metadata, shards = [], []
+        for holder, piece in sorted(member.pieces.items()):
+            position = next((p for m, p in owner.members if m is member), 0) if holder == rank else 0
+            for offsets, sizes, flat_start in boxes(member.shape, piece.start, piece.stop):
+                box = ShardMetadata(list(offsets), list(sizes), f"rank:{_global_rank(group, holder)}/cpu")
+                shards_metadata.append(box)
+                if holder == rank:
+                    begin = position + flat_start - piece.start
+                    view = destination[begin:begin + math.prod(sizes)].view(sizes)
+                    shards.append(Shard(view, box))
+        properties = TensorProperties(dtype=dtype, requires_grad=False)
+        flat[key] = ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, ShardedTensorMetadata(shards_metadata, torch.Size(stored.size), properties), process_group=group)
+    return unflatten_state_dict(flat, {key: metadata.planner_data[key] for key in flat}), local
+
+
+def _global_rank(group: Any, rank: int) -> int:
+    return dist.get_global_rank(group, rank) if group is not None else rank
+
+
+def _check_entries(metadata: Any, owners: dict[str, tuple[_Owner, Member]], optimizer: torch.optim.Optimizer,
+                   groups: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Validate every saved state entry against the live model before reading any payload: known parameter,
+    original shape, and (Adam/AdamW) complete moments. Returns fqn -> {state key -> stored metadata}."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries: dict[str, dict[str, Any]] = {}
+    for key, stored in metadata.state_dict_metadata.items():
+        path = metadata.planner_data[key]
+        if not path or path[0] != "optimizer":
+            raise CheckpointIntegrityError(f"Unexpected entry {key!r} in the optimizer checkpoint")
+        if len(path) < 4 or path[1] != "state":
+            continue
+        fqn, name = str(path[2]), str(path[-1])
+        if fqn not in owners:
+            raise CheckpointConfigurationError(
+                f"The optimizer checkpoint holds state for parameter {fqn!r}, which this optimizer does not train")
+        shape = owners[fqn][1].shape
+        if isinstance(stored, TensorStorageMetadata) and (stored.size or name in _MOMENTS) \
+                and tuple(stored.size) != shape:
+            raise CheckpointConfigurationError(
+                f"Optimizer state {key}: checkpoint shape {list(stored.size)}, live parameter shape {list(shape)}")
+        entries.setdefault(fqn, {})[name] = stored
+    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+        for saved in groups:
+            required = {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if saved.get("amsgrad") else set())
+            for fqn in saved["params"]:
+                absent = required - set(entries.get(fqn, required))
+                if absent:
+                    raise CheckpointIntegrityError(f"Adam state of {fqn!r} lacks {sorted(absent)} in the checkpoint")
+                step = entries.get(fqn, {}).get("step")
+                if step is not None and (not isinstance(step, TensorStorageMetadata) or step.size):
+                    raise CheckpointIntegrityError(f"Adam state of {fqn!r} has an invalid step")
+    return entries
+
+
+def _assemble(loaded: dict[str, Any], local: dict[int, dict[str, torch.Tensor]],
+              owners: dict[str, tuple[_Owner, Member]], entries: dict[str, dict[str, Any]]
+              ) -> dict[int, dict[str, Any]]:
+    """owner id -> the optimizer state of that live parameter on this rank."""
+    saved_state = loaded.get("state", {})
+    result: dict[int, dict[str, Any]] = {}
+    by_owner: dict[int, list[str]] = {}
+    for fqn, (owner, member) in owners.items():
+        if any(m is member for m, _ in owner.members):  # this rank holds part of it
+            by_owner.setdefault(id(owner.parameter), []).append(fqn)
+    for owner_id, fqns in by_owner.items():
+        with_state = [fqn for fqn in fqns if fqn in entries]
+        if not with_state:
+            continue  # not updated yet
+        if len(with_state) != len(fqns) or len({frozenset(entries[f]) for f in with_state}) != 1:
+            raise CheckpointIntegrityError(
+                f"The optimizer checkpoint holds state for only some of {fqns}, or different entries for them; "
+                "they share one optimizer parameter and must all have the same state")
+        state: dict[str, Any] = dict(local.get(owner_id, {}))
+        for name in entries[with_state[0]]:
+            if name in state:
+                continue
+            values = [saved_state.get(fqn, {}).get(name) for fqn in with_state]
+            first = values[0]
+            if any(not _same_value(first, other) for other in values[1:]):
+                raise CheckpointIntegrityError(f"Optimizer state {name!r} differs between {with_state}, which share "
+                                               "one flat parameter")
+            state[name] = first
+        result[owner_id] = state
+    return result
+
+
+def _same_value(first: Any, other: Any) -> bool:
+    if isinstance(first, torch.Tensor) and isinstance(other, torch.Tensor):
+        return torch.equal(first, other)
+    return first == other
+
+
 def load_sharded_optimizer(accelerator: Any, optimizer: Any, model: Any, input_dir: str, index: int,
                            *, allow_reorder: bool | None = None) -> None:
-    """Restore optimizer ``index`` of ``accelerator`` from ``input_dir/optimizer_<index>``. Collective over the
-    model's process group; the same error is raised on every rank; the optimizer is untouched on failure."""
-    from torch.distributed.checkpoint import FileSystemReader, load
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
-
+    """Restore optimizer ``index`` of ``accelerator`` from ``input_dir/optimizer_<index>``, reading only this
+    rank's elements of each saved tensor straight into its final place (peak ~ one optimizer shard; no
+    all-gather). Collective over the model's process group; the same error is raised on every rank; nothing
+    changes before every entry was validated. Falls back to FSDP's own conversion for layouts it cannot map
+    (e.g. shared parameters)."""
     optimizer = raw_optimizer(optimizer)
     group = model.process_group
     directory = Path(input_dir) / f"optimizer_{index}"
     if allow_reorder is None:
         allow_reorder = not accelerator._schedulers
 
-    def prepare() -> tuple[list[list[str]], dict[str, Any], Any]:
-        expected, shapes = parameter_layout(model, optimizer)
-        metadata = read_dcp_metadata(directory)
-        return expected, shapes, _destination(metadata, shapes, group)
+    def geometry() -> dict[str, tuple[_Owner, Member]] | None:
+        try:
+            return _owners(model, optimizer, group)
+        except GeometryMismatch:
+            return None
 
-    expected, _shapes, state = run_phase(prepare, "Preparing the FSDP optimizer restore", group)
-    # Our destination is already sharded: the default flattening drops empty local shards (ranks that own no
-    # rows of a small parameter) and then fails on the schema.
-    run_phase(lambda: load(state, storage_reader=FileSystemReader(str(directory)), process_group=group,
-                           planner=DefaultLoadPlanner(flatten_sharded_tensors=False)),
-              "Reading the FSDP optimizer checkpoint", group)
+    owners = run_phase(geometry, "Mapping FSDP shards", group)
+    if any_rank(owners is None, group):
+        _load_by_conversion(accelerator, optimizer, model, directory, allow_reorder)
+        return
+    expected, _shapes = parameter_layout(model, optimizer)
+    metadata = run_phase(lambda: read_dcp_metadata(directory), "Reading the optimizer checkpoint metadata", group)
+    saved = _saved_groups(metadata, directory, group)
+
+    def validate() -> dict[str, dict[str, Any]]:
+        align_groups(saved, expected, optimizer, allow_reorder=allow_reorder)
+        return _check_entries(metadata, owners, optimizer, saved["param_groups"])
+
+    entries = run_phase(validate, "Validating the FSDP optimizer checkpoint", group)
+    # Release superseded moments first so old and new never coexist (plain torch optimizers only: load
+    # pre-hooks of custom ones may need the old state).
+    if not optimizer._optimizer_load_state_dict_pre_hooks:
+        optimizer.state.clear()
+    state, local = run_phase(lambda: _plan(metadata, owners, group), "Allocating this rank's optimizer state", group)
+    _read(state, directory, group, "Reading this rank's optimizer state")
+    per_owner = run_phase(lambda: _assemble(state.get("optimizer", {}), local, owners, entries),
+                          "Assembling the optimizer state", group)
+    ids: dict[int, int] = {}
+    groups = []
+    for live, aligned in zip(optimizer.param_groups, saved["param_groups"]):
+        params = []
+        for parameter in live["params"]:
+            ids.setdefault(id(parameter), len(ids))
+            params.append(ids[id(parameter)])
+        groups.append({**{k: v for k, v in aligned.items() if k != "params"}, "params": params})
+    state_dict = {"state": {ids[key]: value for key, value in per_owner.items() if key in ids},
+                  "param_groups": groups}
+    run_phase(lambda: optimizer.load_state_dict(state_dict), "Loading the FSDP optimizer state", group)
+
+
+def _load_by_conversion(accelerator: Any, optimizer: torch.optim.Optimizer, model: Any, directory: Path,
+                        allow_reorder: bool) -> None:
+    """Layout-agnostic fallback: read this rank's dim-0 chunks, then let FSDP convert (all-gathers each
+    parameter's state, so peak memory is a few times the shard)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+
+    group = model.process_group
+
+    def prepare() -> tuple[list[list[str]], Any]:
+        expected, shapes = parameter_layout(model, optimizer)
+        return expected, _destination(read_dcp_metadata(directory), shapes, group)
+
+    expected, state = run_phase(prepare, "Preparing the FSDP optimizer restore", group)
+    _read(state, directory, group, "Reading the FSDP optimizer checkpoint")
     saved = state.pop("optimizer")
     run_phase(lambda: align_groups(saved, expected, optimizer, allow_reorder=allow_reorder),
               "Validating the FSDP optimizer checkpoint", group)
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=True),
                               ShardedOptimStateDictConfig(offload_to_cpu=True)):
-        # Release superseded moments first so old and new state never coexist (plain torch optimizers only:
-        # load pre-hooks of custom ones may need the old state).
         if not optimizer._optimizer_load_state_dict_pre_hooks:
             optimizer.state.clear()
         local = run_phase(lambda: FSDP.optim_state_dict_to_load(model, optimizer, saved),
                           "Converting the FSDP optimizer state", group)
-        saved.clear()  # the converted copy is all that is needed now
+        saved.clear()
         run_phase(lambda: optimizer.load_state_dict(local), "Loading the FSDP optimizer state", group)
 
 

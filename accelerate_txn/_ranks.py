@@ -110,6 +110,15 @@ def run_phase(function: Callable[[], T], context: str = "Checkpoint phase", grou
     raise_gathered(failures, context, caught)
 
 
+def any_rank(flag: bool, group: Any = None) -> bool:
+    """True on every rank if ``flag`` is true on any rank (one fixed-size all-reduce)."""
+    if not distributed():
+        return flag
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_device(group))
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
 def digest(value: Any) -> bytes:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).digest()
 
