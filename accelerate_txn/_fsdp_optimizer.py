@@ -175,8 +175,10 @@ def _read(state: dict[str, Any], directory: Path, group: Any, what: str) -> None
                            planner=_SafePlanner.create()), what, group)
 
 
-def _saved_groups(metadata: Any, directory: Path, group: Any) -> dict[str, Any]:
-    """Read only the parameter-group entries (small) of the optimizer checkpoint."""
+def _saved_groups(metadata: Any, directory: Path) -> dict[str, Any]:
+    """Read only the parameter-group entries (small) of the optimizer checkpoint, locally (no collective, so it
+    is safe inside a rank phase)."""
+    from torch.distributed.checkpoint import FileSystemReader, load
     from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -187,7 +189,7 @@ def _saved_groups(metadata: Any, directory: Path, group: Any) -> dict[str, Any]:
             flat[key] = (torch.empty(tuple(stored.size), dtype=stored.properties.dtype)
                          if isinstance(stored, TensorStorageMetadata) else None)
     state = unflatten_state_dict(flat, {key: metadata.planner_data[key] for key in flat})
-    _read(state, directory, group, "Reading the optimizer parameter groups")
+    load(state, storage_reader=FileSystemReader(str(directory)), planner=_SafePlanner.create(), no_dist=True)
     return state.get("optimizer", {})
 
 
@@ -362,6 +364,30 @@ def _same_value(first: Any, other: Any) -> bool:
     return first == other
 
 
+def _validated(model: Any, optimizer: torch.optim.Optimizer, directory: Path,
+               owners: dict[str, tuple[_Owner, Member]], allow_reorder: bool) -> tuple[Any, dict[str, Any], Any]:
+    expected, _shapes = parameter_layout(model, optimizer)
+    metadata = read_dcp_metadata(directory)
+    saved = _saved_groups(metadata, directory)
+    align_groups(saved, expected, optimizer, allow_reorder=allow_reorder)
+    return metadata, saved, _check_entries(metadata, owners, optimizer, saved["param_groups"])
+
+
+def validate_optimizer_checkpoint(accelerator: Any, input_dir: Path) -> None:
+    """Check every FSDP optimizer checkpoint of ``accelerator`` in ``input_dir`` against the live models and
+    optimizers (entries, shapes, groups, completeness) without changing anything and without collectives:
+    the protected load runs this on every rank before the restore touches any state."""
+    allow_reorder = not accelerator._schedulers
+    for index, (model, optimizer) in enumerate(zip(accelerator._models, accelerator._optimizers)):
+        optimizer = raw_optimizer(optimizer)
+        group = model.process_group
+        try:
+            owners = _owners(model, optimizer, group)
+        except GeometryMismatch:
+            continue  # the conversion fallback validates while it loads
+        _validated(model, optimizer, Path(input_dir) / f"optimizer_{index}", owners, allow_reorder)
+
+
 def load_sharded_optimizer(accelerator: Any, optimizer: Any, model: Any, input_dir: str, index: int,
                            *, allow_reorder: bool | None = None) -> None:
     """Restore optimizer ``index`` of ``accelerator`` from ``input_dir/optimizer_<index>``, reading only this
@@ -385,15 +411,9 @@ def load_sharded_optimizer(accelerator: Any, optimizer: Any, model: Any, input_d
     if any_rank(owners is None, group):
         _load_by_conversion(accelerator, optimizer, model, directory, allow_reorder)
         return
-    expected, _shapes = parameter_layout(model, optimizer)
-    metadata = run_phase(lambda: read_dcp_metadata(directory), "Reading the optimizer checkpoint metadata", group)
-    saved = _saved_groups(metadata, directory, group)
-
-    def validate() -> dict[str, dict[str, Any]]:
-        align_groups(saved, expected, optimizer, allow_reorder=allow_reorder)
-        return _check_entries(metadata, owners, optimizer, saved["param_groups"])
-
-    entries = run_phase(validate, "Validating the FSDP optimizer checkpoint", group)
+    metadata, saved, entries = run_phase(
+        lambda: _validated(model, optimizer, directory, owners, allow_reorder),  # type: ignore[arg-type]
+        "Validating the FSDP optimizer checkpoint", group)
     # Release superseded moments first so old and new never coexist (plain torch optimizers only: load
     # pre-hooks of custom ones may need the old state).
     if not optimizer._optimizer_load_state_dict_pre_hooks:

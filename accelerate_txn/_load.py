@@ -18,7 +18,7 @@ from typing import Any
 from ._config import checkpoint_config, mark_failed
 from ._descriptor import backend, compare_descriptor, describe, participants
 from ._finite import check_finite_state
-from ._fsdp_optimizer import verify_restored
+from ._fsdp_optimizer import validate_optimizer_checkpoint, verify_restored
 from ._manifest import read_manifest, verify_manifest
 from ._native import fsdp_routing, native_method, synchronized_hooks
 from ._ranks import agree, digest, on_main, rank, run_phase
@@ -87,9 +87,13 @@ def _check_live(path: Path, manifest: dict[str, Any] | None, group: dict[str, An
                 where=str(path / name), warn=rank() == 0,
             )
     everyone = rank() == 0  # rank 0 checks every rank's files; each rank also reads its own
-    return {name: check_required_files(owner, path / name,
-                                       range(owner.num_processes) if everyone else (owner.process_index,))
-            for name, owner in group.items()}
+    states = {name: check_required_files(owner, path / name,
+                                         range(owner.num_processes) if everyone else (owner.process_index,))
+              for name, owner in group.items()}
+    for name, owner in group.items():
+        if backend(owner) == "FSDP":
+            validate_optimizer_checkpoint(owner, path / name)
+    return states
 
 
 def _restore(path: Path, group: dict[str, Any], rng: dict[str, dict[int, Any]], kwargs: dict[str, Any]) -> None:
