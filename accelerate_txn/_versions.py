@@ -17,7 +17,7 @@ from packaging.version import Version
 
 # Each entry: (package, inclusive lower bound, exclusive upper bound). Keep in step with .ci/run.
 VALIDATED: dict[str, tuple[tuple[str, str], ...]] = {
-    "accelerate": (("1.13.0", "1.13.1"), ("1.15.0", "1.15.1")),
+    "accelerate": (("1.7.0", "1.7.1"), ("1.10.1", "1.10.2"), ("1.13.0", "1.13.1"), ("1.15.0", "1.15.1")),
     "torch": (("2.13.0", "2.13.1"),),
 }
 OVERRIDE_ENV = "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED"
@@ -60,11 +60,16 @@ def versions_ok() -> bool:
     return _installed_validated() or override_requested()
 
 
+def _describe_range(low: str, high: str) -> str:
+    first, limit = Version(low), Version(high)
+    if limit.release == (*first.release[:2], first.micro + 1):
+        return low  # exactly one release
+    return f">={low},<{high}"
+
+
 def describe_table() -> str:
-    rows = []
-    for name, ranges in VALIDATED.items():
-        rows.append(f"{name} " + " or ".join(f">={low},<{high}" for low, high in ranges))
-    return "; ".join(rows)
+    return "; ".join(f"{name} " + ", ".join(_describe_range(low, high) for low, high in ranges)
+                     for name, ranges in VALIDATED.items())
 
 
 def unsupported_message() -> str:

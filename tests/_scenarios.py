@@ -230,6 +230,14 @@ def dispatch_toggles(root: str) -> dict[str, Any]:
         acc2.load_state(os.path.join(root, "unpatched"))
     obs["legacy_warned"] = any("no completion manifest" in str(w.message) for w in caught)
     obs["legacy_differences"] = _same(_local_state(model, opt), _local_state(model2, opt2))
+    # An opted-in instance routes even a native (unwrapped) load_state's FSDP optimizer load through the
+    # accelerate-txn loader: a fresh optimizer gets its state back, where native Accelerate restores none.
+    from accelerate_txn._native import native_method
+
+    acc3, model3, opt3, _ = _build(6)
+    accelerate_txn.patch_accelerate_fsdp(acc3)
+    native_method(acc3, "load_state")(os.path.join(root, "unpatched"))
+    obs["opted_in_native_differences"] = _same(_local_state(model, opt), _local_state(model3, opt3))
     configure_checkpointing(acc2, allow_legacy=False)
     obs["legacy_refused"] = _error(lambda: acc2.load_state(os.path.join(root, "unpatched")))
     return obs

@@ -117,6 +117,11 @@ def test_per_instance_unpatch_and_patch(toggles: list) -> None:
         assert obs["repatched_has_manifest"] is True
 
 
+def test_opted_in_instance_routes_native_load_state_through_the_sharded_loader(toggles: list) -> None:
+    for obs in toggles:
+        assert obs["opted_in_native_differences"] == []
+
+
 def test_legacy_checkpoint_loads_with_warning_or_is_refused(toggles: list) -> None:
     assert toggles[0]["legacy_warned"]  # rank 0 warns
     for obs in toggles:

@@ -51,8 +51,12 @@ def _python(code: str, **env: str) -> dict[str, Any]:
 # --- the version table --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("package, version, expected", [
+    ("accelerate", "1.7.0", True),
+    ("accelerate", "1.10.1", True),
     ("accelerate", "1.13.0", True),
     ("accelerate", "1.15.0", True),
+    ("accelerate", "1.10.0", False),
+    ("accelerate", "1.6.0", False),
     ("accelerate", "1.14.0", False),
     ("accelerate", "1.13.1", False),
     ("accelerate", "1.12.9", False),
@@ -252,7 +256,7 @@ def test_patch_accelerate_fsdp_refuses_unvalidated_versions_naming_the_override(
     message = unvalidated["patch_error"]
     assert message is not None
     assert message.startswith("accelerate-txn has not been validated with accelerate 1.14.0 (validated: accelerate "
-                              ">=1.13.0,<1.13.1 or >=1.15.0,<1.15.1; torch >=2.13.0,<2.13.1)")
+                              "1.7.0, 1.10.1, 1.13.0, 1.15.0; torch 2.13.0)")
     assert f"set {OVERRIDE_ENV}=1" in message
     assert unvalidated["opted_in_after_refusal"] is False
 
