@@ -20,7 +20,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def _checkpoint(tmp_path: Path, name: str) -> Path:
     accelerator = Accelerator(cpu=True)
-    model, optimizer = accelerator.prepare(torch.nn.Linear(3, 2), torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]))
+    model = torch.nn.Linear(3, 2)
+    accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     return save_training_checkpoint(accelerator, tmp_path / name)
 
 
