@@ -2,14 +2,16 @@
 
 Why not native Accelerate: its loader builds the DCP read template from the *live* optimizer state, so a
 resume into a freshly created optimizer (no state yet) reads nothing and restores nothing, silently
-(Accelerate 1.13-1.15); on 1.7-1.12 it fails on checkpoints those versions wrote. Here the destination is
-allocated from the checkpoint's metadata: this rank's dim-0 chunk (``torch.chunk`` layout, as FSDP's sharded
-optimizer state is saved) for per-parameter tensors, full tensors only for scalars. Every entry is checked
-against the live model's parameter names and shapes before any payload is read, parameter groups are aligned
-by parameter names, Adam/AdamW state completeness is checked, and only then is the optimizer changed.
+(Accelerate 1.13-1.15); on 1.7-1.12 it can fail on checkpoints those versions wrote.
 
-Peak memory is still above one shard: ``FSDP.optim_state_dict_to_load`` all-gathers each parameter's state
-(tracked as a separate issue: memory-bounded sharded optimizer restore).
+Here every rank computes, from its FSDP flat parameters (``_fsdp_geometry``), which elements of each original
+parameter it holds, allocates its local optimizer state once, and lets DCP read exactly those elements (as
+boxes of the saved original-shape tensors) straight into place: no rank reads or receives another rank's
+state and nothing is all-gathered, so peak memory is about one optimizer shard. Before that, every entry is
+checked against the live model, parameter groups are aligned by parameter names and Adam/AdamW completeness is
+checked (:func:`validate_optimizer_checkpoint`, also run in the restore preflight). Layouts the geometry
+cannot map fall back to FSDP's ``optim_state_dict_to_load`` (:func:`_load_by_conversion`), which all-gathers
+each parameter's state.
 """
 
 from __future__ import annotations
@@ -203,7 +205,7 @@ class _Owner:
 
     parameter: torch.nn.Parameter
     numel: int
-    members: list[tuple[Member, int]] = field(default_factory=list)  # (member, position in the local state)
+    positions: dict[str, int] = field(default_factory=dict)  # member fqn -> where its local piece starts
 
 
 def _owners(model: Any, optimizer: torch.optim.Optimizer, group: Any) -> dict[str, tuple[_Owner, Member]]:
@@ -227,9 +229,8 @@ def _owners(model: Any, optimizer: torch.optim.Optimizer, group: Any) -> dict[st
         if unit._use_orig_params:
             for parameter, member in zip(flat._params, members):
                 owner = _Owner(parameter, parameter.numel())
-                piece = member.pieces.get(rank)
-                if piece is not None:
-                    owner.members.append((member, 0))
+                if rank in member.pieces:
+                    owner.positions[member.fqn] = 0
                 if id(parameter) in in_optimizer:
                     result[member.fqn] = (owner, member)
         else:
@@ -237,7 +238,7 @@ def _owners(model: Any, optimizer: torch.optim.Optimizer, group: Any) -> dict[st
             for member in members:
                 piece = member.pieces.get(rank)
                 if piece is not None:
-                    owner.members.append((member, piece.shard_offset))
+                    owner.positions[member.fqn] = piece.shard_offset
                 if id(flat) in in_optimizer:
                     result[member.fqn] = (owner, member)
     return result
@@ -275,7 +276,7 @@ def _plan(metadata: Any, owners: dict[str, tuple[_Owner, Member]], group: Any
                                            f"parameter store {destination.dtype}")
         shards_metadata, shards = [], []
         for holder, piece in sorted(member.pieces.items()):
-            position = next((p for m, p in owner.members if m is member), 0) if holder == rank else 0
+            position = owner.positions.get(fqn, 0)
             for offsets, sizes, flat_start in boxes(member.shape, piece.start, piece.stop):
                 box = ShardMetadata(list(offsets), list(sizes), f"rank:{_global_rank(group, holder)}/cpu")
                 shards_metadata.append(box)
@@ -336,8 +337,10 @@ def _assemble(loaded: dict[str, Any], local: dict[int, dict[str, torch.Tensor]],
     saved_state = loaded.get("state", {})
     result: dict[int, dict[str, Any]] = {}
     by_owner: dict[int, list[str]] = {}
-    for fqn, (owner, member) in owners.items():
-        if any(m is member for m, _ in owner.members):  # this rank holds part of it
+    for fqn, (owner, _member) in owners.items():
+        # Every live parameter with local elements gets state, including a flat shard that holds only padding
+        # on this rank (zeros, as FSDP's own conversion gives it): its members' state lives on other ranks.
+        if owner.numel > 0:
             by_owner.setdefault(id(owner.parameter), []).append(fqn)
     for owner_id, fqns in by_owner.items():
         with_state = [fqn for fqn in fqns if fqn in entries]

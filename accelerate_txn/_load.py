@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ._config import checkpoint_config, mark_failed
+from ._config import checkpoint_config, mark_failed, raw_optimizer
 from ._descriptor import backend, compare_descriptor, describe, participants
 from ._finite import check_finite_state
 from ._fsdp_optimizer import validate_optimizer_checkpoint, verify_restored
@@ -114,8 +114,10 @@ def _restore(path: Path, group: dict[str, Any], rng: dict[str, dict[int, Any]], 
                 for index, (model, optimizer) in enumerate(zip(owner._models, owner._optimizers))
             ], "Verifying the optimizer restore")
         if checkpoint_config(owner).check_finite:
-            run_phase(lambda owner=owner: check_finite_state([list(m.parameters()) for m in owner._models],
-                                                             "restored model parameters"), "Finite check")
+            run_phase(lambda owner=owner: (
+                check_finite_state([list(m.parameters()) for m in owner._models], "restored model parameters"),
+                check_finite_state([raw_optimizer(o).state for o in owner._optimizers], "restored optimizer state"),
+            ), "Finite check")
     # Native Accelerate swallows RNG errors: apply the pre-validated state ourselves (the last component's,
     # as native sequential loads would leave it) and let a failure raise.
     last = next(reversed(rng.values()))

@@ -62,7 +62,8 @@ def synchronized_hooks(accelerator: Any) -> Iterator[None]:
         yield
     finally:
         for hooks, key, function in changes:
-            hooks[key] = function
+            if key in hooks:  # a hook may have removed itself meanwhile
+                hooks[key] = function
 
 
 @contextlib.contextmanager

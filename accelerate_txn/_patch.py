@@ -107,7 +107,8 @@ def _load_fsdp_optimizer(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
         return wrapped(*args, **kwargs)
     from ._fsdp_optimizer import load_sharded_optimizer
 
-    accelerator.wait_for_everyone()
+    # No barrier here (native has one): a bare collective inside a phase could pair with another rank's phase
+    # exchange; load_sharded_optimizer's first phase synchronises the ranks.
     return load_sharded_optimizer(accelerator, bound["optimizer"], bound["model"], bound["input_dir"],
                                   bound.get("optimizer_index", 0))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
@@ -58,7 +59,8 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def raise_gathered(failures: dict[int, tuple[str, str]], context: str, cause: BaseException | None = None) -> NoReturn:
+def raise_gathered(failures: dict[int, tuple[str, str]], context: str, cause: BaseException | None = None,
+                   group: Any = None) -> NoReturn:
     """Raise one exception describing ``failures`` (rank -> (library class name or "", message))."""
     from . import errors
 
@@ -68,7 +70,7 @@ def raise_gathered(failures: dict[int, tuple[str, str]], context: str, cause: Ba
         candidate = getattr(errors, next(iter(names)), None) if next(iter(names)) else None
         if isinstance(candidate, type) and issubclass(candidate, CheckpointError):
             cls = candidate
-    if world_size() == 1:
+    if world_size(group) == 1:
         message = f"{context} failed: {next(iter(failures.values()))[1]}"
     else:
         detail = "; ".join(f"rank {r}: {msg}" for r, (_, msg) in sorted(failures.items()))
@@ -86,6 +88,8 @@ def run_phase(function: Callable[[], T], context: str = "Checkpoint phase", grou
     try:
         result = function()
     except BaseException as exc:  # on purpose: DCP's CheckpointException derives from BaseException
+        if getattr(exc, "out_of_step", False):
+            raise  # the ranks are desynchronised: another exchange could only hang
         caught = exc
         agreed = isinstance(exc, CheckpointError) and bool(exc.failures)  # raised everywhere by a nested phase
         name = type(exc).__name__ if isinstance(exc, CheckpointError) else ""
@@ -96,9 +100,23 @@ def run_phase(function: Callable[[], T], context: str = "Checkpoint phase", grou
         if isinstance(caught, (CheckpointError, *_PASS_THROUGH)):
             raise caught
         raise_gathered({0: failure[:2]}, context, caught)  # type: ignore[index]
-    flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32, device=_device(group))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if not flag.item():
+    # One fixed-size exchange: [failed, tag, -tag] with MAX. The phase tag catches ranks that are out of step (a
+    # rank that failed between native collectives meeting the others in a different phase): raise at once
+    # everywhere rather than exchange mismatched messages.
+    tag = zlib.crc32(context.encode()) & 0x3FFFFFFF
+    exchange = torch.tensor([0 if failure is None else 1, tag, -tag], dtype=torch.int32, device=_device(group))
+    dist.all_reduce(exchange, op=dist.ReduceOp.MAX, group=group)
+    failed, high, low = (int(value) for value in exchange.tolist())
+    if high != -low:
+        error = CheckpointRankError(
+            f"Ranks are out of step: this rank finished '{context}' while another rank finished a different phase "
+            "(a rank failed inside native Accelerate code between collectives). The training state may be "
+            "inconsistent across ranks: restart from the last complete checkpoint."
+        )
+        error.failures = {rank(group): context}
+        error.out_of_step = True  # type: ignore[attr-defined]
+        raise error from caught
+    if not failed:
         return result
     gathered: list[Any] = [None] * world_size(group)
     dist.all_gather_object(gathered, failure, group=group)
@@ -107,7 +125,7 @@ def run_phase(function: Callable[[], T], context: str = "Checkpoint phase", grou
     if caught is not None and all(item is not None and item[2] and item[1] == failure[1] for item in gathered):
         raise caught  # the same already-agreed error on every rank: pass it on unchanged
     failures = {r: item[:2] for r, item in enumerate(gathered) if item is not None}
-    raise_gathered(failures, context, caught)
+    raise_gathered(failures, context, caught, group)
 
 
 def any_rank(flag: bool, group: Any = None) -> bool:
@@ -141,6 +159,8 @@ def agree(value: Any, what: str, group: Any = None) -> None:
 
     def explain() -> None:
         found = differences(reference, local, names=("rank 0", f"rank {rank(group)}"), limit=3)
+        if not found and digest(value) != digest(holder[0]):
+            found = ["the values differ in representation (e.g. 1 vs 1.0 or True)"]
         if found:
             raise CheckpointConfigurationError(
                 f"Ranks disagree on {what}: {'; '.join(found)}. Every rank must run the same configuration; "

@@ -2,7 +2,7 @@
 
 Derived from the live Accelerator, so it also applies to legacy (manifest-less) checkpoints: every model and
 optimizer, scheduler, scaler, custom object, stateful dataloader, every rank's RNG file and every registered
-private state must be present and readable before anything is restored.
+private state must be present (RNG and private state also readable) before anything is restored.
 """
 
 from __future__ import annotations
@@ -22,8 +22,12 @@ def _indexed(stem: str, suffix: str, index: int) -> str:
 
 
 def _need(path: Path, what: str) -> None:
+    # Existence and non-emptiness only: their contents are verified by the manifest's sha256 (these are control
+    # files). For a legacy checkpoint nothing more can be proven without unpickling them.
     if not path.is_file():
         raise CheckpointIntegrityError(f"Missing {what}: {path}")
+    if path.stat().st_size == 0:
+        raise CheckpointIntegrityError(f"Empty {what}: {path} (truncated)")
 
 
 def check_required_files(accelerator: Any, directory: Path, ranks: range | tuple[int, ...]) -> dict[int, dict[str, Any]]:

@@ -30,7 +30,7 @@ from ._required import check_required_files
 from ._select import complete_run_id, numbered_checkpoints, prune
 from ._staging import DirectoryLock, StagedDirectory, fsync_tree, new_id, remove_leftovers, staging_leftovers
 from ._versions import installed_versions
-from .errors import CheckpointConfigurationError, CheckpointExistsError
+from .errors import CheckpointConfigurationError, CheckpointError, CheckpointExistsError
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class _Reservation:
             "files": build_inventory(staging, checksum),
         }
         write_manifest(staging, manifest)
-        return str(self.staged.publish())
+        return str(self.staged.publish(synced=True))  # every rank fsynced the tree; the manifest was fsynced
 
     def close(self) -> None:
         try:
@@ -186,7 +186,11 @@ def save_training_checkpoint(
         for owner in group.values():
             checkpoint_config(owner).run_id = run_id
         if limit is not None:
-            on_main(lambda: [str(p) for p in prune(path.parent, run_id, limit, path)], "Retention")
+            try:
+                on_main(lambda: [str(p) for p in prune(path.parent, run_id, limit, path)], "Retention")
+            except CheckpointError as exc:  # the new checkpoint is published: report, don't fail the save
+                if rank() == 0:
+                    logger.warning("Checkpoint %s is published, but retention failed: %s", published, exc)
     except BaseException:
         if published is None:
             for owner, iteration in iterations.values():

@@ -11,9 +11,9 @@ from typing import Any
 
 from ._config import checkpoint_config
 from ._descriptor import participants
-from ._manifest import read_manifest, verify_manifest
+from ._manifest import PROTOCOL, read_manifest, verify_manifest
 from ._required import check_required_files
-from .errors import CheckpointError, CheckpointIntegrityError, NoCheckpointError
+from .errors import CheckpointIntegrityError, NoCheckpointError
 
 logger = logging.getLogger(__name__)
 CHECKPOINT_NAME = re.compile(r"checkpoint[-_](\d+)\Z")
@@ -37,7 +37,9 @@ def complete_run_id(path: Path) -> str | None:
         manifest = read_manifest(path)
     except CheckpointIntegrityError:
         return None
-    run_id = manifest.get("run_id") if manifest else None
+    if not manifest or manifest.get("protocol") != PROTOCOL or manifest.get("status") != "complete":
+        return None
+    run_id = manifest.get("run_id")
     return run_id if isinstance(run_id, str) and run_id else None
 
 
@@ -67,7 +69,7 @@ def latest_training_checkpoint(output_dir: str | Path, owners: Any = None) -> st
             if group is not None:
                 for name, owner in group.items():
                     check_required_files(owner, path / name, range(owner.num_processes))
-        except CheckpointError as exc:
+        except CheckpointIntegrityError as exc:  # configuration errors are not a reason to pick an older one
             reasons.append(f"{path.name}: {exc}")
             logger.warning("Skipping checkpoint %s: %s", path, exc)
             continue

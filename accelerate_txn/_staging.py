@@ -118,13 +118,20 @@ class StagedDirectory:
         self.staging.mkdir(parents=False, exist_ok=False)
         return self.staging
 
-    def publish(self) -> Path:
-        """fsync the staged tree, rename it onto ``final`` and fsync the parent. Atomic on POSIX."""
-        fsync_tree(self.staging)
+    def publish(self, *, synced: bool = False) -> Path:
+        """fsync the staged tree (unless the caller did: ``synced``), rename it onto ``final`` and fsync the
+        parent. Atomic on POSIX. The rename is the commit point: a failure after it is logged, not raised, since
+        the directory is published and complete."""
+        if not synced:
+            fsync_tree(self.staging)
         if self.final.exists():
             raise CheckpointExistsError(f"Checkpoint destination {self.final} appeared while saving; nothing was published.")
         os.rename(self.staging, self.final)
-        fsync_path(self.final.parent)
+        try:
+            fsync_path(self.final.parent)
+        except OSError as exc:
+            logger.warning("Published %s, but fsync of %s failed (%s): the new name may not survive a power loss",
+                           self.final, self.final.parent, exc)
         return self.final
 
     def discard(self) -> None:

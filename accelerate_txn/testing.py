@@ -14,6 +14,7 @@ import faulthandler
 import importlib
 import multiprocessing
 import os
+import pickle
 import signal
 import socket
 import time
@@ -109,7 +110,9 @@ def _entry(target: str, rank: int, world_size: int, port: int, args: Sequence[An
     try:
         module, name = target.split(":")
         function = getattr(importlib.import_module(module), name)
-        results.put((rank, True, function(*args)))
+        value = function(*args)
+        payload = pickle.dumps(value)  # eagerly: a Queue pickles in a feeder thread, where errors vanish
+        results.put((rank, True, payload))
     except BaseException:  # report everything, including DCP's CheckpointException
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -169,4 +172,4 @@ def launch(target: str | Callable[..., Any], world_size: int = 2, *, args: Seque
     failures = {rank: value for rank, (ok, value) in collected.items() if not ok}
     if failures:
         raise LaunchError("\n".join(f"--- rank {rank} ---\n{text}" for rank, text in sorted(failures.items())))
-    return [collected[rank][1] for rank in range(world_size)]
+    return [pickle.loads(collected[rank][1]) for rank in range(world_size)]

@@ -19,6 +19,17 @@ class OtherModel(TinyModel):
     """A second model class, so two models in one Accelerator have distinct default roles."""
 
 
+class ScaledModel(TinyModel):
+    """TinyModel times a 1-element FSDP unit: with 2 ranks, rank 1's shard of that unit is only padding."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.scale = torch.nn.Linear(1, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale(torch.ones(1, 1))
+
+
 def _optimizer(kind: str, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     if kind == "adamw":
         return torch.optim.AdamW(groups, lr=1e-2)
@@ -48,6 +59,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "orig_before_first_step": {"use_orig_params": True, "optimizer": "adamw", "steps": 0},
     "flat_one_row_head": {"use_orig_params": False, "optimizer": "adamw", "steps": 2, "odd_rows": 1},
     "orig_two_models": {"use_orig_params": True, "optimizer": "adamw", "steps": 2, "models": 2},
+    "flat_padding_only_shard": {"use_orig_params": False, "optimizer": "adamw", "steps": 2, "scaled": True},
+    "orig_padding_only_shard": {"use_orig_params": True, "optimizer": "adamw", "steps": 2, "scaled": True},
 }
 
 
@@ -61,7 +74,8 @@ def _build(name: str, seed: int, *, reverse_groups: bool = False) -> tuple[Any, 
     config = CONFIGS.get(name) or OTHER[name]
     accelerator = fsdp_accelerator(use_orig_params=config["use_orig_params"], cpu_offload=config.get("cpu_offload", False))
     torch.manual_seed(seed)
-    raw = [(TinyModel if index == 0 else OtherModel)(odd_rows=config.get("odd_rows", 5))
+    first = ScaledModel if config.get("scaled") else TinyModel
+    raw = [(first if index == 0 else OtherModel)(odd_rows=config.get("odd_rows", 5))
            for index in range(config.get("models", 1))]
     prepared = accelerator.prepare(*raw)  # FSDP1: wrap the models first, build optimizers on them
     models = list(prepared) if isinstance(prepared, tuple) else [prepared]
