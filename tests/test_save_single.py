@@ -42,7 +42,8 @@ def test_every_staged_file_and_directory_is_fsynced_before_publish(tmp_path: Pat
     save_training_checkpoint(accelerator, final)
     published = [p for p in final.rglob("*") if p.is_file()]
     assert {p.name for p in published} >= {MANIFEST, "model.safetensors", "optimizer.bin", "random_states_0.pkl"}
-    before_rename = {Path(path).name for path, existed in synced if not existed}
+    # The manifest is fsynced under its temporary name, then renamed into place (and its directory fsynced).
+    before_rename = {Path(path).name.removesuffix(".tmp") for path, existed in synced if not existed}
     for path in published:
         assert path.name in before_rename, f"{path.name} was not fsynced before the checkpoint was published"
     # The parent directory is fsynced after the rename, so the new name itself is durable.
