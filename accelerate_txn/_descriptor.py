@@ -115,12 +115,13 @@ def parameter_layout(model: Any, optimizer: torch.optim.Optimizer) -> tuple[list
     return groups, shapes
 
 
-def _plain_names(model: Any, accelerator: Any) -> tuple[list[list[str]], dict[str, Any]]:
+def _plain_names(model: Any, accelerator: Any) -> tuple[dict[int, str], dict[str, Any]]:
+    """Non-FSDP models: parameter id -> name (names of the unwrapped model, stable across DDP), and shapes."""
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     named = dict(unwrapped.named_parameters())
     by_id = {id(parameter): name for name, parameter in named.items()}
     shapes = {name: (tuple(p.shape), p.dtype, p.requires_grad) for name, p in named.items()}
-    return by_id, shapes  # type: ignore[return-value]
+    return by_id, shapes
 
 
 def _callable_signature(function: Any) -> dict[str, Any]:
