@@ -125,6 +125,12 @@ def load_matrix(root: str) -> dict[str, Any]:
         got = _states(models, optimizers)
         obs[f"fallback_{name}"] = [d for d in _same({"params": {}, "optim": expected[0]["optim"]},
                                                     {"params": {}, "optim": got[0]["optim"]})]
+    # Parameter CPU offload with flat parameters is refused with the fix (FSDP's offload needs pinned memory, so
+    # only the preflight can run here: no forward pass).
+    offload = fsdp_accelerator(use_orig_params=False, cpu_offload=True)
+    offload_model = offload.prepare(TinyModel())
+    offload.prepare(torch.optim.AdamW(offload_model.parameters(), lr=1e-2))
+    obs["offload_flat"] = _error(lambda: offload.save_state(str(Path(root) / "offload")))
     # Rejections, each before any model or optimizer state changes.
     legacy = Path(root) / "legacy_groups"  # a manifest-less copy: only the optimizer checks guard it
     missing = Path(root) / "missing_moment"  # ... and one without exp_avg_sq of body.0.weight

@@ -49,3 +49,10 @@ def test_bad_optimizer_checkpoint_is_rejected_on_every_rank_before_any_change(
 def test_conversion_fallback_restores_the_same_state(restored: list[dict[str, Any]], name: str) -> None:
     for obs in restored:
         assert obs[f"fallback_{name}"] == []
+
+
+def test_parameter_offload_without_original_params_is_refused_with_the_fix(restored: list[dict[str, Any]]) -> None:
+    for obs in restored:
+        assert obs["offload_flat"]["type"] == "CheckpointConfigurationError"
+        assert "CPU offload requires use_orig_params=True" in obs["offload_flat"]["message"]
+        assert "FullyShardedDataParallelPlugin(use_orig_params=True)" in obs["offload_flat"]["message"]
