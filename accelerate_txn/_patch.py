@@ -39,8 +39,12 @@ def automatic_dispatch_requested() -> bool:
 
 
 def _protected(accelerator: Any) -> bool:
-    """The dispatch decision; a collective (all ranks must agree)."""
+    """The dispatch decision; for FSDP a collective (all ranks must agree)."""
     global _warned_versions
+    if accelerator.distributed_type.name != "FSDP":
+        # Native, and without any collective: the backend is the same on every rank, and users of other
+        # backends may call save_state on the main process only, which a collective here would hang.
+        return False
     opted_in = accelerator in _OPTED_IN
     enabled = (opted_in or automatic_dispatch_requested()) and accelerator not in _OPTED_OUT
     eligible = is_fsdp1_sharded(accelerator)

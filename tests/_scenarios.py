@@ -359,6 +359,11 @@ def multi_cpu_explicit(root: str) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = acc.prepare(model, opt)
     _train(acc, model, opt, None, 2, seed=0)
+    # The patch adds no collective for other backends: a main-process-only native save_state must not hang.
+    if acc.is_main_process:
+        acc.save_state(str(Path(root) / "main_only"))
+    acc.wait_for_everyone()
+    main_only = sorted(os.listdir(Path(root) / "main_only"))
     path = accelerate_txn.save_training_checkpoint(acc, Path(root) / "ddp")
     expected = _local_state(model, opt)
     torch.manual_seed(1)
@@ -368,4 +373,5 @@ def multi_cpu_explicit(root: str) -> dict[str, Any]:
     model2, opt2 = acc2.prepare(model2, opt2)
     accelerate_txn.load_training_checkpoint(acc2, path)
     return {"backend": acc2.distributed_type.name, "manifest": (path / accelerate_txn.MANIFEST).is_file(),
+            "main_only": main_only,
             "differences": _same(expected, _local_state(model2, opt2))}

@@ -228,4 +228,5 @@ def test_explicit_api_protects_multi_cpu(tmp_path: Any) -> None:
     for obs in launch("tests._scenarios:multi_cpu_explicit", 2, args=(str(tmp_path),), timeout=TIMEOUT):
         assert obs["backend"] == "MULTI_CPU"
         assert obs["manifest"] is True
+        assert "model.safetensors" in obs["main_only"] and "checkpoint_manifest.json" not in obs["main_only"]
         assert obs["differences"] == []
