@@ -37,6 +37,7 @@ if (REPO / "accelerate_txn" / "__init__.py").is_file() and str(REPO) not in sys.
     sys.path.insert(0, str(REPO))
 
 from accelerate_txn import MANIFEST  # noqa: E402
+from accelerate_txn._staging import LOCK_NAME  # noqa: E402
 from accelerate_txn.testing import free_port  # noqa: E402
 
 WORLD_SIZE = 2
@@ -48,7 +49,6 @@ KILL_TIMEOUT = 10.0
 POLL = 0.05
 WORKER = Path(__file__).resolve().with_name("demo_train.py")
 VERDICT = "lost nothing: parameters and optimizer state bitwise identical to the uninterrupted run"
-LOCK_NAME = ".accelerate-txn.lock"
 MAX_SHOWN = 15  # differences listed on failure
 
 
