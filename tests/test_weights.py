@@ -941,3 +941,134 @@ def test_export_dcp_reassembles_chunks_written_by_two_ranks(tmp_path: Path) -> N
     assert len(metadata.state_dict_metadata["model.proj.weight"].chunks) == 2
     out = export_dcp_to_diffusers(tmp_path / "dcp", ConfigOnly(), tmp_path / "export", max_shard_size=64)
     assert_same(read_diffusers_state_dict(out), torch.load(tmp_path / "expected.pt", weights_only=True))
+
+
+# --------------------------------------------------------------------------------------------- review regressions
+
+
+def test_state_dict_key_selects_a_sibling_of_state_dict_not_the_raw_weights(tmp_path: Path) -> None:
+    raw, ema = snapshot(seeded(DuckModel(), 1)), snapshot(seeded(DuckModel(), 2))
+    torch.save({"state_dict": raw, "ema": ema}, tmp_path / "ck.pt")
+    model = DuckModel()
+    copy_diffusers_checkpoint(model, tmp_path / "ck.pt", None, state_dict_key="ema")
+    assert_same(snapshot(model), ema)
+
+
+def test_state_dict_key_that_does_not_exist_is_refused_listing_the_keys(tmp_path: Path) -> None:
+    raw = snapshot(seeded(DuckModel(), 1))
+    torch.save({"state_dict": raw, "ema": raw}, tmp_path / "ck.pt")
+    model = seeded(DuckModel(), 3)
+    before = snapshot(model)
+    message = r"ck\.pt has no state dict under 'emma'.*top level: 'ema', 'state_dict'; under 'state_dict': 'layers\.0\.bias'"
+    with pytest.raises(CheckpointIntegrityError, match=message):
+        copy_diffusers_checkpoint(model, tmp_path / "ck.pt", None, state_dict_key="emma")
+    assert_same(snapshot(model), before)
+
+
+def test_discovery_fingerprints_the_bin_weights_the_loader_reads_despite_a_stray_safetensors(tmp_path: Path) -> None:
+    state = snapshot(seeded(DuckModel(), 1))
+    DuckModel().save_config(tmp_path)
+    torch.save(state, tmp_path / "diffusion_pytorch_model.bin")
+    save_file({"x": torch.zeros(1)}, tmp_path / "notes.safetensors")
+    fingerprint = checkpoint_fingerprint(tmp_path)
+    assert [entry["name"] for entry in fingerprint] == ["config.json", "diffusion_pytorch_model.bin"]
+    torch.save({key: value + 1 for key, value in state.items()}, tmp_path / "diffusion_pytorch_model.bin")
+    assert checkpoint_fingerprint(tmp_path) != fingerprint
+
+
+def test_discovery_is_complete_is_false_for_a_directory_the_loader_refuses(tmp_path: Path) -> None:
+    model = seeded(DuckModel(), 1)
+    model.save_config(tmp_path)
+    save_file(snapshot(model), tmp_path / "model.safetensors")
+    with pytest.raises(NoCheckpointError, match=r"No model weights in"):
+        load_diffusers_checkpoint(DuckModel, tmp_path, tmp_path, torch.float32)
+    assert not is_complete_diffusers_checkpoint(DuckModel, tmp_path, model.config)
+
+
+def test_is_complete_returns_false_for_a_corrupt_config(tmp_path: Path, unet_export: tuple[Path, Path, dict]) -> None:
+    out, _ = duck_export(tmp_path / "duck")
+    (out / "config.json").write_text('{"width": 8, "dep')
+    assert not is_complete_diffusers_checkpoint(DuckModel, out, {"width": 8, "depth": 3})
+    (out / "config.json").write_text('{"width": 8}')
+    assert not is_complete_diffusers_checkpoint(DuckModel, out, {"width": 8, "depth": 3})
+    base, tuned, _state = unet_export
+    broken = tmp_path / "unet"
+    shutil.copytree(tuned, broken)
+    (broken / "config.json").write_text('{"_class_name": "UNet2DModel", "sample')
+    assert not is_complete_diffusers_checkpoint(UNet2DModel, broken, UNet2DModel.load_config(base))
+
+
+def test_load_diffusers_checkpoint_refuses_a_directory_whose_config_differs_from_the_base(
+    tmp_path: Path, unet_export: tuple[Path, Path, dict]
+) -> None:
+    base, _tuned, _state = unet_export
+    other = unet(1, norm_eps=0.5, act_fn="relu")  # same keys and shapes, different behaviour
+    save_diffusers_state_dict(snapshot(other), other, tmp_path / "other")
+    message = r"config\.json differs from the base model's .*: act_fn, norm_eps"
+    with pytest.raises(CheckpointConfigurationError, match=message):
+        load_diffusers_checkpoint(UNet2DModel, base, tmp_path / "other", torch.float32)
+
+
+class Wrapped(torch.Tensor):
+    """A tensor subclass standing in for any wrapper (DTensor, FSDP flat parameters) an export cannot write."""
+
+
+def test_export_refuses_a_tensor_subclass_and_leaves_the_dict_untouched(tmp_path: Path) -> None:
+    state = {"a": torch.ones(4), "b": torch.ones(4, 4).as_subclass(Wrapped), "c": torch.ones(2)}
+    with pytest.raises(CheckpointConfigurationError, match=r"'b' \(Wrapped\).*gather a full state dict first"):
+        save_diffusers_state_dict(state, ConfigOnly(), tmp_path / "out", max_shard_size=70)
+    assert list(state) == ["a", "b", "c"]
+    assert not (tmp_path / "out").exists()
+
+
+DTENSOR_EXPORT = textwrap.dedent(
+    """
+    import os, sys
+    from pathlib import Path
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from accelerate_txn.errors import CheckpointConfigurationError
+    from accelerate_txn.weights import save_diffusers_state_dict
+
+    class ConfigOnly:
+        def save_config(self, directory):
+            Path(directory, "config.json").write_text("{}")
+
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        state = {"a": torch.ones(4), "b": distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]), "c": torch.ones(2)}
+        try:
+            save_diffusers_state_dict(state, ConfigOnly(), sys.argv[1], max_shard_size=70)
+        except CheckpointConfigurationError as exc:
+            print("REFUSED", exc)
+        print("LEFT", sorted(state), os.path.exists(sys.argv[1]))
+    finally:
+        dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_export_refuses_a_dtensor_and_leaves_the_dict_untouched(tmp_path: Path) -> None:
+    script = tmp_path / "dtensor_export.py"
+    script.write_text(DTENSOR_EXPORT)
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "out"), str(tmp_path / "rendezvous")],
+        capture_output=True, text=True, timeout=100, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"REFUSED .*'b' \(DTensor\).*gather a full state dict first", result.stdout), result.stdout
+    assert "LEFT ['a', 'b', 'c'] False" in result.stdout
+
+
+@pytest.mark.parametrize("content", [b"", b"hello world garbage", "truncated"], ids=["empty", "garbage", "truncated"])
+def test_corrupt_bin_file_is_refused_as_unreadable_not_a_bare_key_error(tmp_path: Path, content: bytes | str) -> None:
+    path = tmp_path / "weights.bin"
+    torch.save(snapshot(seeded(DuckModel(), 1)), path)
+    path.write_bytes(path.read_bytes()[:200] if content == "truncated" else content)
+    with pytest.raises(CheckpointIntegrityError, match=r"weights\.bin is not a readable PyTorch file"):
+        load_model_checkpoint(DuckModel(), path)

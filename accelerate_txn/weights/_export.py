@@ -139,6 +139,17 @@ def _check_state_dict(state_dict: Mapping[str, Any], where: Path) -> None:
             f"Cannot export an empty state dict to {where}: gather the full model state first (under FSDP every "
             "rank must take part in gathering before rank 0 exports)."
         )
+    wrapped = [
+        f"{key!r} ({type(value).__name__})"
+        for key, value in state_dict.items()
+        if isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, torch.nn.Parameter)
+    ]
+    if wrapped:
+        raise CheckpointConfigurationError(
+            f"Cannot export to {where}: {len(wrapped)} entr(ies) are tensor subclasses such as DTensor or a sharded "
+            f"parameter, which hold only part of the tensor ({_examples(wrapped)}): gather a full state dict first "
+            "(e.g. get_model_state_dict with full_state_dict=True, cpu_offload=True) and export plain tensors."
+        )
     bad = [
         repr(key)
         for key, value in state_dict.items()

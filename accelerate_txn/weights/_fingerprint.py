@@ -43,7 +43,7 @@ def checkpoint_fingerprint(path: PathLike) -> list[FingerprintEntry]:
     :class:`NoCheckpointError` if there are no weights.
     """
     path = Path(path)
-    files = list(_locate_weights(path, any_safetensors=True).files)
+    files = list(_locate_weights(path).files)
     if path.is_dir():
         files += [path / name for name in _EXPORT_FILES if (path / name).is_file()]
     entries: list[FingerprintEntry] = []

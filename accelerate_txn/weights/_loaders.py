@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointConfigurationError, CheckpointIntegrityError, NoCheckpointError
-from ._common import CONFIG_NAME, PathLike, _check_dtype, _shapes, _strip
+from ._common import CONFIG_NAME, PathLike, _check_dtype, _examples, _shapes, _strip
 from ._layout import _locate_weights
 from ._read import _check_matches_model, _iter_tensors, _read_file, _scan
 
@@ -117,7 +117,8 @@ def load_diffusers_checkpoint(
         )
     checkpoint = Path(checkpoint)
     config = model_cls.load_config(model_name, subfolder=subfolder)
-    expected = _shapes(_meta_model(model_cls, config).state_dict())
+    base_model = _meta_model(model_cls, config)
+    expected = _shapes(base_model.state_dict())
     if checkpoint.is_dir() and not (checkpoint / CONFIG_NAME).is_file():
         raise CheckpointIntegrityError(
             f"{checkpoint} has no {CONFIG_NAME}: it is not a complete Diffusers model directory. Export it with "
@@ -126,6 +127,21 @@ def load_diffusers_checkpoint(
     weights = _locate_weights(checkpoint)
     _check_matches_model(_scan(weights), expected, weights.source)
     if checkpoint.is_dir():
+        try:
+            candidate_model = _meta_model(model_cls, model_cls.load_config(checkpoint))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointIntegrityError(
+                f"{checkpoint / CONFIG_NAME} is not a valid {model_cls.__name__} config ({type(exc).__name__}: {exc}): "
+                "re-export the checkpoint."
+            ) from None
+        differing = _config_differences(base_model, candidate_model)
+        if differing:
+            raise CheckpointConfigurationError(
+                f"{checkpoint / CONFIG_NAME} differs from the base model's ({model_name}"
+                f"{'/' + subfolder if subfolder else ''}) on {len(differing)} key(s): {_examples(differing)}. The "
+                "checkpoint would be built with its own config: pass the base model it was trained from, or load "
+                "it as a model of its own."
+            )
         model, info = model_cls.from_pretrained(
             checkpoint, low_cpu_mem_usage=True, torch_dtype=torch_dtype, output_loading_info=True
         )
@@ -141,33 +157,44 @@ def load_diffusers_checkpoint(
     return model
 
 
-def _public_config(model: Any) -> str:
+def _public_config(model: Any) -> dict[str, str]:
+    """A model's normalised config, private ``_`` keys dropped, each value as canonical JSON (tuples == lists)."""
     config = getattr(model, "config", None)
     items = dict(config) if isinstance(config, Mapping) else {}
-    public = {key: value for key, value in items.items() if not key.startswith("_")}
-    return json.dumps(public, sort_keys=True, default=str)
+    return {
+        key: json.dumps(value, sort_keys=True, default=str) for key, value in items.items() if not key.startswith("_")
+    }
+
+
+def _config_differences(expected_model: Any, candidate_model: Any) -> list[str]:
+    """The public config keys on which two meta models differ (present in one only, or with different values)."""
+    expected, candidate = _public_config(expected_model), _public_config(candidate_model)
+    return sorted(key for key in expected.keys() | candidate.keys() if expected.get(key) != candidate.get(key))
 
 
 def is_complete_diffusers_checkpoint(model_cls: Any, path: PathLike, base_config: Mapping[str, Any]) -> bool:
     """Whether ``path`` is a complete safetensors Diffusers export of a ``model_cls`` built from ``base_config``.
 
     True only if: ``path`` is a directory with ``config.json`` whose normalised config (private ``_`` keys
-    ignored) equals ``base_config``'s, its safetensors files are consistent with their index, and their headers hold
-    exactly the model's keys and shapes. Reads headers only; never raises for an incomplete checkpoint.
+    ignored) equals ``base_config``'s, its weights - found exactly as the loaders find them (safetensors index,
+    else ``diffusion_pytorch_model.safetensors``) - are safetensors consistent with their index, and their headers
+    hold exactly the model's keys and shapes. Reads headers only; never raises for an incomplete checkpoint or an
+    unreadable/invalid ``config.json`` (it returns False). True implies :func:`load_diffusers_checkpoint` accepts
+    ``path`` with a base model of this config.
     """
     path = Path(path)
     if not path.is_dir() or not (path / CONFIG_NAME).is_file():
         return False
     try:
-        weights = _locate_weights(path, any_safetensors=True)
+        weights = _locate_weights(path)
         if weights.files[0].suffix != ".safetensors":
             return False
         found = _scan(weights)
     except (CheckpointIntegrityError, NoCheckpointError):
         return False
     expected_model = _meta_model(model_cls, base_config)
-    candidate_model = _meta_model(model_cls, model_cls.load_config(path))
-    return (
-        _public_config(expected_model) == _public_config(candidate_model)
-        and found == _shapes(expected_model.state_dict())
-    )
+    try:
+        candidate_model = _meta_model(model_cls, model_cls.load_config(path))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False  # config.json is not valid JSON, or not a config of this class
+    return not _config_differences(expected_model, candidate_model) and found == _shapes(expected_model.state_dict())

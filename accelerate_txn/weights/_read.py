@@ -22,31 +22,50 @@ from ._layout import _WeightFiles
 _ADAPTER_MARKERS = ("lora", "lokr", "loha", "adapter", ".alpha")
 
 
-def _load_bin(path: Path, state_dict_key: str | None = None) -> dict[str, torch.Tensor]:
+def _select(state: object, path: Path, state_dict_key: str | None) -> object:
+    """The state dict a loaded ``.bin`` payload holds, per ``state_dict_key`` (see :func:`_load_bin`)."""
+    nested = state.get("state_dict") if isinstance(state, dict) else None
+    if state_dict_key is None:
+        return nested if isinstance(nested, dict) else state
+    if isinstance(state, dict) and isinstance(state.get(state_dict_key), dict):
+        return state[state_dict_key]
+    if isinstance(nested, dict) and isinstance(nested.get(state_dict_key), dict):
+        return nested[state_dict_key]
+    top = _examples(sorted(repr(key) for key in state)) if isinstance(state, dict) else f"none (a {type(state).__name__})"
+    under = f"; under 'state_dict': {_examples(sorted(repr(key) for key in nested))}" if isinstance(nested, dict) else ""
+    raise CheckpointIntegrityError(
+        f"{path} has no state dict under {state_dict_key!r} (looked at the top level, then under 'state_dict'). Keys "
+        f"at the top level: {top}{under}. Pass one of them as state_dict_key, or None for the plain state dict."
+    )
+
+
+def _load_bin(path: Path, state_dict_key: str | None = None, source: Path | None = None) -> dict[str, torch.Tensor]:
     """A PyTorch ``.bin``/``.pt`` state dict, read with ``weights_only=True`` (memory-mapped when possible).
 
-    Unwraps ``{"state_dict": ...}`` and then ``state_dict_key`` when present, and insists on a flat name -> tensor
-    dict.
+    Without ``state_dict_key``: ``{"state_dict": ...}`` is unwrapped. With it: ``state[state_dict_key]``, else
+    ``state["state_dict"][state_dict_key]``, else :class:`CheckpointIntegrityError` listing the keys there are.
+    Insists on a flat name -> tensor dict. ``source`` names the file in messages when ``path`` is another path to it.
     """
+    source = source or path
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as exc:
         raise CheckpointIntegrityError(
-            f"{path} holds objects other than tensors and plain containers, which torch.load(weights_only=True) "
+            f"{source} holds objects other than tensors and plain containers, which torch.load(weights_only=True) "
             f"refuses to unpickle ({str(exc).splitlines()[0]}). Convert it to safetensors from a trusted environment."
         ) from None
-    except (OSError, RuntimeError, EOFError) as exc:
-        raise CheckpointIntegrityError(f"{path} is not a readable PyTorch state dict ({exc}): re-export it.") from None
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
-    if state_dict_key is not None and isinstance(state, dict) and isinstance(state.get(state_dict_key), dict):
-        state = state[state_dict_key]
+    except (OSError, RuntimeError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as exc:
+        raise CheckpointIntegrityError(
+            f"{source} is not a readable PyTorch file ({type(exc).__name__}: {exc}): it is truncated or corrupt. "
+            "Re-export it."
+        ) from None
+    state = _select(state, source, state_dict_key)
     if not isinstance(state, dict):
-        raise CheckpointIntegrityError(f"{path} holds a {type(state).__name__}, not a state dict of tensors.")
+        raise CheckpointIntegrityError(f"{source} holds a {type(state).__name__}, not a state dict of tensors.")
     bad = sorted(repr(key) for key, value in state.items() if not (isinstance(key, str) and torch.is_tensor(value)))
     if bad:
         raise CheckpointIntegrityError(
-            f"{path} is not a flat state dict: {_examples(bad)} are not name -> tensor entries. Pass state_dict_key "
+            f"{source} is not a flat state dict: {_examples(bad)} are not name -> tensor entries. Pass state_dict_key "
             "to select the nested model weights, or a weights-only file."
         )
     return state
