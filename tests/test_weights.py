@@ -1072,3 +1072,36 @@ def test_corrupt_bin_file_is_refused_as_unreadable_not_a_bare_key_error(tmp_path
     path.write_bytes(path.read_bytes()[:200] if content == "truncated" else content)
     with pytest.raises(CheckpointIntegrityError, match=r"weights\.bin is not a readable PyTorch file"):
         load_model_checkpoint(DuckModel(), path)
+
+
+@pytest.mark.parametrize("max_shard_size", [300, 10**6], ids=["same_layout", "other_layout"])
+@pytest.mark.parametrize("reader", ["load_model_checkpoint", "copy_diffusers_checkpoint", "read_diffusers_state_dict"])
+def test_readers_never_mix_two_exports_when_a_reexport_swaps_the_directory_after_the_scan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reader: str, max_shard_size: int
+) -> None:
+    """A real re-export runs between validation and reading; the reader returns the export it validated."""
+    from accelerate_txn.weights import _loaders
+
+    out, first = duck_export(tmp_path / "export", seed=1)
+    second = seeded(DuckModel(), 9)
+    scan = _loaders._scan
+    reexports: list[Path] = []
+
+    def scan_then_reexport(*args: Any, **kwargs: Any) -> Any:
+        found = scan(*args, **kwargs)
+        reexports.append(save_diffusers_state_dict(snapshot(second), second, out, max_shard_size=max_shard_size))
+        return found
+
+    monkeypatch.setattr(_loaders, "_scan", scan_then_reexport)
+    model = DuckModel()
+    if reader == "load_model_checkpoint":
+        assert load_model_checkpoint(model, out) == ([], [])
+        result = snapshot(model)
+    elif reader == "copy_diffusers_checkpoint":
+        copy_diffusers_checkpoint(model, out, None)
+        result = snapshot(model)
+    else:
+        result = read_diffusers_state_dict(out)
+    assert reexports == [out]
+    assert_same(result, first)
+    assert_same(read_diffusers_state_dict(out), snapshot(second))

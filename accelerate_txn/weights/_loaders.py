@@ -16,7 +16,7 @@ import torch
 from ..errors import CheckpointConfigurationError, CheckpointIntegrityError, NoCheckpointError
 from ._common import CONFIG_NAME, PathLike, _check_dtype, _examples, _shapes, _strip
 from ._layout import _locate_weights
-from ._read import _check_matches_model, _iter_tensors, _read_file, _scan
+from ._read import _check_matches_model, _iter_tensors, _OpenWeights, _read_file, _scan
 
 
 def read_diffusers_state_dict(directory: PathLike) -> dict[str, torch.Tensor]:
@@ -25,11 +25,11 @@ def read_diffusers_state_dict(directory: PathLike) -> dict[str, torch.Tensor]:
     Validates the index and every header (duplicates, index entries, missing shards) before reading any payload.
     The result holds the whole model: use :func:`load_model_checkpoint` to load shard by shard into a model.
     """
-    weights = _locate_weights(Path(directory))
-    _scan(weights)
-    state: dict[str, torch.Tensor] = {}
-    for file in weights.files:
-        state.update(_read_file(file))
+    with _OpenWeights(_locate_weights(Path(directory))) as opened:
+        _scan(opened)
+        state: dict[str, torch.Tensor] = {}
+        for file in opened.weights.files:
+            state.update(_read_file(opened, file))
     return state
 
 
@@ -42,18 +42,18 @@ def load_model_checkpoint(model: torch.nn.Module, checkpoint: PathLike) -> tuple
     ``model.load_state_dict`` so model-specific load hooks run. Returns ``(missing_keys, unexpected_keys)``, both
     empty after a successful validation (kept for callers that expect ``load_state_dict``'s result).
     """
-    weights = _locate_weights(Path(checkpoint))
-    found = _scan(weights)
-    expected = _shapes(model.state_dict())
-    _check_matches_model(found, expected, weights.source)
-    loaded: set[str] = set()
-    unexpected: set[str] = set()
-    for file in weights.files:
-        tensors = _read_file(file)
-        result = model.load_state_dict(tensors, strict=False)
-        loaded.update(tensors)
-        unexpected.update(result.unexpected_keys)
-        del tensors
+    with _OpenWeights(_locate_weights(Path(checkpoint))) as opened:
+        found = _scan(opened)
+        expected = _shapes(model.state_dict())
+        _check_matches_model(found, expected, opened.weights.source)
+        loaded: set[str] = set()
+        unexpected: set[str] = set()
+        for file in opened.weights.files:
+            tensors = _read_file(opened, file)
+            result = model.load_state_dict(tensors, strict=False)
+            loaded.update(tensors)
+            unexpected.update(result.unexpected_keys)
+            del tensors
     return sorted(expected.keys() - loaded), sorted(unexpected)
 
 
@@ -74,12 +74,11 @@ def copy_diffusers_checkpoint(
     validated first: on any mismatch :class:`CheckpointIntegrityError` is raised and ``model`` is untouched.
     """
     _check_dtype(weight_dtype)
-    weights = _locate_weights(Path(path), any_safetensors=True)
-    found = _scan(weights, strip_prefix=strip_prefix, state_dict_key=state_dict_key)
-    destination = model.state_dict()
-    _check_matches_model(found, _shapes(destination), weights.source)
-    with torch.no_grad():
-        for key, value in _iter_tensors(weights.files, state_dict_key):
+    with _OpenWeights(_locate_weights(Path(path), any_safetensors=True)) as opened, torch.no_grad():
+        found = _scan(opened, strip_prefix=strip_prefix, state_dict_key=state_dict_key)
+        destination = model.state_dict()
+        _check_matches_model(found, _shapes(destination), opened.weights.source)
+        for key, value in _iter_tensors(opened, state_dict_key):
             if weight_dtype is not None and value.is_floating_point():
                 value = value.to(weight_dtype)
             destination[_strip(key, strip_prefix)].copy_(value)
@@ -125,7 +124,8 @@ def load_diffusers_checkpoint(
             "save_diffusers_state_dict (which writes the config) or pass a single weight file."
         )
     weights = _locate_weights(checkpoint)
-    _check_matches_model(_scan(weights), expected, weights.source)
+    with _OpenWeights(weights) as opened:
+        _check_matches_model(_scan(opened), expected, weights.source)
     if checkpoint.is_dir():
         try:
             candidate_model = _meta_model(model_cls, model_cls.load_config(checkpoint))
@@ -189,7 +189,8 @@ def is_complete_diffusers_checkpoint(model_cls: Any, path: PathLike, base_config
         weights = _locate_weights(path)
         if weights.files[0].suffix != ".safetensors":
             return False
-        found = _scan(weights)
+        with _OpenWeights(weights) as opened:
+            found = _scan(opened)
     except (CheckpointIntegrityError, NoCheckpointError):
         return False
     expected_model = _meta_model(model_cls, base_config)

@@ -2,18 +2,24 @@
 
 Shared by the loaders (:mod:`._loaders`) and the DCP export (:mod:`._dcp`). Every check reads headers only
 (``.bin`` files are memory-mapped) and reports every problem in one error.
+
+A checkpoint's files are opened once (:class:`_OpenWeights`, relative to one open directory descriptor) and both
+the scan and the payload reads go through those descriptors, so a re-export that swaps the directory meanwhile
+cannot mix two exports: the reader keeps reading the export it validated.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import pickle
 import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import TracebackType
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
 
 from ..errors import CheckpointIntegrityError
 from ._common import _examples, _shapes, _strip
@@ -71,36 +77,102 @@ def _load_bin(path: Path, state_dict_key: str | None = None, source: Path | None
     return state
 
 
-def _file_shapes(path: Path, state_dict_key: str | None = None) -> dict[str, tuple[int, ...]]:
-    """Key -> shape of one weight file, from the safetensors header (no tensor payload is read)."""
-    if path.suffix != ".safetensors":
-        return _shapes(_load_bin(path, state_dict_key))
+def _descriptor_path(fd: int) -> str | None:
+    """A path that opens the file ``fd`` already refers to (Linux ``/proc/self/fd``, BSD/macOS ``/dev/fd``)."""
+    for root in ("/proc/self/fd", "/dev/fd"):
+        if os.path.isdir(root):
+            return f"{root}/{fd}"
+    return None
+
+
+class _OpenWeights:
+    """The weight files of one checkpoint, each opened exactly once, relative to one open directory.
+
+    Used as a context manager. :meth:`path` names an open file (through its descriptor where the platform allows),
+    so headers and payloads are read from the very files that were opened, even if a re-export swaps the directory
+    in the meantime. A file that vanishes before it is opened raises :class:`CheckpointIntegrityError`.
+    """
+
+    def __init__(self, weights: _WeightFiles) -> None:
+        self.weights = weights
+        self._fds: dict[Path, int] = {}
+
+    def __enter__(self) -> _OpenWeights:
+        source = self.weights.source
+        directory = None
+        try:
+            if source.is_dir() and os.open in os.supports_dir_fd:
+                directory = os.open(source, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            for file in self.weights.files:
+                if directory is None:
+                    self._fds[file] = os.open(file, os.O_RDONLY)
+                else:
+                    self._fds[file] = os.open(file.name, os.O_RDONLY, dir_fd=directory)
+        except OSError as exc:
+            self.close()
+            if exc.errno != errno.ENOENT:
+                raise CheckpointIntegrityError(f"{source} could not be opened ({exc}).") from None
+            raise CheckpointIntegrityError(
+                f"{exc.filename or source} vanished while {source} was being opened: it is being replaced (a "
+                "concurrent export?) or deleted. Read it again once the writer has finished."
+            ) from None
+        finally:
+            if directory is not None:
+                os.close(directory)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def path(self, file: Path) -> str:
+        """A path reading the already-open ``file`` (its own path where descriptors cannot be named)."""
+        return _descriptor_path(self._fds[file]) or str(file)
+
+
+def _file_shapes(opened: _OpenWeights, file: Path, state_dict_key: str | None = None) -> dict[str, tuple[int, ...]]:
+    """Key -> shape of one open weight file, from the safetensors header (no tensor payload is read)."""
+    if file.suffix != ".safetensors":
+        return _shapes(_load_bin(Path(opened.path(file)), state_dict_key, source=file))
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as reader:
+        with safe_open(opened.path(file), framework="pt", device="cpu") as reader:
             return {key: tuple(reader.get_slice(key).get_shape()) for key in reader.keys()}
     except (SafetensorError, OSError) as exc:
         raise CheckpointIntegrityError(
-            f"{path} is not a readable safetensors file ({exc}): it is truncated or corrupt. Re-export it."
+            f"{file} is not a readable safetensors file ({exc}): it is truncated or corrupt. Re-export it."
         ) from None
 
 
-def _read_file(path: Path, state_dict_key: str | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of one weight file, on CPU."""
-    if path.suffix != ".safetensors":
-        return _load_bin(path, state_dict_key)
+def _read_file(opened: _OpenWeights, file: Path, state_dict_key: str | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of one open weight file, on CPU."""
+    return dict(_iter_file(opened, file, state_dict_key))
+
+
+def _iter_file(opened: _OpenWeights, file: Path, state_dict_key: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(key, tensor)`` for every tensor of one open file; a safetensors file is read one tensor at a time."""
+    if file.suffix != ".safetensors":
+        yield from _load_bin(Path(opened.path(file)), state_dict_key, source=file).items()
+        return
     try:
-        return load_file(str(path))
+        with safe_open(opened.path(file), framework="pt", device="cpu") as reader:
+            for key in reader.keys():
+                yield key, reader.get_tensor(key)
     except (SafetensorError, OSError) as exc:
-        raise CheckpointIntegrityError(f"{path} could not be read ({exc}): re-export it.") from None
+        raise CheckpointIntegrityError(f"{file} could not be read ({exc}): re-export it.") from None
 
 
 def _scan(
-    weights: _WeightFiles, *, strip_prefix: str | None = None, state_dict_key: str | None = None
+    opened: _OpenWeights, *, strip_prefix: str | None = None, state_dict_key: str | None = None
 ) -> dict[str, tuple[int, ...]]:
-    """Key (``strip_prefix`` removed) -> shape over all files, validated: no duplicates, index matches exactly.
+    """Key (``strip_prefix`` removed) -> shape over all open files, validated: no duplicates, index matches exactly.
 
     Reads headers only (``.bin`` files are memory-mapped). Every problem is reported in one error.
     """
+    weights = opened.weights
     found: dict[str, tuple[int, ...]] = {}
     origin: dict[str, str] = {}
     stored: set[str] = set()
@@ -108,7 +180,7 @@ def _scan(
     misplaced: list[str] = []
     weight_map = weights.weight_map
     for file in weights.files:
-        for source_key, shape in _file_shapes(file, state_dict_key).items():
+        for source_key, shape in _file_shapes(opened, file, state_dict_key).items():
             key = _strip(source_key, strip_prefix)
             if key in found:
                 duplicates.append(f"{key} (in {origin[key]} and {file.name})")
@@ -171,12 +243,7 @@ def _check_matches_model(
     raise CheckpointIntegrityError(f"Checkpoint {source} does not match the model: {'; '.join(parts)}. {advice}")
 
 
-def _iter_tensors(files: tuple[Path, ...], state_dict_key: str | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(key, tensor)`` for every tensor; safetensors files are read one tensor at a time."""
-    for file in files:
-        if file.suffix != ".safetensors":
-            yield from _load_bin(file, state_dict_key).items()
-            continue
-        with safe_open(str(file), framework="pt", device="cpu") as reader:
-            for key in reader.keys():
-                yield key, reader.get_tensor(key)
+def _iter_tensors(opened: _OpenWeights, state_dict_key: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(key, tensor)`` for every tensor of every open file; safetensors files are read one tensor at a time."""
+    for file in opened.weights.files:
+        yield from _iter_file(opened, file, state_dict_key)
