@@ -1105,3 +1105,43 @@ def test_readers_never_mix_two_exports_when_a_reexport_swaps_the_directory_after
     assert reexports == [out]
     assert_same(result, first)
     assert_same(read_diffusers_state_dict(out), snapshot(second))
+
+
+def test_fingerprint_refuses_to_describe_a_state_mixed_from_two_exports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real re-export with the same layout lands after the first file is hashed: the mix is refused, not returned."""
+    from accelerate_txn.weights import _fingerprint
+
+    out, _ = duck_export(tmp_path / "export", seed=1)
+    second = seeded(DuckModel(), 9)
+    hash_file = _fingerprint._hash_file
+    hashed: list[Path] = []
+
+    def hash_then_reexport(file: Path) -> tuple[int, str]:
+        result = hash_file(file)
+        hashed.append(file)
+        if len(hashed) == 2:
+            save_diffusers_state_dict(snapshot(second), second, out, max_shard_size=300)
+        return result
+
+    monkeypatch.setattr(_fingerprint, "_hash_file", hash_then_reexport)
+    with pytest.raises(CheckpointIntegrityError, match=r"export changed while it was being fingerprinted"):
+        checkpoint_fingerprint(out)
+
+
+def test_fingerprint_wraps_a_shard_vanishing_under_a_reexport(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelerate_txn.weights import _fingerprint
+
+    out, _ = duck_export(tmp_path / "export", seed=1)
+    second = seeded(DuckModel(), 9)
+    hash_file = _fingerprint._hash_file
+    hashed: list[Path] = []
+
+    def hash_then_reexport(file: Path) -> tuple[int, str]:
+        hashed.append(file)
+        if len(hashed) == 2:
+            save_diffusers_state_dict(snapshot(second), second, out, max_shard_size=10**6)  # one shard now
+        return hash_file(file)
+
+    monkeypatch.setattr(_fingerprint, "_hash_file", hash_then_reexport)
+    with pytest.raises(CheckpointIntegrityError, match=r"could not be read while .*export was being fingerprinted"):
+        checkpoint_fingerprint(out)

@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import TypedDict
 
 from .._manifest import sha256_file
-from ..errors import CheckpointIntegrityError
-from ._common import _EXPORT_FILES, PathLike
+from ..errors import CheckpointError, CheckpointIntegrityError
+from ._common import _EXPORT_FILES, PathLike, _examples
 from ._layout import _locate_weights
 
 
@@ -33,22 +33,57 @@ def _hash_file(file: Path) -> tuple[int, str]:
     return after.st_size, sha256
 
 
-def checkpoint_fingerprint(path: PathLike) -> list[FingerprintEntry]:
-    """Content identity of a frozen model source: one entry per file, sorted by name.
+_IDENTITY = ("st_dev", "st_ino", "st_size", "st_mtime_ns")
 
-    A single file is named ``"weights"``; a Diffusers directory contributes its weight files plus ``config.json``
-    and any index, named relative to the directory so that a moved or copied checkpoint has the same identity.
-    Every byte is hashed (streamed, bounded memory), so an in-place replacement with the same names and sizes is
-    detected. Raises :class:`CheckpointIntegrityError` if a file changes while it is hashed and
-    :class:`NoCheckpointError` if there are no weights.
-    """
-    path = Path(path)
+
+def _files(path: Path) -> list[Path]:
+    """The files a fingerprint covers: the weights exactly as the loaders find them, plus config and indexes."""
     files = list(_locate_weights(path).files)
     if path.is_dir():
         files += [path / name for name in _EXPORT_FILES if (path / name).is_file()]
-    entries: list[FingerprintEntry] = []
-    for file in sorted(set(files)):
-        size, sha256 = _hash_file(file)
-        name = file.relative_to(path).as_posix() if path.is_dir() else "weights"
-        entries.append({"name": name, "size": size, "sha256": sha256})
+    return sorted(set(files))
+
+
+def _identities(path: Path, files: list[Path]) -> dict[Path, tuple[int, ...]]:
+    """``(st_dev, st_ino, size, mtime_ns)`` of ``path`` itself and of every file."""
+    return {entry: tuple(getattr(entry.stat(), field) for field in _IDENTITY) for entry in (path, *files)}
+
+
+def checkpoint_fingerprint(path: PathLike) -> list[FingerprintEntry]:
+    """Content identity of a frozen model source: one entry per file, sorted by name.
+
+    A single file is named ``"weights"``; a Diffusers directory contributes its weight files - found exactly as
+    the loaders find them (safetensors index, ``diffusion_pytorch_model.safetensors``, ``.bin`` index,
+    ``diffusion_pytorch_model.bin``) - plus ``config.json`` and any index, named relative to the directory so
+    that a moved or copied checkpoint has the same identity. Other files in the directory are not covered. Every
+    byte is hashed (streamed, bounded memory), so an in-place replacement with the same names and sizes is
+    detected. The directory and every file are identified (device, inode, size, mtime) before and after the whole
+    hash: if anything changed, or a file vanished or could not be read, :class:`CheckpointIntegrityError` is
+    raised rather than a fingerprint of a state that may never have existed. :class:`NoCheckpointError` if there
+    are no weights.
+    """
+    path = Path(path)
+    try:
+        files = _files(path)
+        before = _identities(path, files)
+        entries: list[FingerprintEntry] = []
+        for file in files:
+            size, sha256 = _hash_file(file)
+            name = file.relative_to(path).as_posix() if path.is_dir() else "weights"
+            entries.append({"name": name, "size": size, "sha256": sha256})
+        after = _identities(path, _files(path))
+    except CheckpointError:  # NoCheckpointError is an OSError too: keep the library's own errors as they are
+        raise
+    except OSError as exc:
+        raise CheckpointIntegrityError(
+            f"{exc.filename or path} could not be read while {path} was being fingerprinted ({exc.strerror or exc}): "
+            "the model source is being replaced (a concurrent export?) or deleted. Fingerprint it again once it is "
+            "frozen."
+        ) from None
+    if before != after:
+        changed = sorted(str(entry) for entry in before.keys() | after.keys() if before.get(entry) != after.get(entry))
+        raise CheckpointIntegrityError(
+            f"{path} changed while it was being fingerprinted ({_examples(changed)}): the model source is not "
+            "frozen (a concurrent export, sync or download). Fingerprint it again once nothing writes it."
+        )
     return entries
