@@ -7,11 +7,13 @@ Guarantees (each is pinned by ``tests/test_weights.py``):
   against the model before a single parameter is touched. Partial checkpoints and adapter (LoRA) files are
   rejected with a message naming what is missing / unexpected.
 * **Bounded memory.** Exports consume the state dict shard by shard; loaders read one file at a time; the DCP
-  export materialises one shard at a time. Peak extra memory is about one shard, not the model.
+  export materialises one shard at a time. Peak extra memory is about one shard, not the model (about two for
+  the DCP export with a dtype cast).
 * **Atomic export.** An export is written into a hidden staging sibling (``accelerate_txn._staging``) and
   published by a rename. Re-exporting over an earlier export swaps the two directories with one atomic
   ``renameat2(RENAME_EXCHANGE)`` on Linux, so a reader or a crash sees either the complete old export or the
-  complete new one, never a directory whose index names missing shards.
+  complete new one, never a directory whose index names missing shards. Readers open every file once, relative
+  to one directory descriptor, and read through those descriptors, so a swap during a read cannot mix exports.
 * **Nothing read is unpickled as arbitrary objects.** ``.bin`` files go through ``torch.load(weights_only=True)``;
   DCP ``.metadata`` goes through a restricted unpickler (``_dcp._read_dcp_metadata``).
 

@@ -175,9 +175,9 @@ def export_dcp_to_diffusers(
     config directory/file that is copied as ``config.json`` (then only the checkpoint's own consistency is checked).
 
     Runs on one process with no process group; chunks written by any number of ranks are reassembled by DCP.
-    Memory: one shard of tensors at a time. Output layout, dtype rule and atomic publish are those of
-    :func:`save_diffusers_state_dict`. ``.metadata`` is read with a restricted unpickler, tensors with
-    ``weights_only=True``.
+    Memory: one shard of tensors at a time (about two with ``dtype``: stored and cast copies). Output layout, dtype
+    rule and atomic publish are those of :func:`save_diffusers_state_dict`. ``.metadata`` is read with a restricted
+    unpickler, tensors with ``weights_only=True``.
     """
     where = Path(output_dir)
     _check_dtype(dtype)

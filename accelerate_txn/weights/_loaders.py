@@ -69,9 +69,11 @@ def copy_diffusers_checkpoint(
 
     ``path``: a weight file or directory (see :func:`safetensor_checkpoint_files`; ``.bin`` files are read with
     ``weights_only=True``). ``strip_prefix`` is removed from source names that start with it; ``state_dict_key``
-    selects a nested dict in a ``.bin`` file. Floating source tensors are rounded through ``weight_dtype`` (when not
-    ``None``) and copied into each destination tensor, which keeps its own dtype and device. All names and shapes are
-    validated first: on any mismatch :class:`CheckpointIntegrityError` is raised and ``model`` is untouched.
+    selects a nested dict in a ``.bin`` file: at its top level first, then under ``"state_dict"``; found in neither,
+    :class:`CheckpointIntegrityError` lists the keys there are. Floating source tensors are rounded through
+    ``weight_dtype`` (when not ``None``) and copied into each destination tensor, which keeps its own dtype and
+    device. All names and shapes are validated first: on any mismatch :class:`CheckpointIntegrityError` is raised
+    and ``model`` is untouched.
     """
     _check_dtype(weight_dtype)
     with _OpenWeights(_locate_weights(Path(path), any_safetensors=True)) as opened, torch.no_grad():
@@ -102,12 +104,18 @@ def load_diffusers_checkpoint(
 ) -> Any:
     """Build a ``model_cls`` model holding the full weights of ``checkpoint``, validated before loading.
 
-    ``model_cls`` is a Diffusers ``ModelMixin`` subclass or any class with the same ``load_config`` /
-    ``from_config`` / ``from_pretrained`` methods; ``model_name`` (+ ``subfolder``) is the base model whose config
-    defines the expected keys and shapes. ``checkpoint`` is either a directory with ``config.json`` (loaded with
-    ``from_pretrained``; base weights are never read) or a single weight file (the base model is loaded with
-    ``from_pretrained`` for its config and precision rules, then every tensor is replaced). Partial and adapter
-    checkpoints raise :class:`CheckpointIntegrityError` before any weights are loaded.
+    ``model_cls`` is a Diffusers ``ModelMixin`` subclass or a duck-typed class with ``load_config(path,
+    subfolder=None, **kwargs) -> dict``, ``from_config(config)`` (called under ``init_empty_weights``), a mapping
+    ``config`` attribute on its models and ``from_pretrained(path, subfolder=None, low_cpu_mem_usage=True,
+    torch_dtype=None, output_loading_info=False)``, which must accept all those keywords and, with
+    ``output_loading_info=True``, return ``(model, info)`` with ``info["missing_keys"]``, ``["unexpected_keys"]``
+    and ``["mismatched_keys"]`` lists (there is no fallback for a narrower signature). ``model_name`` (+
+    ``subfolder``) is the base model whose config defines the expected keys and shapes. ``checkpoint`` is either a
+    directory with ``config.json`` whose normalised public config must equal the base model's (else
+    :class:`CheckpointConfigurationError` naming the differing keys), loaded with ``from_pretrained`` (base weights
+    are never read), or a single weight file (the base model is loaded with ``from_pretrained`` for its config and
+    precision rules, then every tensor is replaced). Partial and adapter checkpoints raise
+    :class:`CheckpointIntegrityError` before any weights are loaded.
     """
     if checkpoint is None:
         raise CheckpointConfigurationError(
