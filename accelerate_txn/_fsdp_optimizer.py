@@ -85,7 +85,8 @@ def _destination(metadata: Any, shapes: dict[str, Any], group: Any) -> dict[str,
 
 def align_groups(state: dict[str, Any], expected: list[list[str]], optimizer: torch.optim.Optimizer,
                  *, allow_reorder: bool) -> None:
-    """Match saved parameter groups to the live optimizer's by parameter names; check Adam completeness."""
+    """Match saved parameter groups to the live optimizer's by parameter names (reordered and empty groups),
+    check their options belong to this optimizer type, and keep tensor options on their runtime device."""
     state.setdefault("state", {})  # DCP omits empty dicts: a checkpoint taken before the first step
     saved = state.get("param_groups")
     if not isinstance(saved, list):
@@ -123,22 +124,6 @@ def align_groups(state: dict[str, Any], expected: list[list[str]], optimizer: to
                 elif key == "lr" and group.get("capturable", False) and current["params"]:
                     group[key] = value.to(current["params"][0].device)
         aligned.append(group)
-    names_in_groups = {name for names in expected for name in names}
-    stray = sorted(set(state["state"]) - names_in_groups)
-    if stray:
-        raise CheckpointIntegrityError(f"The optimizer checkpoint holds state for parameters outside its groups: {stray[:5]}")
-    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
-        for group in aligned:
-            required = {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if group.get("amsgrad") else set())
-            for name in group["params"]:
-                values = state["state"].get(name)
-                if values is None:
-                    continue  # no update yet for this parameter
-                absent = required - set(values)
-                if absent:
-                    raise CheckpointIntegrityError(f"Adam state of {name!r} lacks {sorted(absent)} in the checkpoint")
-                if not isinstance(values["step"], torch.Tensor) or values["step"].ndim != 0:
-                    raise CheckpointIntegrityError(f"Adam state of {name!r} has an invalid step")
     state["param_groups"] = aligned
 
 
@@ -294,39 +279,57 @@ def _global_rank(group: Any, rank: int) -> int:
     return dist.get_global_rank(group, rank) if group is not None else rank
 
 
+def _state_entries(metadata: Any) -> dict[str, dict[str, Any]]:
+    """fqn -> {state key -> stored metadata} of an optimizer checkpoint (from its metadata alone)."""
+    entries: dict[str, dict[str, Any]] = {}
+    for key in metadata.state_dict_metadata:
+        path = metadata.planner_data[key]
+        if not path or path[0] != "optimizer":
+            raise CheckpointIntegrityError(f"Unexpected entry {key!r} in the optimizer checkpoint")
+        if len(path) >= 4 and path[1] == "state":
+            entries.setdefault(str(path[2]), {})[str(path[-1])] = metadata.state_dict_metadata[key]
+    return entries
+
+
+def _check_saved_state(entries: dict[str, dict[str, Any]], groups: list[dict[str, Any]],
+                       optimizer: torch.optim.Optimizer) -> None:
+    """No state outside the saved groups; Adam/AdamW moments complete (a parameter may have no state yet)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    stray = sorted(set(entries) - {name for group in groups for name in group["params"]})
+    if stray:
+        raise CheckpointIntegrityError(f"The optimizer checkpoint holds state for parameters outside its groups: {stray[:5]}")
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return
+    for saved in groups:
+        required = {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if saved.get("amsgrad") else set())
+        for fqn in saved["params"]:
+            absent = required - set(entries.get(fqn, required))
+            if absent:
+                raise CheckpointIntegrityError(f"Adam state of {fqn!r} lacks {sorted(absent)} in the checkpoint")
+            step = entries.get(fqn, {}).get("step")
+            if step is not None and (not isinstance(step, TensorStorageMetadata) or step.size):
+                raise CheckpointIntegrityError(f"Adam state of {fqn!r} has an invalid step")
+
+
 def _check_entries(metadata: Any, owners: dict[str, tuple[_Owner, Member]], optimizer: torch.optim.Optimizer,
                    groups: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Validate every saved state entry against the live model before reading any payload: known parameter,
     original shape, and (Adam/AdamW) complete moments. Returns fqn -> {state key -> stored metadata}."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    entries: dict[str, dict[str, Any]] = {}
-    for key, stored in metadata.state_dict_metadata.items():
-        path = metadata.planner_data[key]
-        if not path or path[0] != "optimizer":
-            raise CheckpointIntegrityError(f"Unexpected entry {key!r} in the optimizer checkpoint")
-        if len(path) < 4 or path[1] != "state":
-            continue
-        fqn, name = str(path[2]), str(path[-1])
+    entries = _state_entries(metadata)
+    for fqn, values in entries.items():
         if fqn not in owners:
             raise CheckpointConfigurationError(
                 f"The optimizer checkpoint holds state for parameter {fqn!r}, which this optimizer does not train")
         shape = owners[fqn][1].shape
-        if isinstance(stored, TensorStorageMetadata) and (stored.size or name in _MOMENTS) \
-                and tuple(stored.size) != shape:
-            raise CheckpointConfigurationError(
-                f"Optimizer state {key}: checkpoint shape {list(stored.size)}, live parameter shape {list(shape)}")
-        entries.setdefault(fqn, {})[name] = stored
-    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
-        for saved in groups:
-            required = {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if saved.get("amsgrad") else set())
-            for fqn in saved["params"]:
-                absent = required - set(entries.get(fqn, required))
-                if absent:
-                    raise CheckpointIntegrityError(f"Adam state of {fqn!r} lacks {sorted(absent)} in the checkpoint")
-                step = entries.get(fqn, {}).get("step")
-                if step is not None and (not isinstance(step, TensorStorageMetadata) or step.size):
-                    raise CheckpointIntegrityError(f"Adam state of {fqn!r} has an invalid step")
+        for name, stored in values.items():
+            if isinstance(stored, TensorStorageMetadata) and (stored.size or name in _MOMENTS) \
+                    and tuple(stored.size) != shape:
+                raise CheckpointConfigurationError(f"Optimizer state optimizer.state.{fqn}.{name}: checkpoint shape "
+                                                   f"{list(stored.size)}, live parameter shape {list(shape)}")
+    _check_saved_state(entries, groups, optimizer)
     return entries
 
 
@@ -450,15 +453,20 @@ def _load_by_conversion(accelerator: Any, optimizer: torch.optim.Optimizer, mode
 
     group = model.process_group
 
-    def prepare() -> tuple[list[list[str]], Any]:
+    def prepare() -> tuple[list[list[str]], Any, Any]:
         expected, shapes = parameter_layout(model, optimizer)
-        return expected, _destination(read_dcp_metadata(directory), shapes, group)
+        metadata = read_dcp_metadata(directory)
+        return expected, metadata, _destination(metadata, shapes, group)
 
-    expected, state = run_phase(prepare, "Preparing the FSDP optimizer restore", group)
+    expected, metadata, state = run_phase(prepare, "Preparing the FSDP optimizer restore", group)
     _read(state, directory, group, "Reading the FSDP optimizer checkpoint")
     saved = state.pop("optimizer")
-    run_phase(lambda: align_groups(saved, expected, optimizer, allow_reorder=allow_reorder),
-              "Validating the FSDP optimizer checkpoint", group)
+
+    def validate() -> None:
+        align_groups(saved, expected, optimizer, allow_reorder=allow_reorder)
+        _check_saved_state(_state_entries(metadata), saved["param_groups"], optimizer)
+
+    run_phase(validate, "Validating the FSDP optimizer checkpoint", group)
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=True),
                               ShardedOptimStateDictConfig(offload_to_cpu=True)):
         if not optimizer._optimizer_load_state_dict_pre_hooks:
