@@ -19,6 +19,10 @@ import torch
 from .errors import CheckpointConfigurationError, RestoreFailedError
 
 FINITE_ENV = "VIDEOX_CHECKPOINT_FINITE"
+LOCK_TIMEOUT_ENV = "VIDEOX_CHECKPOINT_LOCK_TIMEOUT"
+#: Seconds rank 0 waits for the directory lock: a writer that died on another node of NFS or Lustre keeps its
+#: lock until the server notices (tens of seconds); a live writer's save usually takes longer than this.
+DEFAULT_LOCK_TIMEOUT = 60.0
 CHECKSUM_MODES = ("metadata", "full")
 
 
@@ -53,10 +57,12 @@ class CheckpointConfig:
     model_ids: WeakKeyDictionary = field(default_factory=WeakKeyDictionary)
     allow_legacy: bool = True
     check_finite: bool = False
-    checksum: str = "metadata"
+    checksum: str = "full"
+    trust_custom_objects: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
     legacy_metadata_keys: tuple[str, ...] = ()
     legacy_metadata_groups: tuple[tuple[str, ...], ...] = ()
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT
     # File-name template -> schema recorded in the descriptor; and -> validator(directory, rank).
     private_states: dict[str, dict[str, Any]] = field(default_factory=dict)
     validators: dict[str, Validator] = field(default_factory=dict)
@@ -72,9 +78,30 @@ def checkpoint_config(accelerator: Any) -> CheckpointConfig:
     """The configuration of ``accelerator`` (created with defaults on first use)."""
     config = _CONFIGS.get(accelerator)
     if config is None:
-        config = CheckpointConfig(check_finite=os.environ.get(FINITE_ENV, "0").strip() == "1")
+        config = CheckpointConfig(
+            check_finite=os.environ.get(FINITE_ENV, "0").strip() == "1", lock_timeout=_lock_timeout_from_env()
+        )
         _CONFIGS[accelerator] = config
     return config
+
+
+def _valid_lock_timeout(value: Any, where: str) -> float:
+    """``value`` as seconds to wait for the directory lock: a finite number >= 0, else a configuration error."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if isinstance(value, bool) or not math.isfinite(seconds) or seconds < 0:
+        raise CheckpointConfigurationError(
+            f"{where} is {value!r}: the directory-lock wait must be a finite number of seconds >= 0 (0 = fail at "
+            f"once if another writer holds the lock; default {DEFAULT_LOCK_TIMEOUT:g})."
+        )
+    return seconds
+
+
+def _lock_timeout_from_env() -> float:
+    raw = os.environ.get(LOCK_TIMEOUT_ENV, "").strip()
+    return _valid_lock_timeout(raw, f"The environment variable {LOCK_TIMEOUT_ENV}") if raw else DEFAULT_LOCK_TIMEOUT
 
 
 def configure_checkpointing(
@@ -85,50 +112,99 @@ def configure_checkpointing(
     check_finite: bool | None = None,
     checksum: str | None = None,
     metadata: Mapping[str, Any] | None = None,
-    legacy_metadata_keys: Iterable[str] = (),
-    legacy_metadata_groups: Iterable[Iterable[str]] = (),
+    legacy_metadata_keys: Iterable[str] | None = None,
+    legacy_metadata_groups: Iterable[Iterable[str]] | None = None,
+    lock_timeout: float | None = None,
+    trust_custom_objects: bool | None = None,
 ) -> Any:
     """Configure protected checkpoints of one Accelerator; returns it.
+
+    Each call changes only what it names: an argument left out (``None``) keeps its current value. Every
+    argument is validated, against the configuration that would result, before anything changes.
 
     * ``model_ids``: stable role names for the prepared models (``{"transformer": model}``); required when
       several models share a class, since native order alone cannot prove which weights belong where.
     * ``allow_legacy``: load checkpoints without a completion manifest (with a warning). Default True.
     * ``check_finite``: refuse to save (and to finish a restore of) NaN/Inf parameters and optimizer state.
       Default from ``VIDEOX_CHECKPOINT_FINITE=1``.
-    * ``checksum``: ``"metadata"`` hashes every control file and records every payload's size;
-      ``"full"`` also hashes every payload (verified on explicit loads).
+    * ``checksum``: ``"full"`` (default) hashes every file, verified by every restore; ``"metadata"`` hashes
+      control files and small payloads and records only the size of payloads over 16 MiB.
     * ``metadata``: JSON-able user training configuration recorded in the manifest and compared on load.
     * ``legacy_metadata_keys`` / ``legacy_metadata_groups``: metadata fields added after older checkpoints
       were written. A checkpoint lacking a whole group loads with a warning (current values are assumed);
       lacking part of a group is an error; present values must still match.
+    * ``lock_timeout``: seconds rank 0 waits for the output directory's lock held by another writer (a writer
+      that died on another node of NFS or Lustre holds it until the server notices). Finite, >= 0; default
+      60, or ``VIDEOX_CHECKPOINT_LOCK_TIMEOUT``.
+    * ``trust_custom_objects``: let Accelerate unpickle registered custom objects (``custom_checkpoint_N.pkl``)
+      with ``weights_only=False``, for objects whose state holds arbitrary Python types. Default False: they are
+      read with ``weights_only=True`` in the restore preflight and restored from that state, so nothing in a
+      checkpoint runs code. Only for checkpoints you trust: a crafted file then runs its code.
     """
     config = checkpoint_config(accelerator)
+    changes: dict[str, Any] = {}
     if model_ids is not None:
         if not all(isinstance(name, str) and name for name in model_ids):
             raise CheckpointConfigurationError("configure_checkpointing(model_ids=...): every role must be a non-empty str")
         if len({id(model) for model in model_ids.values()}) != len(model_ids):
             raise CheckpointConfigurationError("configure_checkpointing(model_ids=...): each model needs exactly one role")
-        config.model_ids = WeakKeyDictionary((model, name) for name, model in model_ids.items())
+        changes["model_ids"] = WeakKeyDictionary((model, name) for name, model in model_ids.items())
     if metadata is not None:
-        config.metadata = plain(dict(metadata), "metadata")
-    keys = tuple(legacy_metadata_keys)
-    groups = tuple(tuple(group) for group in legacy_metadata_groups)
-    unknown = sorted({key for group in (keys, *groups) for key in group} - set(config.metadata))
-    if unknown:
-        raise CheckpointConfigurationError(
-            f"configure_checkpointing: legacy metadata keys {unknown} are not in metadata=...; a migrated field "
-            "must have a current value to fall back on"
+        changes["metadata"] = plain(dict(metadata), "metadata")
+    if legacy_metadata_keys is not None:
+        changes["legacy_metadata_keys"] = _names(legacy_metadata_keys, "legacy_metadata_keys")
+    if legacy_metadata_groups is not None:
+        changes["legacy_metadata_groups"] = tuple(
+            _names(group, "legacy_metadata_groups[...]") for group in _iterable(legacy_metadata_groups, "legacy_metadata_groups")
         )
-    config.legacy_metadata_keys, config.legacy_metadata_groups = keys, groups
+    _check_legacy_keys(
+        changes.get("metadata", config.metadata),
+        changes.get("legacy_metadata_keys", config.legacy_metadata_keys),
+        changes.get("legacy_metadata_groups", config.legacy_metadata_groups),
+    )
     if allow_legacy is not None:
-        config.allow_legacy = bool(allow_legacy)
+        changes["allow_legacy"] = bool(allow_legacy)
     if check_finite is not None:
-        config.check_finite = bool(check_finite)
+        changes["check_finite"] = bool(check_finite)
     if checksum is not None:
         if checksum not in CHECKSUM_MODES:
             raise CheckpointConfigurationError(f"configure_checkpointing(checksum={checksum!r}): use 'metadata' or 'full'")
-        config.checksum = checksum
+        changes["checksum"] = checksum
+    if trust_custom_objects is not None:
+        changes["trust_custom_objects"] = bool(trust_custom_objects)
+    if lock_timeout is not None:
+        changes["lock_timeout"] = _valid_lock_timeout(lock_timeout, "configure_checkpointing(lock_timeout=...)")
+    for name, value in changes.items():  # everything validated: now change it
+        setattr(config, name, value)
     return accelerator
+
+
+def _iterable(value: Any, where: str) -> tuple[Any, ...]:
+    # A bare string is iterable too, but "seed" meaning ("s", "e", "e", "d") is never what the caller meant.
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise CheckpointConfigurationError(
+            f"configure_checkpointing({where}=...) must be a list of metadata key names, got {value!r}"
+        )
+    return tuple(value)
+
+
+def _names(value: Any, where: str) -> tuple[str, ...]:
+    names = _iterable(value, where)
+    if not all(isinstance(name, str) and name for name in names):
+        raise CheckpointConfigurationError(f"configure_checkpointing({where}): every key must be a non-empty str, got {names!r}")
+    return names
+
+
+def _check_legacy_keys(
+    metadata: Mapping[str, Any], keys: tuple[str, ...], groups: tuple[tuple[str, ...], ...]
+) -> None:
+    unknown = sorted({key for group in (keys, *groups) for key in group} - set(metadata))
+    if unknown:
+        raise CheckpointConfigurationError(
+            f"configure_checkpointing: legacy metadata keys {unknown} are not in metadata=...; a migrated field "
+            "must have a current value to fall back on. Add them to metadata, or drop them from "
+            "legacy_metadata_keys/legacy_metadata_groups (pass () to clear them)."
+        )
 
 
 def raw_optimizer(optimizer: Any) -> torch.optim.Optimizer:

@@ -1,54 +1,71 @@
 """``load_training_checkpoint``: verify everything on every rank, then restore.
 
 Nothing (model, optimizer, scheduler, scaler, RNG, dataloader, custom object, counters) changes before every
-check on every rank has passed: the manifest and its inventory (rank 0, checksums per integrity mode), every
-required file of every rank, the library versions, and the saved training configuration against the live
-one (every rank). Then native ``load_state`` restores each component with FSDP1 sharded model and optimizer
-loads routed through accelerate-txn (see ``_fsdp_optimizer``), RNG is applied explicitly, and the optimizer
-restore is verified. A failure after the first mutation marks the Accelerator failed (``optimizer.step()``
-and saving raise) until a load succeeds.
+check on every rank has passed: the manifest (bounded, no symbolic links) and the tree against its inventory
+(rank 0: exact file set, sizes, DCP metadata schemas and payload listing), every recorded content hash (each
+rank re-hashes the files it reads, in parallel), every file the restore reads is listed, every pickled file read
+safely (``weights_only``), the library versions, and the saved training configuration against the live one
+(every rank). With automatic selection a candidate that fails an integrity check is skipped for the next older
+one. Then native ``load_state`` restores each component with FSDP1 sharded model and optimizer loads routed
+through accelerate-txn (see ``_fsdp_optimizer``), custom objects from the state read in the preflight, RNG is
+applied explicitly, and the optimizer restore is verified. A failure after the first mutation marks the
+Accelerator failed (``optimizer.step()`` and saving raise) until a load succeeds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from . import _faults
 from ._config import checkpoint_config, mark_failed, raw_optimizer
 from ._descriptor import backend, compare_descriptor, describe, participants
 from ._finite import check_finite_state
 from ._fsdp_optimizer import validate_optimizer_checkpoint, verify_restored
-from ._manifest import read_manifest, verify_manifest
+from ._manifest import check_dcp_inventory, check_hashes, check_structure, hashed_names, read_manifest, writer_rank
 from ._native import fsdp_routing, native_method, synchronized_hooks
-from ._ranks import agree, digest, on_main, rank, run_phase
-from ._required import check_required_files
+from ._ranks import agree, digest, on_main, rank, run_phase, world_size
+from ._required import Preflight, check_inventory_covers, check_required_files, private_patterns, rank_files
 from ._rng import apply_rng
-from ._select import CHECKPOINT_NAME, latest_training_checkpoint
+from ._select import CHECKPOINT_NAME, checkpoint_candidates, refuse_transient
 from ._staging import new_id
-from ._versions import checkpoint_compatibility
+from ._versions import checkpoint_compatibility, require_supported_versions
 from .errors import CheckpointConfigurationError, CheckpointIntegrityError, NoCheckpointError
 
+logger = logging.getLogger(__name__)
 
-def _resolve_source(primary: Any, group: dict[str, Any], input_dir: Any) -> Path:
+
+def _candidates(primary: Any, group: dict[str, Any], input_dir: Any) -> tuple[list[str], bool]:
+    """Rank 0: the checkpoints to try, best first, and whether they were chosen automatically."""
     if input_dir is not None:
         path = Path(input_dir).expanduser().absolute()
         if not path.is_dir():
             raise NoCheckpointError(f"Checkpoint directory {path} does not exist")
-        return path
+        refuse_transient(path)
+        return [str(path)], False
     if not primary.project_configuration.automatic_checkpoint_naming:
         raise CheckpointConfigurationError(
             "load_state() needs an input_dir unless ProjectConfiguration(automatic_checkpoint_naming=True) is set"
         )
     root = Path(primary.project_dir) / "checkpoints"
-    chosen = latest_training_checkpoint(root, group)
-    if chosen is None:
-        raise NoCheckpointError(f"No checkpoint to resume from in {root}")
-    return Path(chosen)
+    found, reasons = checkpoint_candidates(root, group)
+    if not found:
+        skipped = f"; skipped {'; '.join(reasons)}" if reasons else ""
+        raise NoCheckpointError(f"No complete checkpoint to resume from in {root}{skipped}. Start training from "
+                                "scratch, or restore an intact copy.")
+    return [str(path) for path in found], True
+
+
+def _templates(group: dict[str, Any]) -> list[str]:
+    return sorted({t for owner in group.values() for t in rank_files(owner)})
 
 
 def _check_manifest(path: Path, manifest: dict[str, Any] | None, group: dict[str, Any]) -> None:
-    """Rank 0: the manifest, its inventory (all recorded hashes) and the versions policy."""
+    """Rank 0: the manifest, the tree against its inventory, DCP metadata, and the versions policy."""
     if manifest is None:
         return
     if set(manifest.get("components", {})) != set(group):
@@ -56,15 +73,26 @@ def _check_manifest(path: Path, manifest: dict[str, Any] | None, group: dict[str
             f"{path} holds components {sorted(manifest.get('components', {}))}; this load names {sorted(group)}. "
             "Restore the complete named group it was saved with."
         )
-    verify_manifest(path, manifest, full=True)
+    check_structure(path, manifest, private_patterns=[p for o in group.values() for p in private_patterns(o)])
+    check_dcp_inventory(path, manifest)
     reason = checkpoint_compatibility(manifest.get("versions") or {})
     if reason:
         raise CheckpointConfigurationError(f"Cannot load {path}: {reason}")
 
 
+def _check_own_hashes(path: Path, manifest: dict[str, Any] | None, templates: list[str]) -> None:
+    """Every rank re-hashes the recorded files it is responsible for (its own shards; rank 0 the shared files)."""
+    if manifest is None:
+        return
+    world, me = world_size(), rank()
+    names = [name for name in hashed_names(manifest, full=True)
+             if writer_rank(name, world, templates) == me]
+    check_hashes(path, manifest, names)
+
+
 def _check_live(path: Path, manifest: dict[str, Any] | None, group: dict[str, Any],
-                descriptors: dict[str, Any]) -> dict[str, dict[int, Any]]:
-    """Every rank: gradients, legacy policy, configuration, and this rank's required files."""
+                descriptors: dict[str, Any]) -> dict[str, Preflight]:
+    """Every rank: gradients, legacy policy, configuration, and this rank's required files (read safely)."""
     for owner in group.values():
         pending = [n for model in owner._models for n, p in model.named_parameters() if p.grad is not None]
         if pending:
@@ -90,23 +118,49 @@ def _check_live(path: Path, manifest: dict[str, Any] | None, group: dict[str, An
     states = {name: check_required_files(owner, path / name,
                                          range(owner.num_processes) if everyone else (owner.process_index,))
               for name, owner in group.items()}
+    if manifest is not None:
+        for name, state in states.items():
+            check_inventory_covers(path, manifest, {f"{name}/{file}" if name else file for file in state.names})
     for name, owner in group.items():
         if backend(owner) == "FSDP":
             validate_optimizer_checkpoint(owner, path / name)
     return states
 
 
-def _restore(path: Path, group: dict[str, Any], rng: dict[str, dict[int, Any]], kwargs: dict[str, Any]) -> None:
+@contextlib.contextmanager
+def _custom_objects_from(states: dict[int, Any], owner: Any) -> Iterator[None]:
+    """Native ``load_state`` unpickles custom objects with ``weights_only=False``: hand it the state the preflight
+    read safely instead (unless the user trusts the files: ``trust_custom_objects=True``)."""
+    import accelerate.accelerator as module
+
+    original = getattr(module, "load_custom_state", None)
+    if original is None or checkpoint_config(owner).trust_custom_objects or not owner._custom_objects:
+        yield
+        return
+
+    def load_custom_state(obj: Any, path: Any, index: int = 0, *args: Any, **kwargs: Any) -> None:
+        obj.load_state_dict(states[index])
+
+    module.load_custom_state = load_custom_state
+    try:
+        yield
+    finally:
+        module.load_custom_state = original
+
+
+def _restore(path: Path, group: dict[str, Any], found: dict[str, Preflight], kwargs: dict[str, Any]) -> None:
     for name, owner in group.items():
         directory = path / name
         load = native_method(owner, "load_state")
 
-        def native_load(owner: Any = owner, directory: Path = directory, load: Any = load) -> None:
-            with fsdp_routing(owner), synchronized_hooks(owner):
+        def native_load(owner: Any = owner, directory: Path = directory, load: Any = load,
+                        custom: dict[int, Any] = found[name].custom) -> None:
+            with fsdp_routing(owner), synchronized_hooks(owner), _custom_objects_from(custom, owner):
                 load(str(directory), **kwargs)
 
         run_phase(native_load, f"Restoring {directory}")
-        state = rng[name][owner.process_index]
+        _faults.point("load:during-restore")
+        state = found[name].rng[owner.process_index]
         owner.step = state["step"]
         if backend(owner) == "FSDP":
             run_phase(lambda owner=owner, directory=directory: [
@@ -120,7 +174,7 @@ def _restore(path: Path, group: dict[str, Any], rng: dict[str, dict[int, Any]], 
             ), "Finite check")
     # Native Accelerate swallows RNG errors: apply the pre-validated state ourselves (the last component's,
     # as native sequential loads would leave it) and let a failure raise.
-    last = next(reversed(rng.values()))
+    last = next(reversed(found.values())).rng
     run_phase(lambda: apply_rng(last[next(iter(group.values())).process_index]), "Restoring RNG state")
 
 
@@ -133,25 +187,29 @@ def load_training_checkpoint(owners: Any, input_dir: str | Path | None = None, *
     Returns the restored checkpoint's path.
     """
     group = run_phase(lambda: participants(owners), "Checking checkpoint participants")
+    run_phase(require_supported_versions, "Checking the installed versions")
     primary = next(iter(group.values()))
-    path = Path(on_main(lambda: str(_resolve_source(primary, group, input_dir)), "Selecting the checkpoint"))
-    manifest = run_phase(lambda: read_manifest(path), f"Reading the manifest of {path}")
-    descriptors = run_phase(lambda: {name: describe(o, require_model_ids=manifest is not None)
-                                     for name, o in group.items()}, "Describing the live training configuration")
-    hooks = {name: [len(o._save_model_state_pre_hook), len(o._load_model_state_pre_hook)] for name, o in group.items()}
-    policies = {name: [checkpoint_config(o).allow_legacy, checkpoint_config(o).check_finite] for name, o in group.items()}
-    agree({"path": str(path), "manifest": digest(manifest).hex(), "hooks": hooks, "policies": policies},
-          "the checkpoint to load")
-    agree(descriptors, "the training configuration")
-    run_phase(lambda: _check_manifest(path, manifest, group) if rank() == 0 else None, f"Verifying {path}")
-    rng = run_phase(lambda: _check_live(path, manifest, group, descriptors), f"Checking {path} against this run")
+    candidates, automatic = on_main(lambda: _candidates(primary, group, input_dir), "Selecting the checkpoint")
+    templates = _templates(group)
+    for index, candidate in enumerate(candidates):
+        path = Path(candidate)
+        try:
+            manifest, found = _verify(path, group, templates)
+        except CheckpointIntegrityError as exc:
+            if not automatic or index == len(candidates) - 1:
+                raise
+            if rank() == 0:
+                logger.warning("Skipping checkpoint %s: %s", path, exc)
+            continue
+        break
     if manifest is None:
         run_phase(lambda: warnings.warn(
-            f"{path} has no completion manifest (legacy or native checkpoint): its files were checked, but that it "
-            "was completely written cannot be proven. The next save writes a manifest.", RuntimeWarning, stacklevel=4,
+            f"{path} has no completion manifest (legacy or native checkpoint): every file the restore reads was "
+            "checked and read safely, but that it was completely written cannot be proven. The next save writes a "
+            "manifest.", RuntimeWarning, stacklevel=4,
         ) if rank() == 0 else None, "Legacy warning")
     try:
-        _restore(path, group, rng, kwargs)
+        _restore(path, group, found, kwargs)
     except BaseException:
         for owner in group.values():
             mark_failed(owner, True)
@@ -163,4 +221,25 @@ def load_training_checkpoint(owners: Any, input_dir: str | Path | None = None, *
         checkpoint_config(owner).run_id = run_id
         if owner.project_configuration.automatic_checkpoint_naming and match:
             owner.project_configuration.iteration = max(owner.save_iteration, int(match.group(1)) + 1)
+    if rank() == 0:
+        logger.info("Resumed from checkpoint %s (step %s)", path,
+                    ", ".join(str(o.step) for o in group.values()))
     return path
+
+
+def _verify(path: Path, group: dict[str, Any], templates: list[str]) -> tuple[dict[str, Any] | None,
+                                                                                dict[str, Preflight]]:
+    """Every check of one candidate, on every rank; raises the same error everywhere on the first failure."""
+    manifest = run_phase(lambda: (refuse_transient(path), read_manifest(path))[1], f"Reading the manifest of {path}")
+    descriptors = run_phase(lambda: {name: describe(o, require_model_ids=manifest is not None)
+                                     for name, o in group.items()}, "Describing the live training configuration")
+    hooks = {name: [len(o._save_model_state_pre_hook), len(o._load_model_state_pre_hook)] for name, o in group.items()}
+    policies = {name: [checkpoint_config(o).allow_legacy, checkpoint_config(o).check_finite,
+                       checkpoint_config(o).trust_custom_objects] for name, o in group.items()}
+    agree({"path": str(path), "manifest": digest(manifest).hex(), "hooks": hooks, "policies": policies},
+          "the checkpoint to load")
+    agree(descriptors, "the training configuration")
+    run_phase(lambda: _check_manifest(path, manifest, group) if rank() == 0 else None, f"Verifying {path}")
+    run_phase(lambda: _check_own_hashes(path, manifest, templates), f"Verifying the content hashes of {path}")
+    found = run_phase(lambda: _check_live(path, manifest, group, descriptors), f"Checking {path} against this run")
+    return manifest, found

@@ -1,50 +1,221 @@
-"""The completion manifest: schema, inventory and verification. Pure file logic, no process group.
+"""The completion manifest: schema, inventory and verification. Pure file logic, no process group, no torch at
+import (the CLI's ``verify``/``list``/``latest`` use it without loading torch).
 
-A directory is a complete checkpoint only if ``checkpoint_manifest.json`` exists, parses, names protocol
-:data:`PROTOCOL` with status ``complete``, and every file it lists is present with the recorded size (and,
-depending on the integrity mode, the recorded sha256). Control files (DCP ``.metadata``, RNG, scheduler,
-scaler, custom objects, small files) are always hashed; large payloads are hashed in ``"full"`` mode.
+A directory is a complete checkpoint only if ``checkpoint_manifest.json`` is a regular file of bounded size and
+depth, names a readable protocol with status ``complete``, and the directory tree (no symbolic links anywhere)
+holds exactly the files of its inventory, each with the recorded size and content hash. A file present but not
+in the inventory is refused when a loader (Accelerate, DCP, a registered state) could read it, and reported
+otherwise.
+
+Integrity modes (recorded as ``integrity``): ``"full"`` (the default) hashes every file; ``"metadata"`` hashes
+control files and small payloads and records only the size of payloads over 16 MiB. The hash is XXH3-128 (fast,
+non-cryptographic: it detects corruption, not a forger who can also rewrite the manifest); ``sha256`` is
+available and older manifests that used it are still verified.
+
+Each rank hashes and fsyncs the files it wrote (:func:`writer_rank`), so the cost is spread over the ranks and
+the flush happens where the data was written.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import pickle
 import re
+import stat
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from ._staging import fsync_path
 from .errors import CheckpointIntegrityError
 
 MANIFEST = "checkpoint_manifest.json"
-PROTOCOL = 1
+PROTOCOL = 2
+READABLE_PROTOCOLS = (1, 2)  # 1: sha256 rows, payloads over 16 MiB sized only
+HASH = "xxh3_128"
+HASHES = ("xxh3_128", "sha256")
+INTEGRITY_MODES = ("full", "metadata")
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+MAX_MANIFEST_DEPTH = 32
 _PAYLOAD_SUFFIXES = (".distcp", ".safetensors", ".bin")
 _SMALL = 16 * 1024 * 1024
 _CHUNK = 8 * 1024 * 1024
 _IDENTIFIER = re.compile(r"[0-9A-Za-z]+")
+_HEX = re.compile(r"[0-9a-f]{16,128}")
+# Files some loader may read when present: Accelerate's component files (by name) and anything holding tensors or
+# pickles. An unlisted file of this kind in a published checkpoint is refused; other unlisted files are reported.
+_LOADER_NAME = re.compile(
+    r"(?:(?:pytorch_model|model|optimizer|scheduler|sampler|dl_state_dict)(?:_\d+)?"
+    r"|random_states_\d+|custom_checkpoint_\d+|scaler)\.(?:bin|safetensors|pt|pkl)\Z"
+    r"|\.metadata\Z|.*\.(?:distcp|pkl|pt|pth|bin|safetensors|npy|npz|ckpt)\Z|.*\.index\.json\Z"
+)
+_DCP_PAYLOAD = re.compile(r"__(\d+)_\d+\.distcp\Z")
+RANK_FILES = ("random_states_{rank}.pkl",)  # Accelerate's per-rank files (plus registered private states)
+
+
+# --- hashing -------------------------------------------------------------------------------------------------
+
+def _hasher(algorithm: str) -> Any:
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    if algorithm == "xxh3_128":
+        import xxhash
+
+        return xxhash.xxh3_128()
+    raise CheckpointIntegrityError(f"Unknown content hash {algorithm!r}; this accelerate-txn knows {list(HASHES)}")
+
+
+def _open_regular(path: Path) -> int:
+    """A read-only descriptor of the regular file ``path``, never following a symbolic link."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        raise CheckpointIntegrityError(f"Checkpoint file {path} is missing") from None
+    except OSError as exc:
+        raise CheckpointIntegrityError(f"Cannot open checkpoint file {path} ({exc.strerror}): a symbolic link or "
+                                       "unreadable entry is not part of a checkpoint") from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointIntegrityError(f"Checkpoint entry {path} is not a regular file")
+    return fd
+
+
+def hash_file(path: Path, algorithm: str = HASH, *, flush: bool = False) -> tuple[int, str]:
+    """``(size, hex digest)`` of ``path``; with ``flush`` the file is also fsynced (its writer calls this)."""
+    digest = _hasher(algorithm)
+    fd = _open_regular(Path(path))
+    size = 0
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    try:
+        with os.fdopen(fd, "rb", buffering=0, closefd=False) as stream:
+            while count := stream.readinto(view):
+                digest.update(view[:count])
+                size += count
+        if flush:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return size, digest.hexdigest()
 
 
 def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for chunk in iter(lambda: stream.read(_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return hash_file(path, "sha256")[1]
+
+
+def _is_large_payload(name: str, size: int) -> bool:
+    return Path(name).suffix in _PAYLOAD_SUFFIXES and size > _SMALL
 
 
 def relative_inside(name: str) -> Path:
     """``name`` as a relative path that stays inside its checkpoint; raises otherwise."""
     path = Path(name)
-    if path.is_absolute() or ".." in path.parts:
+    if not name or path.is_absolute() or ".." in path.parts or "\\" in name or "\x00" in name:
         raise CheckpointIntegrityError(f"Checkpoint entry {name!r} points outside its checkpoint directory")
     return path
 
+
+def list_tree(directory: Path) -> dict[str, int]:
+    """Relative POSIX name -> size of every file under ``directory`` (the manifest excluded).
+
+    Refuses symbolic links (to files or directories) and anything that is not a regular file or directory.
+    """
+    root = Path(directory)
+    found: dict[str, int] = {}
+
+    def walk(folder: Path, prefix: str) -> None:
+        try:
+            entries = list(os.scandir(folder))
+        except OSError as exc:
+            raise CheckpointIntegrityError(f"Cannot list checkpoint directory {folder}: {exc.strerror}") from exc
+        for entry in entries:
+            name = f"{prefix}{entry.name}"
+            if entry.is_symlink():
+                raise CheckpointIntegrityError(
+                    f"Checkpoint entry {root / name} is a symbolic link: a checkpoint holds only its own files. "
+                    "Copy the data in place of the link."
+                )
+            if entry.is_dir(follow_symlinks=False):
+                walk(Path(entry.path), f"{name}/")
+            elif entry.is_file(follow_symlinks=False):
+                if name != MANIFEST:
+                    found[name] = entry.stat(follow_symlinks=False).st_size
+            else:
+                raise CheckpointIntegrityError(f"Checkpoint entry {root / name} is not a regular file or directory")
+
+    if Path(root).is_symlink():
+        raise CheckpointIntegrityError(f"Checkpoint directory {root} is a symbolic link; pass the real directory")
+    walk(root, "")
+    return found
+
+
+def writer_rank(name: str, world_size: int, rank_files: Iterable[str] = RANK_FILES) -> int:
+    """The rank that wrote ``name`` in a protected save: DCP's ``__R_*.distcp`` and per-rank files (RNG,
+    registered private states) belong to their rank; everything else (DCP ``.metadata``, scheduler, scaler,
+    custom objects, ...) to rank 0. A rank outside ``world_size`` maps to rank 0."""
+    base = name.rsplit("/", 1)[-1]
+    match = _DCP_PAYLOAD.fullmatch(base)
+    if match:
+        rank = int(match.group(1))
+        return rank if rank < world_size else 0
+    for template in rank_files:
+        pattern = re.escape(template).replace(re.escape("{rank}"), r"(\d+)")
+        match = re.fullmatch(pattern, base)
+        if match:
+            rank = int(match.group(1))
+            return rank if rank < world_size else 0
+    return 0
+
+
+def hash_rows(directory: Path, names: Iterable[str], *, algorithm: str = HASH, integrity: str = "full",
+              flush: bool = False, after_first: Callable[[], None] | None = None) -> dict[str, dict[str, Any]]:
+    """Inventory rows (size and hash per the integrity mode) of ``names`` under ``directory``, hashed in
+    parallel threads (hashing and reading release the GIL); ``flush`` also fsyncs each file."""
+    names = sorted(names)
+    root = Path(directory)
+
+    def row(name: str) -> tuple[str, dict[str, Any]]:
+        path = root / relative_inside(name)
+        if integrity == "metadata" and _is_large_payload(name, path.lstat().st_size):
+            fd = _open_regular(path)  # size only: flush without reading the payload
+            try:
+                if flush:
+                    os.fsync(fd)
+                return name, {"size": os.fstat(fd).st_size}
+            finally:
+                os.close(fd)
+        size, digest = hash_file(path, algorithm, flush=flush)
+        return name, {"size": size, algorithm: digest}
+
+    rows: dict[str, dict[str, Any]] = {}
+    if not names:
+        return rows
+    with ThreadPoolExecutor(max_workers=min(4, len(names), os.cpu_count() or 1)) as pool:
+        for index, (name, value) in enumerate(pool.map(row, names)):
+            rows[name] = value
+            if index == 0 and after_first is not None:
+                after_first()
+    return rows
+
+
+def add_schemas(directory: Path, rows: dict[str, dict[str, Any]]) -> None:
+    """Record the tensor schema of every DCP ``.metadata`` in ``rows`` (read with the restricted unpickler)."""
+    for name, row in rows.items():
+        if name.rsplit("/", 1)[-1] == ".metadata":
+            row["schema"] = dcp_schema((Path(directory) / name).parent)
+
+
+def build_inventory(directory: Path, checksum: str = "full", algorithm: str = HASH) -> dict[str, dict[str, Any]]:
+    """Size and hash (per the integrity mode ``checksum``) of every file under ``directory``, and the schema of
+    every DCP ``.metadata`` (single-process form of what a protected save assembles across ranks)."""
+    rows = hash_rows(directory, list_tree(directory), algorithm=algorithm, integrity=checksum)
+    add_schemas(directory, rows)
+    return rows
+
+
+# --- DCP metadata ----------------------------------------------------------------------------------------------
 
 class _MetadataUnpickler(pickle.Unpickler):
     """Reads DCP ``.metadata`` without executing arbitrary code: only DCP's metadata classes and the torch and
@@ -58,16 +229,19 @@ class _MetadataUnpickler(pickle.Unpickler):
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         ("torch.serialization", "_get_layout"),
         ("torch", "Size"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PureWindowsPath"),
         ("collections", "OrderedDict"),
         ("builtins", "set"),
         ("builtins", "frozenset"),
+    } | {
+        # Python 3.13 moved the concrete path classes to pathlib._local (StorageMeta.checkpoint_id is a path).
+        (module, name)
+        for module in ("pathlib", "pathlib._local")
+        for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
     }
 
     def find_class(self, module: str, name: str) -> Any:
+        import torch
+
         # Exact (module, name) pairs only: a dotted name would walk from an allowed module to anything it
         # imports (e.g. "os.system" through a module that imports os).
         if "." not in name and (module, name) in self._NAMES:
@@ -81,17 +255,28 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_dcp_metadata(directory: Path) -> Any:
     """DCP ``Metadata`` of ``directory`` read with a restricted unpickler; integrity error if unreadable."""
     path = Path(directory) / ".metadata"
-    if not path.is_file():
-        raise CheckpointIntegrityError(f"Missing DCP metadata {path}: the sharded state in {directory} is incomplete")
     from torch.distributed.checkpoint.metadata import Metadata
 
+    if not path.is_symlink() and not path.exists():
+        raise CheckpointIntegrityError(f"Missing DCP metadata {path}: the sharded state in {directory} is incomplete")
+    fd = _open_regular(path)
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
-    except Exception as exc:
+        with os.fdopen(fd, "rb", closefd=False) as stream:
+            metadata = _MetadataUnpickler(stream).load()
+    except CheckpointIntegrityError:
+        raise
+    except Exception as exc:  # any unpickling failure, RecursionError included
         raise CheckpointIntegrityError(f"Unreadable DCP metadata {path}: {exc}") from exc
+    finally:
+        os.close(fd)
     if not isinstance(metadata, Metadata):
         raise CheckpointIntegrityError(f"{path} is not DCP metadata (it holds a {type(metadata).__name__})")
     return metadata
+
+
+def dcp_payload_names(metadata: Any) -> set[str]:
+    """Relative names of the payload files a DCP ``Metadata`` reads."""
+    return {relative_inside(str(storage.relative_path)).as_posix() for storage in (metadata.storage_data or {}).values()}
 
 
 def check_dcp_payloads(directory: Path) -> Any:
@@ -100,7 +285,7 @@ def check_dcp_payloads(directory: Path) -> Any:
     for storage in (metadata.storage_data or {}).values():
         payload = Path(directory) / relative_inside(str(storage.relative_path))
         needed = storage.offset + storage.length
-        if not payload.is_file():
+        if payload.is_symlink() or not payload.is_file():
             raise CheckpointIntegrityError(f"Missing DCP payload {payload} (named by {Path(directory) / '.metadata'})")
         size = payload.stat().st_size
         if size < needed:
@@ -124,41 +309,57 @@ def dcp_schema(directory: Path) -> dict[str, Any]:
     return rows
 
 
-def build_inventory(directory: Path, checksum: str) -> dict[str, dict[str, Any]]:
-    """Size of every file under ``directory``, sha256 of control files (of all files in ``"full"`` mode),
-    and the schema of every DCP ``.metadata``."""
-    result: dict[str, dict[str, Any]] = {}
-    for path in sorted(Path(directory).rglob("*")):
-        if path.is_symlink():
-            raise CheckpointIntegrityError(f"Checkpoint cannot contain symbolic links: {path}")
-        if not path.is_file() or path.name == MANIFEST:
-            continue
-        size = path.stat().st_size
-        row: dict[str, Any] = {"size": size}
-        if checksum == "full" or path.suffix not in _PAYLOAD_SUFFIXES or size <= _SMALL:
-            row["sha256"] = sha256_file(path)
-        if path.name == ".metadata":
-            row["schema"] = dcp_schema(path.parent)
-        result[path.relative_to(directory).as_posix()] = row
-    return result
+# --- the manifest file ---------------------------------------------------------------------------------------
+
+def _depth(value: Any) -> int:
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth > MAX_MANIFEST_DEPTH:
+            return depth
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
 
 
 def read_manifest(directory: Path) -> dict[str, Any] | None:
-    """The parsed manifest of ``directory``, ``None`` if it has none; integrity error if it is not valid."""
+    """The parsed manifest of ``directory``, ``None`` if it has none; integrity error if it is not valid.
+
+    Bounded: a manifest over :data:`MAX_MANIFEST_BYTES`, nested deeper than :data:`MAX_MANIFEST_DEPTH`, or that
+    is a symbolic link is refused without being read whole.
+    """
     path = Path(directory) / MANIFEST
-    if not path.exists():
+    if not path.is_symlink() and not path.exists():
         return None
+    fd = _open_regular(path)
     try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointIntegrityError(f"Unreadable checkpoint manifest {path}: {exc}") from exc
+        size = os.fstat(fd).st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise CheckpointIntegrityError(
+                f"Checkpoint manifest {path} has {size} bytes, over the {MAX_MANIFEST_BYTES} byte limit: it was not "
+                "written by accelerate-txn (or was altered); the checkpoint is not loadable."
+            )
+        with os.fdopen(fd, "rb", closefd=False) as stream:
+            data = stream.read(MAX_MANIFEST_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError, MemoryError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise CheckpointIntegrityError(f"Unreadable checkpoint manifest {path}: {reason}") from None
     if not isinstance(value, dict):
         raise CheckpointIntegrityError(f"Invalid checkpoint manifest {path}: not a JSON object")
+    if _depth(value) > MAX_MANIFEST_DEPTH:
+        raise CheckpointIntegrityError(f"Invalid checkpoint manifest {path}: nested deeper than {MAX_MANIFEST_DEPTH}")
     return value
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     """Write the manifest last: to a temporary name, fsynced, renamed into place, directory fsynced."""
+    from ._staging import fsync_path
+
     temporary = Path(directory) / (MANIFEST + ".tmp")
     with temporary.open("x") as stream:
         json.dump(manifest, stream, sort_keys=True, indent=1)
@@ -168,17 +369,36 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     fsync_path(Path(directory))
 
 
-def verify_manifest(directory: Path, manifest: dict[str, Any], *, full: bool) -> None:
-    """Raise :class:`CheckpointIntegrityError` unless ``directory`` matches its manifest.
+def loader_may_read(name: str, private_patterns: Iterable[re.Pattern[str]] = ()) -> bool:
+    """Whether a loader (Accelerate, DCP, a registered private state) could read the file ``name``."""
+    base = name.rsplit("/", 1)[-1]
+    return bool(_LOADER_NAME.fullmatch(base)) or any(pattern.fullmatch(base) for pattern in private_patterns)
 
-    ``full=False`` (selection) checks sizes, control-file hashes and DCP schemas; ``full=True`` (restore)
-    also checks every payload hash the manifest records.
+
+def rank_file_pattern(template: str) -> re.Pattern[str]:
+    """The file names a per-rank template such as ``training_state_{rank}.pt`` produces, for any rank."""
+    return re.compile(re.escape(template).replace(re.escape("{rank}"), r"\d+"))
+
+
+def _row_hash(row: dict[str, Any]) -> tuple[str, str] | None:
+    for algorithm in HASHES:
+        if algorithm in row:
+            return algorithm, row[algorithm]
+    return None
+
+
+def check_structure(directory: Path, manifest: dict[str, Any], *,
+                    private_patterns: Iterable[re.Pattern[str]] = ()) -> dict[str, Any]:
+    """Everything about ``directory`` against its manifest except content hashes; returns a partial report.
+
+    Header (protocol, status, identifiers), inventory entries, no symbolic links, every listed file present with
+    its size, every payload a DCP ``.metadata`` names listed, and no unlisted file that a loader could read.
     """
     where = Path(directory) / MANIFEST
-    if manifest.get("protocol") != PROTOCOL:
+    if manifest.get("protocol") not in READABLE_PROTOCOLS:
         raise CheckpointIntegrityError(
-            f"{where} uses checkpoint protocol {manifest.get('protocol')!r}; this accelerate-txn reads protocol "
-            f"{PROTOCOL}. Use the accelerate-txn version that wrote it."
+            f"{where} uses checkpoint protocol {manifest.get('protocol')!r}; this accelerate-txn reads protocols "
+            f"{list(READABLE_PROTOCOLS)}. Use the accelerate-txn version that wrote it."
         )
     if manifest.get("status") != "complete":
         raise CheckpointIntegrityError(f"{where} does not mark a complete checkpoint (status {manifest.get('status')!r})")
@@ -188,21 +408,103 @@ def verify_manifest(directory: Path, manifest: dict[str, Any], *, full: bool) ->
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         raise CheckpointIntegrityError(f"{where} has no file inventory")
-    for name, expected in files.items():
-        if not isinstance(expected, dict) or not isinstance(expected.get("size"), int):
+    for name, row in files.items():
+        relative_inside(name)
+        if (not isinstance(row, dict) or not isinstance(row.get("size"), int) or isinstance(row.get("size"), bool)
+                or row["size"] < 0):
             raise CheckpointIntegrityError(f"{where} has a malformed entry for {name!r}")
-        path = Path(directory) / relative_inside(name)
-        if path.is_symlink() or not path.is_file():
+        recorded = _row_hash(row)
+        if recorded is not None and not (isinstance(recorded[1], str) and _HEX.fullmatch(recorded[1])):
+            raise CheckpointIntegrityError(f"{where} has a malformed {recorded[0]} for {name!r}")
+    present = list_tree(directory)
+    for name, row in sorted(files.items()):
+        path = Path(directory) / name
+        if name not in present:
             raise CheckpointIntegrityError(f"Checkpoint file {path} is missing (listed in {where})")
-        size = path.stat().st_size
-        if size != expected.get("size"):
+        if present[name] != row["size"]:
             raise CheckpointIntegrityError(
-                f"Checkpoint file {path} has {size} bytes; the manifest recorded {expected.get('size')} (truncated or "
+                f"Checkpoint file {path} has {present[name]} bytes; the manifest recorded {row['size']} (truncated or "
                 "changed after the checkpoint was published)"
             )
-        hashed = "sha256" in expected
-        small = expected.get("size", 0) <= _SMALL or path.suffix not in _PAYLOAD_SUFFIXES
-        if hashed and (full or small) and sha256_file(path) != expected["sha256"]:
-            raise CheckpointIntegrityError(f"Checkpoint file {path} does not match its sha256 in {where} (corrupted)")
-        if "schema" in expected and dcp_schema(path.parent) != expected["schema"]:
-            raise CheckpointIntegrityError(f"DCP metadata {path} describes other tensors than {where} recorded")
+    patterns = list(private_patterns)
+    extra = sorted(set(present) - set(files))
+    read = [name for name in extra if loader_may_read(name, patterns)]
+    if read:
+        raise CheckpointIntegrityError(
+            f"{Path(directory) / read[0]} is not in the inventory of {where}, but a loader would read it "
+            f"({len(read)} such file(s)): the checkpoint was altered after it was published. Remove the file(s) or "
+            "restore an intact copy."
+        )
+    return {"files": len(files), "extra": extra, "integrity": manifest.get("integrity", "metadata"),
+            "algorithm": next((a for a in HASHES if any(a in row for row in files.values())), HASH)}
+
+
+def check_dcp_inventory(directory: Path, manifest: dict[str, Any]) -> int:
+    """Every listed DCP ``.metadata`` describes the tensors the manifest recorded, and every payload it names is
+    listed too (reads the metadata with the restricted unpickler, so it imports torch). Returns how many."""
+    files = manifest["files"]
+    count = 0
+    for name, row in sorted(files.items()):
+        if name.rsplit("/", 1)[-1] != ".metadata":
+            continue
+        count += 1
+        folder = name.rsplit("/", 1)[0] + "/" if "/" in name else ""
+        metadata_dir = (Path(directory) / name).parent
+        if "schema" in row and dcp_schema(metadata_dir) != row["schema"]:
+            raise CheckpointIntegrityError(
+                f"DCP metadata {Path(directory) / name} describes other tensors than {Path(directory) / MANIFEST} "
+                "recorded"
+            )
+        for payload in sorted(dcp_payload_names(read_dcp_metadata(metadata_dir))):
+            if f"{folder}{payload}" not in files:
+                raise CheckpointIntegrityError(
+                    f"{Path(directory) / name} names payload {folder}{payload}, which the inventory of "
+                    f"{Path(directory) / MANIFEST} does not list: the manifest does not prove what DCP would read"
+                )
+    return count
+
+
+def hashed_names(manifest: dict[str, Any], *, full: bool) -> list[str]:
+    """Inventory entries whose hash a verification checks: all recorded hashes (``full``) or the control files
+    and small payloads only (a quick check)."""
+    return sorted(name for name, row in manifest["files"].items()
+                  if _row_hash(row) is not None and (full or not _is_large_payload(name, row["size"])))
+
+
+def check_hashes(directory: Path, manifest: dict[str, Any], names: Iterable[str]) -> int:
+    """Re-hash ``names`` (in parallel) and compare with the manifest; returns how many were checked."""
+    files = manifest["files"]
+    names = list(names)
+    root = Path(directory)
+
+    def check(name: str) -> None:
+        algorithm, expected = _row_hash(files[name])  # type: ignore[misc]
+        size, digest = hash_file(root / relative_inside(name), algorithm)
+        if size != files[name]["size"] or digest != expected:
+            raise CheckpointIntegrityError(
+                f"Checkpoint file {root / name} does not match its {algorithm} in {root / MANIFEST} (corrupted or "
+                "changed after the checkpoint was published)"
+            )
+
+    if names:
+        with ThreadPoolExecutor(max_workers=min(4, len(names), os.cpu_count() or 1)) as pool:
+            list(pool.map(check, names))
+    return len(names)
+
+
+def verify_manifest(directory: Path, manifest: dict[str, Any], *, full: bool, dcp: bool = True,
+                    private_patterns: Iterable[re.Pattern[str]] = ()) -> dict[str, Any]:
+    """Raise :class:`CheckpointIntegrityError` unless ``directory`` matches its manifest; return what was checked.
+
+    ``full=True`` checks every recorded hash; ``full=False`` the control files and small payloads only. The
+    report: ``files`` (inventory size), ``hashed`` (files whose content was checked), ``size_only`` (checked by
+    size only), ``algorithm``, ``integrity`` (the mode it was saved with), ``extra`` (unlisted files no loader
+    reads, accepted) and ``dcp_metadata`` (DCP directories whose schema and payload listing were checked; only
+    with ``dcp=True``, which imports torch).
+    """
+    report = check_structure(directory, manifest, private_patterns=private_patterns)
+    names = hashed_names(manifest, full=full)
+    report["hashed"] = check_hashes(directory, manifest, names)
+    report["size_only"] = report["files"] - report["hashed"]
+    report["dcp_metadata"] = check_dcp_inventory(directory, manifest) if dcp else 0
+    return report

@@ -28,7 +28,9 @@ def _numpy_globals() -> list[Any]:
         from numpy._core.multiarray import _reconstruct
     except ImportError:  # numpy < 2
         from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
-    allowed: list[Any] = [np.ndarray, np.dtype, _reconstruct]
+    import codecs
+
+    allowed: list[Any] = [np.ndarray, np.dtype, _reconstruct, codecs.encode]  # as Accelerate's own reader
     dtypes = getattr(np, "dtypes", None)
     if dtypes is not None and hasattr(dtypes, "UInt32DType"):
         allowed.append(dtypes.UInt32DType)

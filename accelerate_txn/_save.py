@@ -7,9 +7,14 @@ Order (each step a rank phase: a failure anywhere raises the same error everywhe
 3. rank 0 takes the directory lock, refuses to overwrite or to mix runs, removes dead writers' leftovers and
    creates the staging sibling;
 4. native ``save_state`` of every component into staging (user hooks synchronised);
-5. every rank checks its required files and fsyncs the staged tree;
-6. rank 0 checks every rank's files, writes the manifest last (fsynced), renames staging onto the final name,
-   fsyncs the parent, then prunes older complete checkpoints of the same run.
+5. every rank checks its required files, then hashes and fsyncs the files it wrote (its DCP shards, its RNG and
+   private state; rank 0 also every shared file): the flush and the content hashes cost one read of each file,
+   spread over the ranks;
+6. rank 0 gathers the rows, checks that they cover exactly the staged tree and every rank's files, fsyncs the
+   directories, writes the manifest last (fsynced), renames staging onto the final name, fsyncs the parent,
+   then prunes older complete checkpoints of the same run (renamed aside first, then deleted).
+
+``_faults.point`` marks the instants the crash-consistency tests kill a rank at.
 
 On failure the iteration counters are restored and staging is removed; nothing is published.
 """
@@ -17,20 +22,24 @@ On failure the iteration counters are restored and staging is removed; nothing i
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
+from . import _faults
 from ._config import checkpoint_config, ensure_not_failed, raw_optimizer
 from ._descriptor import describe, participants
 from ._finite import check_finite_state
-from ._manifest import MANIFEST, PROTOCOL, build_inventory, write_manifest
+from ._manifest import HASH, MANIFEST, PROTOCOL, add_schemas, hash_rows, list_tree, write_manifest, writer_rank
 from ._native import automatic_naming_off, native_method, synchronized_hooks
-from ._ranks import agree, on_main, rank, run_phase
-from ._required import check_required_files
+from ._ranks import agree, distributed, on_main, rank, run_phase, world_size
+from ._required import check_required_files, rank_files
 from ._select import complete_run_id, numbered_checkpoints, prune
-from ._staging import DirectoryLock, StagedDirectory, fsync_tree, new_id, remove_leftovers, staging_leftovers
-from ._versions import installed_versions
-from .errors import CheckpointConfigurationError, CheckpointError, CheckpointExistsError
+from ._staging import DirectoryLock, StagedDirectory, fsync_path, new_id, remove_leftovers, staging_leftovers
+from ._versions import installed_versions, require_supported_versions
+from .errors import CheckpointConfigurationError, CheckpointError, CheckpointExistsError, CheckpointIntegrityError
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +84,41 @@ def _resolve_destination(primary: Any, output_dir: Any, checkpoint_limit: int | 
     return path.expanduser().absolute(), checkpoint_limit
 
 
-class _Reservation:
-    """Rank 0's side of the transaction: the lock and the staged directory."""
+def _rank_templates(group: dict[str, Any]) -> list[str]:
+    return sorted({f"{name}/{t}" if name else t for name, owner in group.items() for t in rank_files(owner)})
 
-    def __init__(self, path: Path, run_id: str) -> None:
-        self.lock = DirectoryLock(path.parent)
+
+def _own_rows(staging: Path, templates: list[str], integrity: str) -> dict[str, dict[str, Any]]:
+    """Hash and fsync the staged files this rank wrote (see ``_manifest.writer_rank``)."""
+    world, me = world_size(), rank()
+    bases = [template.rsplit("/", 1)[-1] for template in templates]
+    mine = [name for name in list_tree(staging) if writer_rank(name, world, bases) == me]
+    return hash_rows(staging, mine, algorithm=HASH, integrity=integrity, flush=True,
+                     after_first=lambda: _faults.point("save:during-flush"))
+
+
+def _gather_rows(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Rank 0 receives every rank's rows (the other ranks get ``{}``)."""
+    if not distributed():
+        return rows
+    gathered: list[Any] = [None] * world_size() if rank() == 0 else []
+    dist.gather_object(rows, gathered if rank() == 0 else None, dst=0)
+    merged: dict[str, dict[str, Any]] = {}
+    for part in gathered:
+        merged.update(part or {})
+    return merged
+
+
+def _fsync_directories(root: Path) -> None:
+    for directory, _dirs, _files in os.walk(root, topdown=False):
+        fsync_path(Path(directory))
+
+
+class _Reservation:
+    """Rank 0's side of the transaction: the lock and the staged directory (constructed inside a phase)."""
+
+    def __init__(self, path: Path, run_id: str, lock_timeout: float) -> None:
+        self.lock = DirectoryLock(path.parent, lock_timeout)
         self.staged = StagedDirectory(path, run_id)
 
     def open(self) -> str:
@@ -108,11 +147,23 @@ class _Reservation:
             self.lock.release()
             raise
 
-    def publish(self, owners: dict[str, Any], descriptors: dict[str, Any], run_id: str) -> str:
+    def publish(self, owners: dict[str, Any], descriptors: dict[str, Any], run_id: str, integrity: str,
+                rows: dict[str, dict[str, Any]]) -> str:
         staging = self.staged.staging
         for name, owner in owners.items():
-            check_required_files(owner, staging / name, range(owner.num_processes))
-        checksum = "full" if any(checkpoint_config(o).checksum == "full" for o in owners.values()) else "metadata"
+            check_required_files(owner, staging / name, range(owner.num_processes), read_custom=False)
+        present = list_tree(staging)
+        vanished = sorted(set(rows) - set(present))
+        changed = sorted(name for name in set(rows) & set(present) if rows[name]["size"] != present[name])
+        if vanished or changed:
+            raise CheckpointIntegrityError(
+                f"Staged file {staging / (vanished or changed)[0]} {'vanished' if vanished else 'changed size'} after "
+                "it was hashed: something else writes into the staging directory. Nothing was published."
+            )
+        unclaimed = sorted(set(present) - set(rows))  # written after the ranks listed the tree: rank 0 takes them
+        rows.update(hash_rows(staging, unclaimed, algorithm=HASH, integrity=integrity, flush=True))
+        add_schemas(staging, rows)
+        _fsync_directories(staging)
         manifest = {
             "protocol": PROTOCOL,
             "status": "complete",
@@ -121,11 +172,13 @@ class _Reservation:
             "components": descriptors,
             "steps": {name: owner.step for name, owner in owners.items()},
             "versions": installed_versions(),
-            "integrity": checksum,
-            "files": build_inventory(staging, checksum),
+            "integrity": integrity,
+            "hash": HASH,
+            "files": dict(sorted(rows.items())),
         }
         write_manifest(staging, manifest)
-        return str(self.staged.publish(synced=True))  # every rank fsynced the tree; the manifest was fsynced
+        _faults.point("save:after-manifest")
+        return str(self.staged.publish(synced=True))  # every file and directory was fsynced above
 
     def close(self) -> None:
         try:
@@ -149,11 +202,12 @@ def save_training_checkpoint(
     automatic naming) are pruned, or every rank raises the same error and nothing is published.
     """
     group = run_phase(lambda: participants(owners), "Checking checkpoint participants")
+    run_phase(require_supported_versions, "Checking the installed versions")
     primary = next(iter(group.values()))
     path, limit = run_phase(lambda: _resolve_destination(primary, output_dir, checkpoint_limit), "Resolving the path")
     descriptors = run_phase(lambda: _preflight(group), "Checkpoint preflight")
-    policies = {name: {"finite": checkpoint_config(o).check_finite, "checksum": checkpoint_config(o).checksum}
-                for name, o in group.items()}
+    policies = {name: {"finite": checkpoint_config(o).check_finite, "checksum": checkpoint_config(o).checksum,
+                       "lock_timeout": checkpoint_config(o).lock_timeout} for name, o in group.items()}
     hooks = {name: [len(o._save_model_state_pre_hook), len(o._load_model_state_pre_hook)] for name, o in group.items()}
     agree({"path": str(path), "limit": limit, "policies": policies, "hooks": hooks}, "the checkpoint path and policies")
     agree(descriptors, "the training configuration")
@@ -165,7 +219,10 @@ def save_training_checkpoint(
         )
     run_id: str = on_main(lambda: run_ids[0] if run_ids else new_id(), "Choosing the run id")
     iterations = {id(o): (o, o.project_configuration.iteration) for o in group.values()}
-    reservation = _Reservation(path, run_id) if rank() == 0 else None
+    integrity = "full" if any(checkpoint_config(o).checksum == "full" for o in group.values()) else "metadata"
+    templates = _rank_templates(group)
+    reservation = run_phase(lambda: _Reservation(path, run_id, checkpoint_config(primary).lock_timeout)
+                            if rank() == 0 else None, "Preparing the directory lock")
     published: str | None = None
     try:
         staging = Path(on_main(lambda: reservation.open(), f"Reserving {path}"))  # type: ignore[union-attr]
@@ -178,11 +235,15 @@ def save_training_checkpoint(
                     save(str(target), safe_serialization=safe_serialization, **kwargs)
 
             run_phase(native_save, f"Saving {name or 'the checkpoint'} into {staging}")
-            run_phase(lambda owner=owner, target=target: check_required_files(owner, target, (owner.process_index,)),
-                      "Checking this rank's staged files")
-        # Every rank flushes what it wrote (on a shared filesystem only the writer's fsync is reliable).
-        run_phase(lambda: fsync_tree(staging), "Flushing the staged checkpoint")
-        published = on_main(lambda: reservation.publish(group, descriptors, run_id), f"Publishing {path}")  # type: ignore[union-attr]
+            _faults.point("save:after-native-save")
+            run_phase(lambda owner=owner, target=target: check_required_files(
+                owner, target, (owner.process_index,), read_custom=False), "Checking this rank's staged files")
+        # Every rank hashes and flushes what it wrote (on a shared filesystem only the writer's fsync is reliable).
+        rows = _gather_rows(run_phase(lambda: _own_rows(staging, templates, integrity),
+                                      "Hashing and flushing the staged checkpoint"))
+        published = on_main(lambda: reservation.publish(group, descriptors, run_id, integrity, rows),  # type: ignore[union-attr]
+                            f"Publishing {path}")
+        _faults.point("save:after-rename")
         for owner in group.values():
             checkpoint_config(owner).run_id = run_id
         if limit is not None:

@@ -9,10 +9,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from . import _faults
 from ._config import checkpoint_config
 from ._descriptor import participants
-from ._manifest import PROTOCOL, read_manifest, verify_manifest
-from ._required import check_required_files
+from ._manifest import MANIFEST, READABLE_PROTOCOLS, read_manifest, verify_manifest
+from ._required import check_required_files, private_patterns
+from ._staging import retire
 from .errors import CheckpointIntegrityError, NoCheckpointError
 
 logger = logging.getLogger(__name__)
@@ -32,49 +34,92 @@ def numbered_checkpoints(root: Path) -> list[tuple[int, Path]]:
 
 
 def complete_run_id(path: Path) -> str | None:
-    """The run id of a published checkpoint with a readable manifest, else ``None``."""
+    """The run id of a published checkpoint with a readable manifest, else ``None`` (never raises for a corrupt
+    or hostile sibling: one bad directory must not block saving or selection)."""
     try:
         manifest = read_manifest(path)
-    except CheckpointIntegrityError:
+    except (CheckpointIntegrityError, OSError):
         return None
-    if not manifest or manifest.get("protocol") != PROTOCOL or manifest.get("status") != "complete":
+    if not manifest or manifest.get("protocol") not in READABLE_PROTOCOLS or manifest.get("status") != "complete":
         return None
     run_id = manifest.get("run_id")
     return run_id if isinstance(run_id, str) and run_id else None
 
 
-def latest_training_checkpoint(output_dir: str | Path, owners: Any = None) -> str | None:
-    """The newest complete checkpoint under ``output_dir`` (a directory of ``checkpoint_N``), or ``None``.
+def is_transient(path: Path) -> bool:
+    """A staging directory (a save in progress or killed) or one being deleted by retention: never loadable."""
+    name = Path(path).name
+    return name.startswith(".") and (".staging-" in name or ".deleting-" in name)
 
-    Candidates are tried newest first; a broken one (no or invalid manifest, missing or truncated files) is
-    skipped with a log line saying why. Pass ``owners`` (an Accelerator or ``{component: Accelerator}``) to
-    also require that the checkpoint holds their components and required files, and to consider legacy
-    (manifest-less) checkpoints when every owner allows them. Uses no collectives.
-    Raises :class:`NoCheckpointError` if candidates exist but none is complete.
+
+def refuse_transient(path: Path) -> None:
+    if is_transient(path):
+        raise CheckpointIntegrityError(
+            f"{path} is a staging (or retired) directory of accelerate-txn: a save that did not finish, or a checkpoint "
+            "being deleted. It is never loadable; load a published checkpoint_N (accelerate-txn list shows them)."
+        )
+    if (Path(path) / (MANIFEST + ".tmp")).exists() and not (Path(path) / MANIFEST).exists():
+        raise CheckpointIntegrityError(
+            f"{path} holds a partly written manifest ({MANIFEST}.tmp): a save was interrupted. It is not loadable."
+        )
+
+
+def check_candidate(path: Path, group: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Quick check of one candidate (no collectives): the manifest and the tree against its inventory, the hashes
+    of control files and small payloads and, with ``group``, the components and every required file. Returns the
+    manifest (``None`` for a legacy directory that ``group`` allows); raises :class:`CheckpointIntegrityError`."""
+    refuse_transient(path)
+    manifest = read_manifest(path)
+    patterns = [pattern for owner in (group or {}).values() for pattern in private_patterns(owner)]
+    if manifest is not None:
+        verify_manifest(path, manifest, full=False, dcp=False, private_patterns=patterns)
+        if group is not None and set(manifest.get("components", {})) != set(group):
+            raise CheckpointIntegrityError(
+                f"it holds components {sorted(manifest.get('components', {}))}, not {sorted(group)}"
+            )
+    elif group is None or not all(checkpoint_config(owner).allow_legacy for owner in group.values()):
+        raise CheckpointIntegrityError("it has no completion manifest")
+    if group is not None:
+        for name, owner in group.items():
+            check_required_files(owner, path / name, range(owner.num_processes), read_custom=False)
+    return manifest
+
+
+def checkpoint_candidates(output_dir: str | Path, owners: Any = None) -> tuple[list[Path], list[str]]:
+    """Loadable candidates under ``output_dir``, best first, and the reasons others were skipped.
+
+    Published checkpoints with a manifest come first (newest first); manifest-less (legacy) directories follow,
+    only when every owner allows them, so a legacy directory is never preferred over a complete checkpoint.
     """
     group = participants(owners) if owners is not None else None
-    candidates = numbered_checkpoints(Path(output_dir))
-    reasons = []
-    for _number, path in reversed(candidates):
+    complete: list[Path] = []
+    legacy: list[Path] = []
+    reasons: list[str] = []
+    for _number, path in reversed(numbered_checkpoints(Path(output_dir))):
         try:
-            manifest = read_manifest(path)
-            if manifest is not None:
-                verify_manifest(path, manifest, full=False)
-                if group is not None and set(manifest.get("components", {})) != set(group):
-                    raise CheckpointIntegrityError(
-                        f"it holds components {sorted(manifest.get('components', {}))}, not {sorted(group)}"
-                    )
-            elif group is None or not all(checkpoint_config(owner).allow_legacy for owner in group.values()):
-                raise CheckpointIntegrityError("it has no completion manifest")
-            if group is not None:
-                for name, owner in group.items():
-                    check_required_files(owner, path / name, range(owner.num_processes))
+            manifest = check_candidate(path, group)
         except CheckpointIntegrityError as exc:  # configuration errors are not a reason to pick an older one
             reasons.append(f"{path.name}: {exc}")
             logger.warning("Skipping checkpoint %s: %s", path, exc)
             continue
-        return str(path)
+        (complete if manifest is not None else legacy).append(path)
+    return complete + legacy, reasons
+
+
+def latest_training_checkpoint(output_dir: str | Path, owners: Any = None) -> str | None:
+    """The newest complete checkpoint under ``output_dir`` (a directory of ``checkpoint_N``), or ``None``.
+
+    Candidates are tried newest first; a broken one (no or invalid manifest, missing, truncated or extra files,
+    a wrong control-file hash) is skipped with a log line saying why. Pass ``owners`` (an Accelerator or
+    ``{component: Accelerator}``) to also require that the checkpoint holds their components and required files,
+    and to consider legacy (manifest-less) checkpoints, after every complete one, when every owner allows them.
+    Uses no collectives; payload hashes are checked by the restore itself (every rank its own files).
+    Raises :class:`NoCheckpointError` if candidates exist but none is complete.
+    """
+    candidates, reasons = checkpoint_candidates(output_dir, owners)
     if candidates:
+        return str(candidates[0])
+    if reasons:
         raise NoCheckpointError(
             f"No complete checkpoint in {output_dir}; skipped " + "; ".join(reasons)
             + ". Restore an intact copy or start a new run directory."
@@ -85,10 +130,16 @@ def latest_training_checkpoint(output_dir: str | Path, owners: Any = None) -> st
 def prune(root: Path, run_id: str, limit: int, newest: Path) -> list[Path]:
     """Delete the oldest complete checkpoints of ``run_id`` beyond ``limit`` (counting ``newest``).
 
-    Never deletes ``newest``, an incomplete directory (a save may be in progress, or it is evidence), or
-    another run's checkpoint. Returns the deleted paths.
+    Never deletes ``newest``, an incomplete directory (a save may be in progress, or it is evidence), another
+    run's checkpoint, or anything through a symlink. Returns the deleted paths. Call while holding the parent's
+    ``DirectoryLock``.
+
+    Each checkpoint is first renamed aside to a hidden ``.checkpoint_N.deleting-<run>-<txid>`` (parent fsynced),
+    then deleted: a crash mid-delete leaves a retired leftover that the next save's cleanup removes, never a
+    manifest-less ``checkpoint_N`` that selection would skip and retention never prune.
     """
-    ours = [(number, path) for number, path in numbered_checkpoints(root) if complete_run_id(path) == run_id]
+    ours = [(number, path) for number, path in numbered_checkpoints(root)
+            if not path.is_symlink() and complete_run_id(path) == run_id]
     deleted = []
     excess = len(ours) - limit
     for _number, path in ours:
@@ -97,7 +148,9 @@ def prune(root: Path, run_id: str, limit: int, newest: Path) -> list[Path]:
         if path.resolve() == Path(newest).resolve():
             continue
         logger.info("Retention (total_limit=%d): deleting %s", limit, path)
-        shutil.rmtree(path)
+        aside = retire(path, run_id)
+        _faults.point("save:during-retention")
+        shutil.rmtree(aside)
         deleted.append(path)
         excess -= 1
     return deleted

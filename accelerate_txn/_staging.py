@@ -5,34 +5,58 @@ checkpoints, the single process for weight exports).
 
 Protocol (see docs/protocol.md):
 
-* Writers of one parent directory serialise on an OS lock (``filelock``; ``flock`` on POSIX) held on
-  ``PARENT/.accelerate-txn.lock``. The kernel releases it when the holder dies, even by ``kill -9``, so a
-  killed writer never blocks the next one. Two live writers never both hold it.
+* Writers of one parent directory serialise on an OS lock (BSD ``flock``) held on ``PARENT/.accelerate-txn.lock``.
+  The kernel releases it when the holder dies, even by ``kill -9``, so a killed writer never blocks the next one.
+  Two live writers never both hold it. A writer waits a bounded time for it: on NFS or Lustre a client that
+  died keeps its lock until the server notices.
 * Content is written into a hidden sibling ``PARENT/.NAME.staging-<run>-<txid>`` on the same filesystem (a
   rename across filesystems would be a copy, not a commit).
 * Publish = fsync every file and directory of the staging tree, rename it onto ``NAME``, fsync ``PARENT``.
 * A staging directory found while holding the lock belongs to a dead writer (a live one would hold the lock).
+* Retention retires a published directory by renaming it to a hidden ``PARENT/.NAME.deleting-<run>-<txid>``
+  (fsynced) before deleting it, so a crash mid-delete never leaves a manifest-less ``NAME`` behind; such a
+  leftover was already retired and is always removed by the next cleanup.
+
+Why ``fcntl.flock`` and not the ``filelock`` package: the keyword arguments this lock needs (no soft fallback,
+keep the lock file, not thread-local) appeared across ``filelock`` releases (older ones raise ``TypeError``), and
+on a filesystem without ``flock`` its Unix lock raises a generic error or, by default in 4.x, falls back to a soft
+lock that ``kill -9`` leaves behind. ``flock`` is the system call ``filelock`` makes, with no version range to
+track, and its errno tells us exactly why it failed.
+The library is POSIX-only anyway (it fsyncs directories).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import math
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import filelock
+try:
+    import fcntl
+except ImportError:  # not POSIX: acquire() explains
+    fcntl = None  # type: ignore[assignment]
 
-from .errors import CheckpointExistsError, CheckpointLockedError
+from .errors import CheckpointConfigurationError, CheckpointExistsError, CheckpointLockedError
 
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".accelerate-txn.lock"
 _STAGING = re.compile(r"\.(?P<name>.+)\.staging-(?P<run>[0-9a-f]+)-(?P<txid>[0-9a-f]+)\Z")
+# Run ids are letters and digits (manifest rule); transaction ids are new_id() hex.
+_RETIRED = re.compile(r"\.(?P<name>.+)\.deleting-(?P<run>[0-9A-Za-z]+)-(?P<txid>[0-9a-f]+)\Z")
+# flock errno meaning "this filesystem cannot lock" (ENOTSUP equals EOPNOTSUPP on Linux, not everywhere).
+_NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
+_BUSY = frozenset({errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES})
+_FIRST_POLL, _LAST_POLL = 0.02, 0.5  # seconds between attempts while another writer holds the lock
 
 
 def new_id() -> str:
@@ -58,35 +82,99 @@ def fsync_tree(root: Path) -> None:
 
 
 class DirectoryLock:
-    """Exclusive, non-blocking, crash-safe lock on one parent directory.
+    """Exclusive, crash-safe lock on one parent directory (BSD ``flock`` on ``PARENT/.accelerate-txn.lock``).
 
-    ``acquire`` raises :class:`CheckpointLockedError` if another live writer holds it (after waiting
-    ``timeout`` seconds). The lock file itself is left in place: only the OS lock on it means anything.
+    ``acquire`` waits up to ``timeout`` seconds while another live writer holds it (logging once that it
+    waits), then raises :class:`CheckpointLockedError`; on a filesystem that cannot ``flock`` it raises
+    :class:`CheckpointConfigurationError` at once. The constructor only records its arguments (it cannot
+    fail, so building the lock on one rank outside a rank phase is safe); every check and every failure is in
+    ``acquire``. The lock file is left in place: only the OS lock on it means anything. Not reentrant:
+    ``acquire`` on a lock this object already holds does nothing, and one ``release`` frees it.
     """
 
     def __init__(self, parent: Path, timeout: float = 0.0) -> None:
-        self.path = Path(parent) / LOCK_NAME
+        self._parent = parent
         self._timeout = timeout
-        # No soft (existence-based) fallback: a soft lock survives kill -9, the defect this replaces. Keep the
-        # file: deleting it on release would let a waiter lock an unlinked inode while a newcomer locks a new one.
-        self._lock = filelock.FileLock(
-            str(self.path), timeout=timeout, thread_local=False, fallback_to_soft=False, preserve_lock_file=True
-        )
+        self._fd: int | None = None
+
+    @property
+    def path(self) -> Path:
+        return Path(self._parent) / LOCK_NAME
+
+    @property
+    def is_locked(self) -> bool:
+        return self._fd is not None
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self._fd is not None:
+            return
+        timeout = self._checked_timeout()
+        if fcntl is None:
+            raise CheckpointConfigurationError(
+                f"Cannot lock {self.path}: accelerate-txn's directory lock needs POSIX flock (Linux, macOS); this "
+                "platform has no fcntl module."
+            )
+        path = self.path
         try:
-            self._lock.acquire()
-        except filelock.Timeout:
-            raise CheckpointLockedError(
-                f"Another writer holds the lock {self.path}: a save into {self.path.parent} is in progress in "
-                "another process. Wait for it to finish or use another output directory. (A writer that was "
-                "killed releases this lock automatically; the file itself is harmless.)"
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointConfigurationError(
+                f"Cannot create the output directory {path.parent} ({exc.strerror}): choose a writable directory."
             ) from None
+        deadline = time.monotonic() + timeout
+        poll = _FIRST_POLL
+        while True:
+            fd = _open_lock_file(path)
+            try:
+                if _try_flock(fd, path):
+                    if _same_file(fd, path):
+                        self._fd, fd = fd, None
+                        return
+                    continue  # the lock file was deleted or replaced meanwhile: lock the one that is there now
+            finally:
+                if fd is not None:
+                    os.close(fd)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CheckpointLockedError(self._held_message(timeout))
+            if poll == _FIRST_POLL:
+                logger.warning("Waiting up to %g s for the lock %s: another writer holds it", timeout, path)
+            time.sleep(min(poll, remaining))
+            poll = min(poll * 2, _LAST_POLL)
 
     def release(self) -> None:
-        if self._lock.is_locked:
-            self._lock.release()
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            # Unlock explicitly: a child forked while we held it shares the open file description.
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except OSError as exc:
+            logger.warning("Unlocking %s failed (%s); closing it releases the lock", self.path, exc)
+        finally:
+            os.close(fd)
+
+    def _checked_timeout(self) -> float:
+        value: Any = self._timeout
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            seconds = math.nan
+        if isinstance(value, bool) or not math.isfinite(seconds) or seconds < 0:
+            raise CheckpointConfigurationError(
+                f"DirectoryLock({self._parent}, timeout={value!r}): the wait must be a finite number of seconds >= 0"
+            )
+        return seconds
+
+    def _held_message(self, timeout: float) -> str:
+        return (
+            f"Another writer holds the lock {self.path}: a save into {self.path.parent} is in progress in another "
+            f"process (waited {timeout:g} s for it). Wait for that save to finish, or use another output directory. "
+            "A writer killed on this machine releases the lock at once; one that died on another node of a shared "
+            "filesystem (NFS, Lustre) holds it until the server notices, often tens of seconds: retry, or wait "
+            "longer with configure_checkpointing(accelerator, lock_timeout=SECONDS) or "
+            "VIDEOX_CHECKPOINT_LOCK_TIMEOUT. (The lock file itself is harmless; do not delete it.)"
+        )
 
     def __enter__(self) -> DirectoryLock:
         self.acquire()
@@ -94,6 +182,45 @@ class DirectoryLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _open_lock_file(path: Path) -> int:
+    # O_RDWR: NFSv4 emulates flock with byte-range locks, and an exclusive one needs a writable descriptor.
+    # O_NOFOLLOW: never create or lock a file somewhere else through a planted symlink.
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        return os.open(path, flags, 0o666)
+    except OSError as exc:
+        reason = "it is a symlink; remove it" if exc.errno == errno.ELOOP else "the output directory must be writable"
+        raise CheckpointConfigurationError(f"Cannot open the lock file {path} ({exc.strerror}): {reason}.") from None
+
+
+def _try_flock(fd: int, path: Path) -> bool:
+    """Take the exclusive lock without blocking: True if taken, False if another open file holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in _BUSY:
+            return False
+        if exc.errno in _NO_FLOCK:
+            raise CheckpointConfigurationError(
+                f"Cannot lock {path}: the filesystem of {path.parent} does not support BSD/POSIX file locks "
+                f"(flock failed: {exc.strerror}), so concurrent writers could not be kept apart. Save to a local or "
+                "lock-capable filesystem: e.g. mount NFS with working locks (lockd/NLM for NFSv3, i.e. not 'nolock'; "
+                "local_lock=none) or Lustre with '-o flock'."
+            ) from None
+        raise CheckpointConfigurationError(f"Cannot lock {path}: flock failed ({exc.strerror}).") from None
+    return True
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file ``fd`` locked (a lock on an unlinked inode excludes nobody)."""
+    try:
+        now = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 
 
 @dataclass
@@ -140,6 +267,29 @@ class StagedDirectory:
             shutil.rmtree(self.staging)
 
 
+def retire(path: Path, run_id: str) -> Path:
+    """Take a published directory out of service before deleting it: rename it to the hidden
+    ``.NAME.deleting-<run>-<txid>`` in the same parent and fsync the parent; returns the new path.
+
+    After this returns, ``NAME`` no longer exists (durably), so a crash while the caller deletes the returned
+    directory leaves only a leftover that :func:`remove_leftovers` removes, never a half-deleted ``NAME``.
+    """
+    aside = path.parent / f".{path.name}.deleting-{run_id}-{new_id()}"
+    if not _RETIRED.fullmatch(aside.name):
+        raise CheckpointConfigurationError(f"Cannot retire {path}: run id {run_id!r} is not letters and digits")
+    os.rename(path, aside)
+    fsync_path(path.parent)
+    return aside
+
+
+def retired_leftovers(parent: Path) -> list[Path]:
+    """Every directory under ``parent`` that :func:`retire` renamed aside and nobody finished deleting."""
+    if not parent.is_dir():
+        return []
+    return [entry for entry in sorted(parent.iterdir()) if _RETIRED.fullmatch(entry.name) and entry.is_dir()
+            and not entry.is_symlink()]
+
+
 def staging_leftovers(parent: Path) -> list[tuple[Path, str]]:
     """``(path, run_id)`` of every staging directory under ``parent``."""
     if not parent.is_dir():
@@ -153,13 +303,19 @@ def staging_leftovers(parent: Path) -> list[tuple[Path, str]]:
 
 
 def remove_leftovers(parent: Path, removable_runs: Iterable[str] | None) -> list[Path]:
-    """Delete dead writers' staging directories. Call only while holding ``DirectoryLock(parent)``.
+    """Delete dead writers' staging directories and every retired directory whose deletion was interrupted.
+    Call only while holding ``DirectoryLock(parent)``.
 
-    ``removable_runs``: the run ids whose leftovers may go (``None`` = all). Others are logged and kept.
+    ``removable_runs``: the run ids whose staging leftovers may go (``None`` = all). Others are logged and kept.
+    Retired directories always go, whatever their run: retention had already taken them out of service.
     Returns the removed paths.
     """
     allowed = None if removable_runs is None else set(removable_runs)
     removed = []
+    for path in retired_leftovers(parent):
+        logger.warning("Removing %s: a checkpoint retired by retention whose deletion was interrupted", path)
+        shutil.rmtree(path)
+        removed.append(path)
     for path, run in staging_leftovers(parent):
         if allowed is None or run in allowed:
             logger.warning("Removing %s: staging directory left by a writer that did not finish", path)

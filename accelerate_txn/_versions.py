@@ -1,8 +1,11 @@
-"""The validated version table and its override.
+"""The validated version table, the version policy and its override.
 
-"Validated" means CI runs the whole distributed suite on that pair. Everything else runs native Accelerate
-(automatic dispatch) or is refused (explicit opt-in), unless the user sets ``VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1``
-and accepts the risk.
+The table is ``validated.json`` beside this module: the one list of (torch, Accelerate) pairs that CI installs
+and runs the distributed matrix subset on (``make test-matrix``), also shown in the README (a test keeps the
+two equal). A tested pair validates its *minor series*: torch 2.13.0 with Accelerate 1.10.1 in the table
+means any torch 2.13.x with any Accelerate 1.10.x, since patch releases do not change the private internals
+this library relies on. Outside the table, automatic dispatch runs native Accelerate after one warning and the
+explicit API refuses, unless the user sets ``VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1`` and accepts the risk.
 
 Checkpoint compatibility across versions is decided by :func:`checkpoint_compatibility`, not by equality of
 the recorded versions (see docs/protocol.md, "Versions").
@@ -11,16 +14,32 @@ the recorded versions (see docs/protocol.md, "Versions").
 from __future__ import annotations
 
 import functools
+import itertools
+import json
 import os
+from dataclasses import dataclass
+from importlib import resources
 
 from packaging.version import Version
 
-# Each entry: (package, inclusive lower bound, exclusive upper bound). Keep in step with .ci/run.
-VALIDATED: dict[str, tuple[tuple[str, str], ...]] = {
-    "accelerate": (("1.7.0", "1.7.1"), ("1.10.1", "1.10.2"), ("1.13.0", "1.13.1"), ("1.15.0", "1.15.1")),
-    "torch": (("2.13.0", "2.13.1"),),
-}
 OVERRIDE_ENV = "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED"
+TABLE_FILE = "validated.json"
+
+
+@dataclass(frozen=True)
+class TestedPair:
+    """One row of the table: the exact releases CI installs, and the Pythons it runs them on."""
+
+    __test__ = False  # not a pytest test class, despite the name
+
+    torch: str
+    accelerate: str
+    python: tuple[str, ...]
+
+    @property
+    def series(self) -> tuple[str, str]:
+        """The (torch, accelerate) minor series this row validates."""
+        return series(self.torch), series(self.accelerate)
 
 
 def installed_versions() -> dict[str, str]:
@@ -36,14 +55,42 @@ def _release(version: str) -> Version:
     return Version(Version(version).base_version)
 
 
-def is_validated(package: str, version: str) -> bool:
+def series(version: str) -> str:
+    """The minor series of a release: "2.13.1+cpu" -> "2.13"."""
     release = _release(version)
-    return any(Version(low) <= release < Version(high) for low, high in VALIDATED[package])
+    return f"{release.major}.{release.minor}"
+
+
+def _load_table() -> tuple[TestedPair, ...]:
+    raw = json.loads(resources.files(__package__).joinpath(TABLE_FILE).read_text(encoding="utf-8"))
+    return tuple(TestedPair(row["torch"], row["accelerate"], tuple(row["python"])) for row in raw["pairs"])
+
+
+TESTED: tuple[TestedPair, ...] = _load_table()
+# The validated (torch minor, accelerate minor) series, e.g. ("2.13", "1.10").
+VALIDATED: frozenset[tuple[str, str]] = frozenset(pair.series for pair in TESTED)
+
+
+def is_validated_pair(torch_version: str, accelerate_version: str) -> bool:
+    """True when the two releases' minor series were tested together (any patch release of a tested pair)."""
+    return (series(torch_version), series(accelerate_version)) in VALIDATED
+
+
+def is_validated(package: str, version: str) -> bool:
+    """True when ``version``'s minor series of ``package`` ("torch" or "accelerate") is part of some validated
+    pair. Protection needs the installed *pair* validated: see :func:`is_validated_pair`."""
+    index = ("torch", "accelerate").index(package)
+    return series(version) in {pair[index] for pair in VALIDATED}
 
 
 def unvalidated() -> list[str]:
-    """Human-readable list of installed packages outside the table (empty when validated)."""
-    return [f"{name} {version}" for name, version in installed_versions().items() if not is_validated(name, version)]
+    """The installed releases that make the pair unvalidated ("accelerate 1.16.0"); both when each is validated
+    with something else but not with the other; empty when the installed pair is validated."""
+    installed = installed_versions()
+    if is_validated_pair(installed["torch"], installed["accelerate"]):
+        return []
+    unknown = [f"{name} {version}" for name, version in installed.items() if not is_validated(name, version)]
+    return unknown or [f"{name} {version}" for name, version in installed.items()]
 
 
 def override_requested() -> bool:
@@ -60,23 +107,39 @@ def versions_ok() -> bool:
     return _installed_validated() or override_requested()
 
 
-def _describe_range(low: str, high: str) -> str:
-    first, limit = Version(low), Version(high)
-    if limit.release == (*first.release[:2], first.micro + 1):
-        return low  # exactly one release
-    return f">={low},<{high}"
+def _span(minors: list[str]) -> str:
+    """"1.7, 1.8, 1.9" -> "1.7 to 1.9"; a gap in the minors lists them instead."""
+    numbers = sorted(Version(minor) for minor in minors)
+    consecutive = all(b.major == a.major and b.minor == a.minor + 1 for a, b in itertools.pairwise(numbers))
+    if len(numbers) > 2 and consecutive:
+        return f"{numbers[0]} to {numbers[-1]}"
+    return ", ".join(str(number) for number in numbers)
 
 
 def describe_table() -> str:
-    return "; ".join(f"{name} " + ", ".join(_describe_range(low, high) for low, high in ranges)
-                     for name, ranges in VALIDATED.items())
+    """The validated pairs in one line, e.g. "torch 2.13 with accelerate 1.7 to 1.15; ...", by minor series."""
+    by_torch: dict[str, list[str]] = {}
+    for torch_series, accelerate_series in sorted(VALIDATED, key=lambda pair: Version(pair[0])):
+        by_torch.setdefault(torch_series, []).append(accelerate_series)
+    pairs = "; ".join(f"torch {torch_series} with accelerate {_span(minors)}" for torch_series, minors in by_torch.items())
+    return f"{pairs} (any patch release)"
 
 
 def unsupported_message() -> str:
     return (
-        f"accelerate-txn has not been validated with {', '.join(unvalidated())} (validated: {describe_table()}). "
+        f"accelerate-txn has not been validated with {' and '.join(unvalidated())} (validated: {describe_table()}). "
         f"Install a validated pair, or set {OVERRIDE_ENV}=1 to use the protected path at your own risk."
     )
+
+
+def markdown_table() -> str:
+    """The README's table of validated pairs, generated from the same file."""
+    lines = ["| PyTorch | Accelerate | CI installs | CI runs on Python |", "| --- | --- | --- | --- |"]
+    for pair in TESTED:
+        torch_series, accelerate_series = pair.series
+        lines.append(f"| {torch_series}.x | {accelerate_series}.x | torch {pair.torch}, accelerate {pair.accelerate} "
+                     f"| {', '.join(pair.python)} |")
+    return "\n".join(lines) + "\n"
 
 
 def checkpoint_compatibility(saved: dict[str, str]) -> str | None:
@@ -98,3 +161,13 @@ def checkpoint_compatibility(saved: dict[str, str]) -> str | None:
             "(torch.distributed.checkpoint is not forward compatible): upgrade torch to load it"
         )
     return None
+
+
+def require_supported_versions() -> None:
+    """Raise :class:`UnsupportedVersionError` outside the validated table (unless the override is set): the
+    explicit API applies the same gate as the patched methods."""
+    if not versions_ok():
+        from .errors import UnsupportedVersionError
+
+        raise UnsupportedVersionError(unsupported_message())
+

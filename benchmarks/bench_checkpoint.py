@@ -62,14 +62,22 @@ def _model(million: int) -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
 
 
-def worker(root: str, million: int, repeats: int) -> dict[str, Any]:
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-4),
+    "rmsprop": lambda params: torch.optim.RMSprop(params, lr=1e-4, centered=True, momentum=0.9),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=1e-4),
+    "nadam": lambda params: torch.optim.NAdam(params, lr=1e-4),
+}
+
+
+def worker(root: str, million: int, repeats: int, optimizer_name: str = "adamw") -> dict[str, Any]:
     import accelerate_txn
     from accelerate_txn.testing import fsdp_accelerator
 
     accelerator = fsdp_accelerator()
     torch.manual_seed(0)
     model = accelerator.prepare(_model(million))
-    optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    optimizer = accelerator.prepare(OPTIMIZERS[optimizer_name](model.parameters()))
     model(torch.randn(2, 2048)).sum().backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -79,7 +87,9 @@ def worker(root: str, million: int, repeats: int) -> dict[str, Any]:
     times: dict[str, list[float]] = {key: [] for key in ("save_native", "save_protected", "load_native", "load_protected")}
     growth: dict[str, list[int]] = {"load_native": [], "load_protected": [], "load_fresh_protected": []}
     for repeat in range(repeats):
-        for mode in ("native", "protected"):
+        # Alternating pairs: each repeat measures both modes back to back, in alternating order, so drift in the
+        # machine's load (page cache, other processes) affects both alike.
+        for mode in (("native", "protected") if repeat % 2 == 0 else ("protected", "native")):
             if mode == "native":
                 accelerate_txn.unpatch_accelerate_fsdp(accelerator)
             else:
@@ -108,7 +118,9 @@ def worker(root: str, million: int, repeats: int) -> dict[str, Any]:
                 growth["load_fresh_protected"].append(peak.growth)
             if accelerator.process_index == 0:
                 shutil.rmtree(path)
-    return {"parameters": parameters, "shard_bytes": shard_bytes,
+    ratios = {phase: statistics.median(p / n for p, n in zip(times[f"{phase}_protected"], times[f"{phase}_native"]))
+              for phase in ("save", "load")}
+    return {"parameters": parameters, "shard_bytes": shard_bytes, "optimizer": optimizer_name, "ratios": ratios,
             "times": {key: statistics.median(values) for key, values in times.items()},
             "growth": {key: max(values) for key, values in growth.items()}}
 
@@ -117,6 +129,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[50], help="model sizes in millions of parameters")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     args = parser.parse_args()
     import sys
@@ -128,16 +141,17 @@ def main() -> None:
     for million in args.sizes:
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as root:
             results = launch("benchmarks.bench_checkpoint:worker", 2,
-                             args=(root, million, args.repeats), timeout=1800)
+                             args=(root, million, args.repeats, args.optimizer), timeout=1800)
         rows.append({"million": million, "ranks": results})
-    print(f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}")
-    print("| model | phase | native s | protected s | protected/native |")
+    print(f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}; optimizer {args.optimizer}")
+    print("| model | phase | native s | protected s | median of pair ratios |")
     print("| --- | --- | --- | --- | --- |")
     for row in rows:
         rank0 = row["ranks"][0]
         for phase in ("save", "load"):
             native, protected = rank0["times"][f"{phase}_native"], rank0["times"][f"{phase}_protected"]
-            print(f"| {rank0['parameters'] / 1e6:.0f}M | {phase} | {native:.2f} | {protected:.2f} | {protected / native:.2f} |")
+            print(f"| {rank0['parameters'] / 1e6:.0f}M | {phase} | {native:.2f} | {protected:.2f} | "
+                  f"{rank0['ratios'][phase]:.2f} |")
     print()
     print("Peak RSS growth during load_state, MiB (ratio to the rank's own optimizer shard):")
     print("| model | rank | own optimizer shard | native, stepped optimizer | protected, stepped optimizer "

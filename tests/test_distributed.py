@@ -52,7 +52,7 @@ def test_path_containing_accelerate_directory_names_round_trips(roundtrip: list)
 
 @pytest.mark.parametrize("case, message", [
     ("truncated", r"__0_0\.distcp has \d+ bytes; the manifest recorded \d+"),
-    ("flipped", r"random_states_1\.pkl does not match its sha256"),
+    ("flipped", r"random_states_1\.pkl does not match its xxh3_128"),
     ("missing_rank_file", r"random_states_1\.pkl is missing"),
     ("configuration", r"saved for a different training configuration:\n  models\[0\]\.parameters\.body\.0\.bias\.shape"),
 ])

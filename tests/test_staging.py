@@ -3,10 +3,17 @@ sibling and its publication, leftover cleanup and fsync of a tree."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import logging
+import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,9 +25,11 @@ from accelerate_txn._staging import (
     fsync_tree,
     new_id,
     remove_leftovers,
+    retire,
+    retired_leftovers,
     staging_leftovers,
 )
-from accelerate_txn.errors import CheckpointExistsError, CheckpointLockedError
+from accelerate_txn.errors import CheckpointConfigurationError, CheckpointExistsError, CheckpointLockedError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -103,6 +112,144 @@ def test_lock_release_keeps_the_lock_file_and_creates_missing_parent(tmp_path: P
         assert (parent / LOCK_NAME).is_file()
     assert (parent / LOCK_NAME).is_file()
     DirectoryLock(parent).release()  # releasing a lock that is not held is harmless
+
+
+def _release(holder: subprocess.Popen[str]) -> None:
+    assert holder.stdin is not None and holder.stdout is not None
+    holder.stdin.write("go\n")
+    holder.stdin.flush()
+    assert holder.stdout.readline().strip() == "released"
+
+
+class _Waiting(logging.Handler):
+    """Sets ``event`` when DirectoryLock logs that it waits: proof that its first attempt found the lock held."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.event = threading.Event()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+        if record.getMessage().startswith("Waiting up to"):
+            self.event.set()
+
+
+@pytest.fixture
+def waiting() -> Iterator[_Waiting]:
+    handler = _Waiting()
+    logger = logging.getLogger("accelerate_txn._staging")
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+
+
+@pytest.mark.timeout(120)
+def test_lock_waits_for_a_writer_that_releases_within_the_timeout(tmp_path: Path, holder: subprocess.Popen[str],
+                                                                  waiting: _Waiting) -> None:
+    # Regression (issue 7 item 14): the lock never waited, so a lock still held by a dead NFS/Lustre client
+    # failed the save at once. Now acquire() polls up to its timeout. Synchronisation: the holder prints
+    # "locked" before we start; our lock logs "Waiting up to" after its first attempt failed; only then does
+    # the holder release. No sleep decides the order.
+    lock = DirectoryLock(tmp_path, timeout=60.0)
+    outcome: list[BaseException | None] = []
+
+    def take() -> None:
+        try:
+            lock.acquire()
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    taker = threading.Thread(target=take, daemon=True)
+    taker.start()
+    assert waiting.event.wait(timeout=60), f"acquire() never reported waiting: {waiting.messages} {outcome}"
+    assert not lock.is_locked  # still held by the other process
+    assert waiting.messages[0] == f"Waiting up to 60 s for the lock {tmp_path / LOCK_NAME}: another writer holds it"
+    _release(holder)
+    taker.join(timeout=60)
+    assert outcome == [None] and lock.is_locked
+    with pytest.raises(CheckpointLockedError):  # and it really holds it now
+        DirectoryLock(tmp_path).acquire()
+    lock.release()
+
+
+@pytest.mark.timeout(120)
+def test_lock_wait_is_bounded_and_the_error_names_lock_wait_and_fix(tmp_path: Path, holder: subprocess.Popen[str]) -> None:
+    started = time.monotonic()
+    with pytest.raises(CheckpointLockedError) as caught:
+        DirectoryLock(tmp_path, timeout=0.3).acquire()
+    assert time.monotonic() - started >= 0.3
+    message = str(caught.value)
+    assert message.startswith(f"Another writer holds the lock {tmp_path / LOCK_NAME}: a save into {tmp_path} is in")
+    assert "(waited 0.3 s for it)" in message
+    assert "configure_checkpointing(accelerator, lock_timeout=SECONDS)" in message
+    assert "VIDEOX_CHECKPOINT_LOCK_TIMEOUT" in message and "NFS, Lustre" in message
+
+
+@pytest.mark.parametrize("code", [errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS])
+def test_lock_on_a_filesystem_without_flock_is_an_explained_error(tmp_path: Path, monkeypatch: Any, code: int) -> None:
+    # No filesystem here lacks flock (NFS mounted 'nolock', Lustre without '-o flock' do): the errno those
+    # return is injected at the one system call.
+    def no_flock(fd: int, operation: int) -> None:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    lock = DirectoryLock(tmp_path, timeout=60.0)
+    started = time.monotonic()
+    with pytest.raises(CheckpointConfigurationError,
+                       match=rf"Cannot lock {tmp_path / LOCK_NAME}: the filesystem of {tmp_path} does not support "
+                             r"BSD/POSIX file locks") as caught:
+        lock.acquire()
+    assert time.monotonic() - started < 30  # refused at once, not after the wait
+    assert "Lustre with '-o flock'" in str(caught.value) and "local_lock=none" in str(caught.value)
+    assert not lock.is_locked
+
+
+def test_lock_constructor_never_raises_and_acquire_validates(tmp_path: Path) -> None:
+    # Regression (issue 7 item 10): the constructor passed keyword arguments that older filelock releases
+    # reject, raising TypeError on rank 0 outside any rank phase (the other ranks hung). Now construction only
+    # records its arguments; every failure comes from acquire().
+    for timeout in (-1.0, float("nan"), float("inf"), "soon", True):
+        lock = DirectoryLock(tmp_path, timeout=timeout)  # type: ignore[arg-type]
+        with pytest.raises(CheckpointConfigurationError, match=r"the wait must be a finite number of seconds >= 0"):
+            lock.acquire()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(CheckpointConfigurationError, match=rf"Cannot create the output directory {blocker / 'sub'}"):
+        DirectoryLock(blocker / "sub").acquire()
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / LOCK_NAME).symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(CheckpointConfigurationError, match=r"it is a symlink; remove it"):
+        DirectoryLock(tmp_path / "linked").acquire()
+    assert not (tmp_path / "elsewhere").exists()  # nothing was created through the planted link
+
+
+@pytest.mark.timeout(120)
+def test_lock_works_without_the_filelock_package(tmp_path: Path) -> None:
+    # Regression (issue 7 item 10): the lock depended on keyword arguments of recent filelock releases only.
+    # It now uses flock itself, so no filelock version (or none at all) can break it.
+    script = (
+        "import sys; sys.modules['filelock'] = None\n"
+        "from accelerate_txn._staging import DirectoryLock\n"
+        "with DirectoryLock(sys.argv[1], timeout=1.0) as lock: print(lock.is_locked)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "True"
+
+
+def test_lock_acquire_twice_on_one_object_is_one_hold(tmp_path: Path) -> None:
+    lock = DirectoryLock(tmp_path)
+    lock.acquire()
+    lock.acquire()
+    lock.release()
+    assert not lock.is_locked
+    with DirectoryLock(tmp_path):  # one release freed it
+        pass
 
 
 # --- StagedDirectory ----------------------------------------------------------------------------------------
@@ -188,6 +335,35 @@ def test_remove_leftovers_with_none_removes_every_staging_directory(tmp_path: Pa
 
 def test_remove_leftovers_of_missing_parent_is_empty(tmp_path: Path) -> None:
     assert remove_leftovers(tmp_path / "absent", None) == []
+
+
+def test_retire_renames_aside_to_a_hidden_deleting_name(tmp_path: Path) -> None:
+    (tmp_path / "checkpoint_3" / "sub").mkdir(parents=True)
+    (tmp_path / "checkpoint_3" / "sub" / "weights.bin").write_bytes(b"w")
+    aside = retire(tmp_path / "checkpoint_3", "Run42")
+    assert aside.parent == tmp_path and aside.name.startswith(".checkpoint_3.deleting-Run42-")
+    assert not (tmp_path / "checkpoint_3").exists()
+    assert (aside / "sub" / "weights.bin").read_bytes() == b"w"
+    assert retired_leftovers(tmp_path) == [aside]
+    with pytest.raises(CheckpointConfigurationError, match=r"run id '\.\./x' is not letters and digits"):
+        retire(tmp_path / "checkpoint_4", "../x")
+
+
+def test_remove_leftovers_removes_retired_directories_of_any_run(tmp_path: Path) -> None:
+    # Regression (issue 7 item 12): a retention interrupted mid-delete must be finished by the next cleanup,
+    # whatever the run (a retired directory was already out of service).
+    for name in ("checkpoint_1", "checkpoint_2"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "part.bin").write_bytes(b"x")
+    mine, theirs = retire(tmp_path / "checkpoint_1", "aaaa"), retire(tmp_path / "checkpoint_2", "bbbb")
+    kept = StagedDirectory(tmp_path / "checkpoint_5", "bbbb", "0002").create()
+    (tmp_path / ".notes.deleting-aaaa-zz").mkdir()  # not a transaction id: not ours
+    (tmp_path / ".checkpoint_6.deleting-aaaa-0003").write_text("a file, not a directory")
+    assert remove_leftovers(tmp_path, {"aaaa"}) == sorted([mine, theirs])
+    assert not mine.exists() and not theirs.exists()
+    assert kept.is_dir()  # another run's staging directory is still only reported
+    assert (tmp_path / ".notes.deleting-aaaa-zz").is_dir() and (tmp_path / ".checkpoint_6.deleting-aaaa-0003").is_file()
+    assert retired_leftovers(tmp_path) == []
 
 
 # --- fsync --------------------------------------------------------------------------------------------------

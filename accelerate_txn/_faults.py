@@ -1,0 +1,44 @@
+"""Named crash points for the crash-consistency tests (a real ``kill -9`` at a chosen instant).
+
+The protected save and restore call :func:`point` at each step whose interruption the protocol must survive.
+When ``ACCELERATE_TXN_KILL_AT`` names that point, the process sends itself ``SIGKILL`` there: no ``finally``
+block, no atexit handler and no flush runs, exactly as when the kernel or an operator kills a job. Unset (the
+only setting outside tests) a point costs one dictionary lookup.
+
+``ACCELERATE_TXN_KILL_AT=NAME`` kills every rank that reaches ``NAME``; ``NAME@R`` only rank ``R`` (the global
+rank from ``RANK``). ``NAME#K`` kills at the ``K``-th time (1-based) the point is reached in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+KILL_ENV = "ACCELERATE_TXN_KILL_AT"
+
+#: Every named point, in the order a save (then a restore) reaches them.
+POINTS = (
+    "save:after-native-save",   # a component's native save_state returned into staging
+    "save:during-flush",        # this rank hashed and fsynced part of its files
+    "save:after-manifest",      # manifest written and fsynced in staging, not yet renamed
+    "save:after-rename",        # published (renamed), parent fsynced, retention not yet run
+    "save:during-retention",    # an old checkpoint was renamed aside and is being deleted
+    "load:during-restore",      # native restore of models/optimizers done, RNG not yet applied
+)
+
+_reached: dict[str, int] = {}
+
+
+def point(name: str) -> None:
+    """Crash here (``SIGKILL``) if ``ACCELERATE_TXN_KILL_AT`` asks for ``name`` on this rank."""
+    wanted = os.environ.get(KILL_ENV)
+    if not wanted:
+        return
+    target, _, count = wanted.partition("#")
+    target, _, rank = target.partition("@")
+    if target != name or (rank and rank != os.environ.get("RANK", "0")):
+        return
+    _reached[name] = _reached.get(name, 0) + 1
+    if count and int(count) != _reached[name]:
+        return
+    os.kill(os.getpid(), signal.SIGKILL)

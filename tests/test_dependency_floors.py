@@ -1,0 +1,82 @@
+"""The declared dependencies are exactly what the package imports, and the pins satisfy the floors.
+
+The floors themselves (``pyproject.toml``) were checked by installing each floor release into a throwaway
+virtual environment and running the tests that exercise it there. To repeat that check::
+
+    python3 -m venv /tmp/floors
+    PIP_CONSTRAINT= /tmp/floors/bin/pip install --no-deps 'wrapt==1.16.0' 'safetensors==0.4.3' 'numpy==1.25.0' \\
+        'packaging==23.0' 'xxhash==2.0.0'
+    echo "$PWD/.venv/lib/python3.11/site-packages" > /tmp/floors/lib/python3.11/site-packages/zz_main.pth
+    /tmp/floors/bin/python -m pytest -q tests/test_versions_and_patch.py tests/test_public_api.py \\
+        tests/test_staging.py tests/test_retention.py tests/test_manifest.py tests/test_weights.py
+    rm -r /tmp/floors
+
+(the ``.pth`` line appends the project's environment, for torch and Accelerate, behind the floor releases).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from importlib.metadata import packages_distributions
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _dependencies() -> dict[str, Requirement]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    requirements = [Requirement(line) for line in project["dependencies"]]
+    return {canonicalize_name(req.name): req for req in requirements}
+
+
+def _imported_distributions() -> dict[str, set[str]]:
+    """Distribution -> files of accelerate_txn that import it (at module level or lazily inside a function)."""
+    owners = packages_distributions()
+    found: dict[str, set[str]] = {}
+    for path in sorted((REPO / "accelerate_txn").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module]
+            else:
+                continue
+            for module in modules:
+                top = module.split(".")[0]
+                if top in sys.stdlib_module_names or top == "accelerate_txn":
+                    continue
+                for distribution in owners.get(top, [top]):
+                    found.setdefault(canonicalize_name(distribution), set()).add(str(path.relative_to(REPO)))
+    return found
+
+
+def test_every_third_party_import_is_a_declared_dependency() -> None:
+    # Regression (issue 7 item 10): a dependency the code relies on must be declared, with its floor.
+    undeclared = {name: sorted(files) for name, files in _imported_distributions().items() if name not in _dependencies()}
+    assert undeclared == {}, f"imported but not in [project] dependencies: {undeclared}"
+
+
+def test_every_declared_dependency_is_imported() -> None:
+    # A stale entry (filelock, once the lock used flock itself) would pin users to a floor for nothing.
+    unused = sorted(set(_dependencies()) - set(_imported_distributions()))
+    assert unused == [], f"declared in [project] dependencies but never imported: {unused}"
+
+
+def test_constraints_pin_every_dependency_at_or_above_its_floor() -> None:
+    pins = {}
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            pins[canonicalize_name(name)] = Version(version)
+    for name, requirement in _dependencies().items():
+        assert name in pins, f"constraints.txt does not pin {name}"
+        assert requirement.specifier.contains(pins[name], prereleases=True), f"{name}=={pins[name]} violates {requirement}"
