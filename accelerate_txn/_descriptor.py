@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import types
 import warnings
 from typing import Any
@@ -20,7 +21,6 @@ from ._jsondiff import differences
 from .errors import CheckpointConfigurationError
 
 SUPPORTED_BACKENDS = ("FSDP", "NO", "MULTI_CPU", "MULTI_GPU")
-FSDP_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
 def class_name(value: Any) -> str:
@@ -43,50 +43,61 @@ def is_fsdp1_sharded(accelerator: Any) -> bool:
     )
 
 
-def validate_owner(accelerator: Any) -> None:
-    """Reject configurations the protected path does not support, with the reason and the fix."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import ShardingStrategy
+PROTECTED_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+_NATIVE_FIX = "Unpatch it (unpatch_accelerate_fsdp) to use native save_state/load_state."
+
+
+def unsupported_reason(accelerator: Any) -> str | None:
+    """Why the protected path cannot checkpoint this Accelerator as it is now, or None. Local, no collective;
+    the live optimizer state decides (``_optimizer_state``), so the answer can change after the first step."""
+    from ._optimizer_state import unsupported_state
 
     mode = backend(accelerator)
     if mode not in SUPPORTED_BACKENDS:
-        raise CheckpointConfigurationError(
-            f"Protected checkpoints support {', '.join(SUPPORTED_BACKENDS)}; this Accelerator uses {mode}. "
-            "Unpatch it (unpatch_accelerate_fsdp) to use native save_state/load_state."
-        )
+        return f"Protected checkpoints support {', '.join(SUPPORTED_BACKENDS)}; this Accelerator uses {mode}."
     if accelerator.project_configuration.save_on_each_node:
-        raise CheckpointConfigurationError(
-            "Protected checkpoints need one shared checkpoint filesystem: set "
-            "ProjectConfiguration(save_on_each_node=False)."
-        )
+        return ("Protected checkpoints need one shared checkpoint filesystem: set "
+                "ProjectConfiguration(save_on_each_node=False).")
     if mode != "FSDP":
-        return
+        return None
     if not is_fsdp1_sharded(accelerator):
-        raise CheckpointConfigurationError(
-            "Protected FSDP checkpoints require FSDP1 with state_dict_type=SHARDED_STATE_DICT."
-        )
+        return "Protected FSDP checkpoints require FSDP1 with state_dict_type=SHARDED_STATE_DICT."
     if len(accelerator._models) != len(accelerator._optimizers):
-        raise CheckpointConfigurationError(
-            f"Protected FSDP checkpoints need one optimizer per prepared model; this Accelerator has "
-            f"{len(accelerator._models)} models and {len(accelerator._optimizers)} optimizers."
-        )
+        return (f"Protected FSDP checkpoints need one optimizer per prepared model; this Accelerator has "
+                f"{len(accelerator._models)} models and {len(accelerator._optimizers)} optimizers.")
     for optimizer in accelerator._optimizers:
-        if type(raw_optimizer(optimizer)) not in FSDP_OPTIMIZERS:
-            raise CheckpointConfigurationError(
-                f"Protected FSDP checkpoints support torch.optim Adam, AdamW and SGD; got "
-                f"{class_name(raw_optimizer(optimizer))}."
-            )
+        reason = unsupported_state(raw_optimizer(optimizer))
+        if reason:
+            return f"Unsupported optimizer: {reason}."
+    return _unsupported_units(accelerator)
+
+
+def _unsupported_units(accelerator: Any) -> str | None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
     for model in accelerator._models:
         for unit in FSDP.fsdp_modules(model):
-            if unit.sharding_strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
-                raise CheckpointConfigurationError(
-                    f"Protected FSDP checkpoints support FULL_SHARD and SHARD_GRAD_OP; got {unit.sharding_strategy.name}."
-                )
+            group_size = dist.get_world_size(unit.process_group) if dist.is_initialized() else 1
+            if group_size != accelerator.num_processes or getattr(unit, "_inter_node_pg", None) is not None:
+                # HYBRID_SHARD (FSDP may report it as NO_SHARD when its shard group has one rank, as on CPU)
+                return (f"Unsupported sharding strategy: protected FSDP checkpoints need units sharded over all "
+                        f"{accelerator.num_processes} ranks; this one shards over {group_size} "
+                        f"(HYBRID_SHARD or a custom process group).")
+            if unit.sharding_strategy.name not in PROTECTED_SHARDING:
+                return (f"Unsupported sharding strategy: protected FSDP checkpoints support "
+                        f"{', '.join(PROTECTED_SHARDING)}; got {unit.sharding_strategy.name}.")
             if unit.cpu_offload.offload_params and not unit._use_orig_params:
-                raise CheckpointConfigurationError(
-                    "FSDP parameter CPU offload requires use_orig_params=True for a reliable restore: set "
-                    "FullyShardedDataParallelPlugin(use_orig_params=True)."
-                )
+                return ("FSDP parameter CPU offload requires use_orig_params=True for a reliable restore: set "
+                        "FullyShardedDataParallelPlugin(use_orig_params=True).")
+    return None
+
+
+def validate_owner(accelerator: Any) -> None:
+    """Reject configurations the protected path does not support, with the reason and the fix."""
+    reason = unsupported_reason(accelerator)
+    if reason:
+        raise CheckpointConfigurationError(f"{reason} {_NATIVE_FIX}")
 
 
 def parameter_layout(model: Any, optimizer: torch.optim.Optimizer) -> tuple[list[list[str]], dict[str, Any]]:
@@ -233,14 +244,60 @@ def describe(accelerator: Any, *, require_model_ids: bool = True) -> dict[str, A
 
 
 def _safe_plain(value: dict[str, Any]) -> dict[str, Any]:
-    # Model configs may hold values a manifest cannot record (e.g. callables); record the representable part.
+    """Model-config values as JSON. A value a manifest cannot record is described stably instead, never by a
+    ``repr()`` that can hold a memory address (which differs per process, so ranks would disagree and no resume
+    could match): see :func:`_stable_description`."""
     result = {}
     for key, item in value.items():
         try:
             result[key] = plain(item, key)
         except CheckpointConfigurationError:
-            result[key] = repr(item)
+            result[key] = _stable_description(item)
     return result
+
+
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]{4,}")
+
+
+def _qualified(value: Any) -> str:
+    module = getattr(value, "__module__", None) or type(value).__module__
+    name = getattr(value, "__qualname__", None) or getattr(value, "__name__", None) or type(value).__qualname__
+    return f"{module}.{name}"
+
+
+def _stable_description(value: Any) -> Any:
+    """A description of a model-config value that is the same in every process:
+
+    * functions, classes, methods and builtins (lambdas included): ``"<callable module.qualname>"``;
+    * ``functools.partial``: the callable's description with its recorded arguments;
+    * enum members: ``"<enum module.Class.NAME>"``; sets: sorted descriptions of their items;
+    * any other object whose ``repr()`` is stable: that ``repr()`` (as before);
+    * an object whose ``repr()`` holds a memory address (the default ``object.__repr__``): only its type,
+      ``"<instance of module.qualname>"``; its value is deliberately left out of the descriptor.
+    """
+    import enum
+
+    if isinstance(value, functools.partial):
+        return {"partial": _stable_description(value.func),
+                "args": [_described(item) for item in value.args],
+                "kwargs": {str(k): _described(v) for k, v in sorted(value.keywords.items())}}
+    if isinstance(value, enum.Enum):
+        return f"<enum {type(value).__module__}.{type(value).__qualname__}.{value.name}>"
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type)):
+        return f"<callable {_qualified(value)}>"
+    if isinstance(value, (set, frozenset)):
+        return sorted((_described(item) for item in value), key=lambda item: json.dumps(item, sort_keys=True))
+    text = repr(value)
+    if _ADDRESS.search(text):
+        return f"<instance of {type(value).__module__}.{type(value).__qualname__}>"
+    return text
+
+
+def _described(value: Any) -> Any:
+    try:
+        return plain(value, "value")
+    except CheckpointConfigurationError:
+        return _stable_description(value)
 
 
 def _normalise(descriptor: dict[str, Any], reorder_groups: bool) -> dict[str, Any]:

@@ -7,11 +7,20 @@ resume into a freshly created optimizer (no state yet) reads nothing and restore
 Here every rank computes, from its FSDP flat parameters (``_fsdp_geometry``), which elements of each original
 parameter it holds, allocates its local optimizer state once, and lets DCP read exactly those elements (as
 boxes of the saved original-shape tensors) straight into place: no rank reads or receives another rank's
-state and nothing is all-gathered, so peak memory is about one optimizer shard. Before that, every entry is
-checked against the live model, parameter groups are aligned by parameter names and Adam/AdamW completeness is
-checked (:func:`validate_optimizer_checkpoint`, also run in the restore preflight). Layouts the geometry
-cannot map fall back to FSDP's ``optim_state_dict_to_load`` (:func:`_load_by_conversion`), which all-gathers
-each parameter's state.
+state and nothing is all-gathered, so peak memory is about one optimizer shard.
+
+Which optimizers: any whose per-parameter state is tensors shaped like the parameter plus scalars (0-dim
+tensors, Python numbers, ``None``): Adam/AdamW, SGD, Adagrad, RMSprop, NAdam, RAdam, Adamax, Adadelta, ASGD,
+Rprop and others of that form. The rule is read from the state itself (``_optimizer_state``: the live state
+on save, the DCP metadata on load), never from a list of classes.
+
+Before anything changes, every saved entry is checked against the live model (a parameter this optimizer
+trains; parameter-shaped or 0-dim), parameter groups are aligned by parameter names, and completeness is
+checked from the checkpoint's own metadata: within a saved group, every parameter with state has the same set
+of state keys, and after the restore every such parameter holds those keys again (:func:`verify_restored`).
+:func:`validate_optimizer_checkpoint` runs these checks in the restore preflight for the direct path and for
+the conversion fallback alike. Layouts the geometry cannot map fall back to FSDP's ``optim_state_dict_to_load``
+(:func:`_load_by_conversion`), which all-gathers each parameter's state.
 """
 
 from __future__ import annotations
@@ -32,7 +41,15 @@ from ._manifest import read_dcp_metadata
 from ._ranks import any_rank, run_phase
 from .errors import CheckpointConfigurationError, CheckpointIntegrityError
 
-_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+def _shape_problem(fqn: str, name: str, stored: Any, shape: tuple[int, ...]) -> str | None:
+    """A saved per-parameter tensor entry must be 0-dim or shaped like its (original) parameter."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if isinstance(stored, TensorStorageMetadata) and stored.size and tuple(stored.size) != tuple(shape):
+        return (f"Optimizer state optimizer.state.{fqn}.{name}: checkpoint shape {list(stored.size)}, live parameter "
+                f"shape {list(shape)} (only parameter-shaped tensors and scalars can be restored shard by shard)")
+    return None
 
 
 def _destination(metadata: Any, shapes: dict[str, Any], group: Any) -> dict[str, Any]:
@@ -60,10 +77,9 @@ def _destination(metadata: Any, shapes: dict[str, Any], group: Any) -> dict[str,
                 raise CheckpointConfigurationError(
                     f"The optimizer checkpoint holds state for parameter {name!r}, which the live model does not have"
                 )
-            if (size or path[-1] in _MOMENTS) and size != tuple(shapes[name][0]):
-                raise CheckpointConfigurationError(
-                    f"Optimizer state {key}: checkpoint shape {list(size)}, live parameter shape {list(shapes[name][0])}"
-                )
+            problem = _shape_problem(str(name), str(path[-1]), stored, shapes[name][0])
+            if problem:
+                raise CheckpointConfigurationError(problem)
         if not size or not per_parameter:
             flat[key] = torch.empty(size, dtype=stored.properties.dtype, device="cpu")
             continue
@@ -229,10 +245,13 @@ def _owners(model: Any, optimizer: torch.optim.Optimizer, group: Any) -> dict[st
     return result
 
 
-def _plan(metadata: Any, owners: dict[str, tuple[_Owner, Member]], group: Any
+def _plan(metadata: Any, owners: dict[str, tuple[_Owner, Member]], group: Any,
+          reusable: dict[int, dict[str, torch.Tensor]] | None = None
           ) -> tuple[dict[str, Any], dict[int, dict[str, torch.Tensor]]]:
     """Allocate every rank-local state tensor once and describe, for DCP, which boxes of each saved tensor land
-    where in it. Returns (DCP load state dict, owner id -> {state key -> local tensor})."""
+    where in it. ``reusable``: the fresh optimizer's own (already released) local state tensors, read into in
+    place, so a flat shard's padding keeps the value the optimizer initialised it with (Adagrad: its initial
+    accumulator; padding is never saved). Returns (DCP load state dict, owner id -> {state key -> local tensor})."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
@@ -244,7 +263,10 @@ def _plan(metadata: Any, owners: dict[str, tuple[_Owner, Member]], group: Any
     flat: dict[str, Any] = {}
     for key, stored in metadata.state_dict_metadata.items():
         path = metadata.planner_data[key]
-        if len(path) < 4 or path[1] != "state" or not isinstance(stored, TensorStorageMetadata):
+        if len(path) < 4 or path[1] != "state":
+            continue
+        if not isinstance(stored, TensorStorageMetadata):  # a Python scalar or None: DCP fills it in
+            flat[key] = None
             continue
         fqn, name, dtype = str(path[2]), str(path[-1]), stored.properties.dtype
         owner, member = owners[fqn]
@@ -254,7 +276,9 @@ def _plan(metadata: Any, owners: dict[str, tuple[_Owner, Member]], group: Any
         states = local.setdefault(id(owner.parameter), {})
         destination = states.get(name)
         if destination is None:
-            destination = torch.zeros(owner.numel, dtype=dtype)  # zeros: a flat shard's padding stays zero
+            destination = _reuse((reusable or {}).get(id(owner.parameter), {}).get(name), owner.numel, dtype)
+            if destination is None:
+                destination = torch.zeros(owner.numel, dtype=dtype)  # zeros: a flat shard's padding stays zero
             states[name] = destination
         elif destination.dtype != dtype:
             raise CheckpointIntegrityError(f"Optimizer state {key} is {dtype}, other parameters of its flat "
@@ -275,6 +299,13 @@ def _plan(metadata: Any, owners: dict[str, tuple[_Owner, Member]], group: Any
     return unflatten_state_dict(flat, {key: metadata.planner_data[key] for key in flat}), local
 
 
+def _reuse(live: torch.Tensor | None, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+    if (live is None or live.dtype != dtype or live.numel() != numel or live.device.type != "cpu"
+            or not live.is_contiguous()):
+        return None
+    return live.view(-1)
+
+
 def _global_rank(group: Any, rank: int) -> int:
     return dist.get_global_rank(group, rank) if group is not None else rank
 
@@ -291,46 +322,37 @@ def _state_entries(metadata: Any) -> dict[str, dict[str, Any]]:
     return entries
 
 
-def _check_saved_state(entries: dict[str, dict[str, Any]], groups: list[dict[str, Any]],
-                       optimizer: torch.optim.Optimizer) -> None:
-    """No state outside the saved groups; Adam/AdamW moments complete (a parameter may have no state yet)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
+def _check_saved_state(entries: dict[str, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+    """No state outside the saved groups, and within each saved group every parameter with state has the same
+    state keys (a parameter may have none yet). Which keys is read from the checkpoint, not from the optimizer
+    class: groups with other hyperparameters (amsgrad, momentum, centered) may hold other keys."""
     stray = sorted(set(entries) - {name for group in groups for name in group["params"]})
     if stray:
         raise CheckpointIntegrityError(f"The optimizer checkpoint holds state for parameters outside its groups: {stray[:5]}")
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-        return
-    for saved in groups:
-        required = {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if saved.get("amsgrad") else set())
-        for fqn in saved["params"]:
-            absent = required - set(entries.get(fqn, required))
+    for index, saved in enumerate(groups):
+        with_state = [fqn for fqn in saved["params"] if fqn in entries]
+        expected = set().union(*(entries[fqn] for fqn in with_state)) if with_state else set()
+        for fqn in with_state:
+            absent = expected - set(entries[fqn])
             if absent:
-                raise CheckpointIntegrityError(f"Adam state of {fqn!r} lacks {sorted(absent)} in the checkpoint")
-            step = entries.get(fqn, {}).get("step")
-            if step is not None and (not isinstance(step, TensorStorageMetadata) or step.size):
-                raise CheckpointIntegrityError(f"Adam state of {fqn!r} has an invalid step")
+                raise CheckpointIntegrityError(
+                    f"Optimizer state of {fqn!r} lacks {sorted(absent)} in the checkpoint, which other parameters of "
+                    f"its group {index} have: the checkpoint is incomplete or altered")
 
 
-def _check_entries(metadata: Any, owners: dict[str, tuple[_Owner, Member]], optimizer: torch.optim.Optimizer,
-                   groups: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Validate every saved state entry against the live model before reading any payload: known parameter,
-    original shape, and (Adam/AdamW) complete moments. Returns fqn -> {state key -> stored metadata}."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    entries = _state_entries(metadata)
+def _check_entries(entries: dict[str, dict[str, Any]], trained: dict[str, tuple[int, ...]],
+                   groups: list[dict[str, Any]]) -> None:
+    """Validate every saved state entry against the live model before reading any payload: a parameter this
+    optimizer trains (``trained``: fqn -> original shape), parameter-shaped or 0-dim, and complete."""
     for fqn, values in entries.items():
-        if fqn not in owners:
+        if fqn not in trained:
             raise CheckpointConfigurationError(
                 f"The optimizer checkpoint holds state for parameter {fqn!r}, which this optimizer does not train")
-        shape = owners[fqn][1].shape
         for name, stored in values.items():
-            if isinstance(stored, TensorStorageMetadata) and (stored.size or name in _MOMENTS) \
-                    and tuple(stored.size) != shape:
-                raise CheckpointConfigurationError(f"Optimizer state optimizer.state.{fqn}.{name}: checkpoint shape "
-                                                   f"{list(stored.size)}, live parameter shape {list(shape)}")
-    _check_saved_state(entries, groups, optimizer)
-    return entries
+            problem = _shape_problem(fqn, name, stored, trained[fqn])
+            if problem:
+                raise CheckpointConfigurationError(problem)
+    _check_saved_state(entries, groups)
 
 
 def _assemble(loaded: dict[str, Any], local: dict[int, dict[str, torch.Tensor]],
@@ -353,7 +375,9 @@ def _assemble(loaded: dict[str, Any], local: dict[int, dict[str, torch.Tensor]],
             raise CheckpointIntegrityError(
                 f"The optimizer checkpoint holds state for only some of {fqns}, or different entries for them; "
                 "they share one optimizer parameter and must all have the same state")
-        state: dict[str, Any] = dict(local.get(owner_id, {}))
+        # Local tensors are flat; the live parameter may not be (NO_SHARD keeps original shapes).
+        shape = next(owner.parameter.shape for owner, _member in (owners[f] for f in fqns))
+        state: dict[str, Any] = {name: tensor.view(shape) for name, tensor in local.get(owner_id, {}).items()}
         for name in entries[with_state[0]]:
             if name in state:
                 continue
@@ -374,27 +398,44 @@ def _same_value(first: Any, other: Any) -> bool:
 
 
 def _validated(model: Any, optimizer: torch.optim.Optimizer, directory: Path,
-               owners: dict[str, tuple[_Owner, Member]], allow_reorder: bool) -> tuple[Any, dict[str, Any], Any]:
-    expected, _shapes = parameter_layout(model, optimizer)
+               owners: dict[str, tuple[_Owner, Member]] | None, allow_reorder: bool
+               ) -> tuple[Any, dict[str, Any], dict[str, dict[str, Any]]]:
+    """Every check of one optimizer checkpoint against the live model, from metadata and the (small) group
+    entries only; local, no collective. ``owners`` None: the conversion fallback (shapes from the live layout).
+    Returns (DCP metadata, saved groups aligned to the live ones, fqn -> {state key -> stored metadata})."""
+    expected, shapes = parameter_layout(model, optimizer)
     metadata = read_dcp_metadata(directory)
     saved = _saved_groups(metadata, directory)
     align_groups(saved, expected, optimizer, allow_reorder=allow_reorder)
-    return metadata, saved, _check_entries(metadata, owners, optimizer, saved["param_groups"])
+    if owners is not None:
+        trained = {fqn: member.shape for fqn, (_owner, member) in owners.items()}
+    else:
+        trained = {fqn: tuple(shapes[fqn][0]) for names in expected for fqn in names if fqn in shapes}
+    entries = _state_entries(metadata)
+    _check_entries(entries, trained, saved["param_groups"])
+    return metadata, saved, entries
 
 
 def validate_optimizer_checkpoint(accelerator: Any, input_dir: Path) -> None:
     """Check every FSDP optimizer checkpoint of ``accelerator`` in ``input_dir`` against the live models and
     optimizers (entries, shapes, groups, completeness) without changing anything and without collectives:
-    the protected load runs this on every rank before the restore touches any state."""
+    the protected load runs this on every rank before the restore touches any state, for the direct path and
+    the conversion fallback alike."""
     allow_reorder = not accelerator._schedulers
     for index, (model, optimizer) in enumerate(zip(accelerator._models, accelerator._optimizers)):
         optimizer = raw_optimizer(optimizer)
-        group = model.process_group
         try:
-            owners = _owners(model, optimizer, group)
+            owners: dict[str, tuple[_Owner, Member]] | None = _owners(model, optimizer, model.process_group)
         except GeometryMismatch:
-            continue  # the conversion fallback validates while it loads
+            owners = None  # the conversion fallback will load it: the same checks from the live layout
         _validated(model, optimizer, Path(input_dir) / f"optimizer_{index}", owners, allow_reorder)
+
+
+def _untouched(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+    """State the fresh optimizer gave parameters with no local elements (eager optimizers such as Adagrad
+    initialise every parameter): nothing of it is in the checkpoint for this rank, so it stays as it is."""
+    return {id(parameter): dict(optimizer.state[parameter]) for group in optimizer.param_groups
+            for parameter in group["params"] if parameter.numel() == 0 and optimizer.state.get(parameter)}
 
 
 def load_sharded_optimizer(accelerator: Any, optimizer: Any, model: Any, input_dir: str, index: int,
@@ -421,16 +462,23 @@ def load_sharded_optimizer(accelerator: Any, optimizer: Any, model: Any, input_d
         _load_by_conversion(accelerator, optimizer, model, directory, allow_reorder)
         return
     metadata, saved, entries = run_phase(
-        lambda: _validated(model, optimizer, directory, owners, allow_reorder),  # type: ignore[arg-type]
+        lambda: _validated(model, optimizer, directory, owners, allow_reorder),
         "Validating the FSDP optimizer checkpoint", group)
+    kept = _untouched(optimizer)
+    reusable: dict[int, dict[str, torch.Tensor]] = {}
     # Release superseded moments first so old and new never coexist (plain torch optimizers only: load
-    # pre-hooks of custom ones may need the old state).
+    # pre-hooks of custom ones may need the old state); their tensors are read into in place.
     if not optimizer._optimizer_load_state_dict_pre_hooks:
+        reusable = {id(p): {k: v for k, v in s.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+                    for p, s in optimizer.state.items() if p.numel() > 0}
         optimizer.state.clear()
-    state, local = run_phase(lambda: _plan(metadata, owners, group), "Allocating this rank's optimizer state", group)
+    state, local = run_phase(lambda: _plan(metadata, owners, group, reusable),
+                             "Allocating this rank's optimizer state", group)
+    reusable.clear()
     _read(state, directory, group, "Reading this rank's optimizer state")
     per_owner = run_phase(lambda: _assemble(state.get("optimizer", {}), local, owners, entries),
                           "Assembling the optimizer state", group)
+    per_owner = {**kept, **per_owner}
     ids: dict[int, int] = {}
     groups = []
     for live, aligned in zip(optimizer.param_groups, saved["param_groups"]):
@@ -446,27 +494,23 @@ def load_sharded_optimizer(accelerator: Any, optimizer: Any, model: Any, input_d
 
 def _load_by_conversion(accelerator: Any, optimizer: torch.optim.Optimizer, model: Any, directory: Path,
                         allow_reorder: bool) -> None:
-    """Layout-agnostic fallback: read this rank's dim-0 chunks, then let FSDP convert (all-gathers each
-    parameter's state, so peak memory is a few times the shard)."""
+    """Layout-agnostic fallback: validate (as the preflight did), read this rank's dim-0 chunks, then let FSDP
+    convert (all-gathers each parameter's state, so peak memory is a few times the shard)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
 
     group = model.process_group
 
-    def prepare() -> tuple[list[list[str]], Any, Any]:
-        expected, shapes = parameter_layout(model, optimizer)
-        metadata = read_dcp_metadata(directory)
-        return expected, metadata, _destination(metadata, shapes, group)
+    def prepare() -> tuple[Any, Any]:
+        metadata, aligned, _entries = _validated(model, optimizer, directory, None, allow_reorder)
+        _expected, shapes = parameter_layout(model, optimizer)
+        return aligned, _destination(metadata, shapes, group)
 
-    expected, metadata, state = run_phase(prepare, "Preparing the FSDP optimizer restore", group)
+    aligned, state = run_phase(prepare, "Validating the FSDP optimizer checkpoint", group)
     _read(state, directory, group, "Reading the FSDP optimizer checkpoint")
     saved = state.pop("optimizer")
-
-    def validate() -> None:
-        align_groups(saved, expected, optimizer, allow_reorder=allow_reorder)
-        _check_saved_state(_state_entries(metadata), saved["param_groups"], optimizer)
-
-    run_phase(validate, "Validating the FSDP optimizer checkpoint", group)
+    saved.setdefault("state", {})
+    saved["param_groups"] = aligned["param_groups"]  # aligned (and checked) from the same entries before reading
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=True),
                               ShardedOptimStateDictConfig(offload_to_cpu=True)):
         if not optimizer._optimizer_load_state_dict_pre_hooks:
@@ -478,21 +522,32 @@ def _load_by_conversion(accelerator: Any, optimizer: torch.optim.Optimizer, mode
 
 
 def verify_restored(model: Any, optimizer: Any, directory: Path) -> None:
-    """After a restore, every parameter with saved state (and a non-empty local shard) has live state."""
+    """After a restore, every parameter with saved state (and a non-empty local shard) has live state with
+    every key the checkpoint recorded for it."""
     optimizer = raw_optimizer(optimizer)
     from torch.distributed.fsdp._common_utils import _get_param_to_fqns
 
-    saved = saved_state_names(directory)
-    live: set[str] = set()
-    local_names: set[str] = set()
+    entries = _state_entries(read_dcp_metadata(directory))
+    absent: list[str] = []
+    incomplete: list[str] = []
     for parameter, fqns in _get_param_to_fqns(model).items():
-        if parameter.numel() > 0:
-            local_names.update(fqns)
-        if optimizer.state.get(parameter):
-            live.update(fqns)
-    absent = sorted((saved & local_names) - live)
+        if parameter.numel() == 0:
+            continue
+        live = optimizer.state.get(parameter) or {}
+        for fqn in fqns:
+            if fqn not in entries:
+                continue
+            if not live:
+                absent.append(fqn)
+            elif set(entries[fqn]) - set(live):
+                incomplete.append(f"{fqn} lacks {sorted(set(entries[fqn]) - set(live))}")
     if absent:
+        absent.sort()
         raise CheckpointIntegrityError(
             f"The optimizer was not restored: {len(absent)} parameters with saved state in {directory} have no live "
             f"optimizer state (e.g. {absent[:3]}). Training would silently continue from empty moments."
+        )
+    if incomplete:
+        raise CheckpointIntegrityError(
+            f"The optimizer was restored incompletely from {directory}: {sorted(incomplete)[:3]}."
         )

@@ -395,6 +395,8 @@ def check_structure(directory: Path, manifest: dict[str, Any], *,
     its size, every payload a DCP ``.metadata`` names listed, and no unlisted file that a loader could read.
     """
     where = Path(directory) / MANIFEST
+    if "protocol" not in manifest:
+        raise CheckpointIntegrityError(f"{where} is not an accelerate-txn manifest (it names no protocol)")
     if manifest.get("protocol") not in READABLE_PROTOCOLS:
         raise CheckpointIntegrityError(
             f"{where} uses checkpoint protocol {manifest.get('protocol')!r}; this accelerate-txn reads protocols "
@@ -471,8 +473,10 @@ def hashed_names(manifest: dict[str, Any], *, full: bool) -> list[str]:
                   if _row_hash(row) is not None and (full or not _is_large_payload(name, row["size"])))
 
 
-def check_hashes(directory: Path, manifest: dict[str, Any], names: Iterable[str]) -> int:
-    """Re-hash ``names`` (in parallel) and compare with the manifest; returns how many were checked."""
+def check_hashes(directory: Path, manifest: dict[str, Any], names: Iterable[str],
+                 progress: Callable[[int], None] | None = None) -> int:
+    """Re-hash ``names`` (in parallel) and compare with the manifest; returns how many were checked.
+    ``progress(nbytes)`` is called (from worker threads) after each file."""
     files = manifest["files"]
     names = list(names)
     root = Path(directory)
@@ -485,6 +489,8 @@ def check_hashes(directory: Path, manifest: dict[str, Any], names: Iterable[str]
                 f"Checkpoint file {root / name} does not match its {algorithm} in {root / MANIFEST} (corrupted or "
                 "changed after the checkpoint was published)"
             )
+        if progress is not None:
+            progress(size)
 
     if names:
         with ThreadPoolExecutor(max_workers=min(4, len(names), os.cpu_count() or 1)) as pool:
@@ -493,7 +499,8 @@ def check_hashes(directory: Path, manifest: dict[str, Any], names: Iterable[str]
 
 
 def verify_manifest(directory: Path, manifest: dict[str, Any], *, full: bool, dcp: bool = True,
-                    private_patterns: Iterable[re.Pattern[str]] = ()) -> dict[str, Any]:
+                    private_patterns: Iterable[re.Pattern[str]] = (),
+                    progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Raise :class:`CheckpointIntegrityError` unless ``directory`` matches its manifest; return what was checked.
 
     ``full=True`` checks every recorded hash; ``full=False`` the control files and small payloads only. The
@@ -504,7 +511,7 @@ def verify_manifest(directory: Path, manifest: dict[str, Any], *, full: bool, dc
     """
     report = check_structure(directory, manifest, private_patterns=private_patterns)
     names = hashed_names(manifest, full=full)
-    report["hashed"] = check_hashes(directory, manifest, names)
+    report["hashed"] = check_hashes(directory, manifest, names, progress)
     report["size_only"] = report["files"] - report["hashed"]
     report["dcp_metadata"] = check_dcp_inventory(directory, manifest) if dcp else 0
     return report

@@ -7,7 +7,16 @@ originals back. The wrappers only decide and hand off.
 Protected path when all hold (and every rank agrees, else every rank raises):
 automatic dispatch is on (``VIDEOX_ACCELERATE_PATCHES`` unset or truthy) or the instance was opted in with
 :func:`patch_accelerate_fsdp`; it was not opted out with :func:`unpatch_accelerate_fsdp`; the installed
-versions are validated (or the override is set); and the backend is FSDP1 with ``SHARDED_STATE_DICT``.
+versions are validated (or the override is set); the backend is FSDP1 with ``SHARDED_STATE_DICT``; and the
+protected path can handle this setup (``_descriptor.unsupported_reason``: optimizer state made of
+parameter-shaped tensors and scalars, a supported sharding strategy, ...; on load also the checkpoint's
+optimizer state), decided from the live state at each call and agreed on by every rank.
+
+Never does importing the library make a working native save fail: under automatic dispatch an unsupported
+setup runs native Accelerate with one ``RuntimeWarning`` per Accelerator saying why and what is unprotected.
+An instance opted in with :func:`patch_accelerate_fsdp` is refused instead (``CheckpointConfigurationError``).
+Every FSDP setup that runs native logs one INFO line per Accelerator (logger ``accelerate_txn``) naming the
+condition that failed.
 
 Caveats: a subclass that overrides ``save_state``/``load_state`` without calling ``super()`` bypasses the
 patch; wrapped methods do not pickle.
@@ -19,16 +28,20 @@ import logging
 import os
 import warnings
 from typing import Any
+from weakref import WeakSet
 
 import wrapt
 
-from ._descriptor import is_fsdp1_sharded
+from ._descriptor import is_fsdp1_sharded, unsupported_reason
 from ._native import _OPTED_IN, _OPTED_OUT, ORIGINALS, routed
-from ._ranks import agree
+from ._ranks import agree, any_rank, distributed, world_size
 from ._versions import override_requested, unsupported_message, versions_ok
-from .errors import UnsupportedVersionError
+from .errors import CheckpointConfigurationError, UnsupportedVersionError
 
 logger = logging.getLogger(__name__)
+notices = logging.getLogger("accelerate_txn")  # the "protection is off" line: one per Accelerator
+_NOTED: WeakSet = WeakSet()  # Accelerators whose native FSDP run was logged
+_WARNED: WeakSet = WeakSet()  # Accelerators warned that an unsupported setup runs native
 PATCH_ENV = "VIDEOX_ACCELERATE_PATCHES"
 _TARGETS = ("Accelerator.save_state", "Accelerator.load_state", "load_fsdp_model", "load_fsdp_optimizer")
 _warned_versions = False
@@ -38,7 +51,72 @@ def automatic_dispatch_requested() -> bool:
     return os.environ.get(PATCH_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-def _protected(accelerator: Any) -> bool:
+def _native_condition(accelerator: Any, enabled: bool, eligible: bool, validated: bool) -> str:
+    """Which dispatch condition sends an FSDP setup to native Accelerate (the first that fails)."""
+    if not enabled:
+        if accelerator in _OPTED_OUT:
+            return "opted out with unpatch_accelerate_fsdp()"
+        return f"automatic dispatch is off ({PATCH_ENV}={os.environ.get(PATCH_ENV, '')!r})"
+    if not eligible:
+        plugin = accelerator.state.fsdp_plugin
+        if plugin is not None and getattr(plugin, "fsdp_version", 1) != 1:
+            return f"FSDP{plugin.fsdp_version} is not protected (FSDP1 only)"
+        kind = getattr(getattr(plugin, "state_dict_type", None), "name", None)
+        return f"state_dict_type is {kind} (protected: SHARDED_STATE_DICT only)"
+    if not validated:
+        return f"versions not validated ({unsupported_message()})"
+    return "unsupported setup"
+
+
+def _note_native(accelerator: Any, condition: str) -> None:
+    if accelerator in _NOTED:
+        return
+    _NOTED.add(accelerator)
+    if getattr(accelerator, "is_main_process", True):
+        notices.info("accelerate-txn: FSDP checkpoints of this Accelerator are NOT protected (native "
+                     "save_state/load_state): %s", condition)
+
+
+def _checkpoint_reason(accelerator: Any, input_dir: Any) -> str | None:
+    """Load only: optimizer state in the checkpoint that the protected path cannot restore (a native checkpoint
+    of an unsupported optimizer), read from each optimizer's DCP metadata. Local; unreadable metadata is left to
+    the protected load, which refuses it with the reason."""
+    from pathlib import Path
+
+    from ._manifest import read_dcp_metadata
+    from ._optimizer_state import unsupported_checkpoint
+
+    if input_dir is None:
+        return None  # automatic selection: only published (protected, hence supported) checkpoints or legacy
+    for index in range(len(accelerator._optimizers)):
+        directory = Path(input_dir) / f"optimizer_{index}"
+        try:
+            metadata = read_dcp_metadata(directory)
+        except Exception:  # the protected load reports it
+            continue
+        reason = unsupported_checkpoint(metadata, str(directory))
+        if reason:
+            return reason
+    return None
+
+
+def _agreed_reason(accelerator: Any, input_dir: Any, loading: bool) -> str | None:
+    """The first rank's reason the protected path cannot take this call, the same on every rank (one
+    fixed-size exchange; reasons travel only when some rank has one)."""
+    import torch.distributed as dist
+
+    try:
+        reason = unsupported_reason(accelerator) or (_checkpoint_reason(accelerator, input_dir) if loading else None)
+    except Exception as exc:  # an unreadable setup is a reason, never a hang
+        reason = f"the setup could not be inspected ({type(exc).__name__}: {exc})"
+    if not any_rank(reason is not None) or not distributed() or world_size() == 1:
+        return reason
+    gathered: list[Any] = [None] * world_size()
+    dist.all_gather_object(gathered, reason)
+    return next((f"rank {r}: {text}" for r, text in enumerate(gathered) if text), None)
+
+
+def _protected(accelerator: Any, input_dir: Any = None, *, loading: bool = False) -> bool:
     """The dispatch decision; for FSDP a collective (all ranks must agree)."""
     global _warned_versions
     if accelerator.distributed_type.name != "FSDP":
@@ -55,8 +133,24 @@ def _protected(accelerator: Any) -> bool:
         if not _warned_versions:
             _warned_versions = True
             warnings.warn(f"{unsupported_message()} Using native save_state/load_state.", RuntimeWarning, stacklevel=4)
+    if not (enabled and eligible and validated):
+        _note_native(accelerator, _native_condition(accelerator, enabled, eligible, validated))
         return False
-    return enabled and eligible
+    reason = _agreed_reason(accelerator, input_dir, loading)
+    if reason is None:
+        return True
+    if opted_in:
+        raise CheckpointConfigurationError(
+            f"This Accelerator was opted in with patch_accelerate_fsdp(), but the protected path cannot handle it: "
+            f"{reason} Unpatch it (unpatch_accelerate_fsdp) to use native save_state/load_state, unprotected.")
+    if accelerator not in _WARNED:
+        _WARNED.add(accelerator)
+        warnings.warn(
+            f"accelerate-txn: this Accelerator's FSDP checkpoints run native Accelerate save_state/load_state, "
+            f"UNPROTECTED (no manifest, no atomic publish, no verification before restore): {reason}",
+            RuntimeWarning, stacklevel=4)
+    _note_native(accelerator, reason)
+    return False
 
 
 def _save_state(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -72,7 +166,7 @@ def _protected_save(instance: Any, output_dir: Any = None, safe_serialization: b
 
 
 def _load_state(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    if instance is None or not _protected(instance):
+    if instance is None or not _protected(instance, args[0] if args else kwargs.get("input_dir"), loading=True):
         return wrapped(*args, **kwargs)
     _protected_load(instance, *args, **kwargs)
     return None  # as native load_state

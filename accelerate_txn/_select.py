@@ -10,10 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _faults
-from ._config import checkpoint_config
-from ._descriptor import participants
 from ._manifest import MANIFEST, READABLE_PROTOCOLS, read_manifest, verify_manifest
-from ._required import check_required_files, private_patterns
 from ._staging import retire
 from .errors import CheckpointIntegrityError, NoCheckpointError
 
@@ -46,6 +43,20 @@ def complete_run_id(path: Path) -> str | None:
     return run_id if isinstance(run_id, str) and run_id else None
 
 
+def _intact(path: Path) -> bool:
+    """Whether a published checkpoint passes the quick check (tree, sizes, control-file hashes): retention counts
+    and deletes only those, so a corrupt checkpoint never takes the place of a good one it would delete."""
+    try:
+        manifest = read_manifest(path)
+        if manifest is None:
+            return False
+        verify_manifest(path, manifest, full=False, dcp=False)
+    except (CheckpointIntegrityError, OSError) as exc:
+        logger.warning("Retention: keeping %s out of the count (it is not intact: %s)", path, exc)
+        return False
+    return True
+
+
 def is_transient(path: Path) -> bool:
     """A staging directory (a save in progress or killed) or one being deleted by retention: never loadable."""
     name = Path(path).name
@@ -70,6 +81,9 @@ def check_candidate(path: Path, group: dict[str, Any] | None) -> dict[str, Any] 
     manifest (``None`` for a legacy directory that ``group`` allows); raises :class:`CheckpointIntegrityError`."""
     refuse_transient(path)
     manifest = read_manifest(path)
+    if group is not None:  # torch-heavy: only with live Accelerators (the CLI passes none)
+        from ._config import checkpoint_config
+        from ._required import check_required_files, private_patterns
     patterns = [pattern for owner in (group or {}).values() for pattern in private_patterns(owner)]
     if manifest is not None:
         verify_manifest(path, manifest, full=False, dcp=False, private_patterns=patterns)
@@ -91,7 +105,11 @@ def checkpoint_candidates(output_dir: str | Path, owners: Any = None) -> tuple[l
     Published checkpoints with a manifest come first (newest first); manifest-less (legacy) directories follow,
     only when every owner allows them, so a legacy directory is never preferred over a complete checkpoint.
     """
-    group = participants(owners) if owners is not None else None
+    group = None
+    if owners is not None:
+        from ._descriptor import participants
+
+        group = participants(owners)
     complete: list[Path] = []
     legacy: list[Path] = []
     reasons: list[str] = []
@@ -139,7 +157,7 @@ def prune(root: Path, run_id: str, limit: int, newest: Path) -> list[Path]:
     manifest-less ``checkpoint_N`` that selection would skip and retention never prune.
     """
     ours = [(number, path) for number, path in numbered_checkpoints(root)
-            if not path.is_symlink() and complete_run_id(path) == run_id]
+            if not path.is_symlink() and complete_run_id(path) == run_id and _intact(path)]
     deleted = []
     excess = len(ours) - limit
     for _number, path in ours:

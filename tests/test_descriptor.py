@@ -4,6 +4,7 @@ checkpoint participants, scheduler callables, and ``describe`` on a real single-
 from __future__ import annotations
 
 import copy
+import enum
 import functools
 import json
 import warnings
@@ -426,3 +427,70 @@ def test_describe_models_of_different_classes_use_class_names_as_roles() -> None
     accelerator.prepare(torch.nn.Linear(2, 2), _Net())
     assert [m["id"] for m in describe(accelerator)["models"]] == ["torch.nn.modules.linear.Linear",
                                                                    "tests.test_descriptor._Net"]
+
+
+# --- model-config values a manifest cannot record (issue 7 item 7) ------------------------------------------
+
+class _Activation(enum.Enum):
+    GELU = "gelu"
+
+
+class _Opaque:
+    """An object with the default repr (it holds a memory address)."""
+
+
+class _ConfiguredNet(_Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = {"hidden": 3, "init": lambda module: None, "act_fn": torch.nn.functional.silu,
+                       "activation": _Activation.GELU, "helper": _Opaque(), "norm": torch.nn.LayerNorm,
+                       "tags": {"b", "a"}, "scale": functools.partial(warmup, scale=2.0)}
+
+
+_CONFIG_IN_A_FRESH_PROCESS = """
+    import json
+    from accelerate import Accelerator
+    from accelerate_txn._descriptor import describe
+    from tests.test_descriptor import _ConfiguredNet
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(_ConfiguredNet())
+    print(json.dumps(describe(accelerator)["models"][0]["config"]))
+"""
+
+
+def _config_in_a_fresh_process() -> dict[str, Any]:
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    completed = subprocess.run([sys.executable, "-c", textwrap.dedent(_CONFIG_IN_A_FRESH_PROCESS)],
+                               cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120,
+                               check=False)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def test_model_config_callables_and_objects_are_described_the_same_in_every_process() -> None:
+    # Regression: repr() of a lambda or a default-repr object holds its address, which differs per process,
+    # so every multi-rank save failed with "ranks disagree" and no resume could ever match.
+    first, second = _config_in_a_fresh_process(), _config_in_a_fresh_process()
+    assert first == second
+    assert "0x" not in json.dumps(first)
+    assert first["init"] == "<callable tests.test_descriptor._ConfiguredNet.__init__.<locals>.<lambda>>"
+    assert first["act_fn"] == "<callable torch.nn.functional.silu>"
+    assert first["norm"] == "<callable torch.nn.modules.normalization.LayerNorm>"
+    assert first["activation"] == "<enum tests.test_descriptor._Activation.GELU>"
+    assert first["helper"] == "<instance of tests.test_descriptor._Opaque>"  # its value is deliberately left out
+    assert first["tags"] == ["a", "b"]
+    assert first["scale"] == {"partial": "<callable tests.test_descriptor.warmup>", "args": [],
+                              "kwargs": {"scale": 2.0}}
+    assert first["hidden"] == 3
+
+
+def test_model_config_descriptions_compare_equal_after_a_manifest_round_trip() -> None:
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(_ConfiguredNet())
+    saved = json.loads(json.dumps(describe(accelerator)))
+    assert compare_descriptor(saved, describe(accelerator)) == []

@@ -24,12 +24,15 @@ def restored(tmp_path_factory: Any) -> list[dict[str, Any]]:
 def test_fresh_optimizer_is_restored_bitwise(restored: list[dict[str, Any]], name: str) -> None:
     for obs in restored:
         assert obs[name]["differences"] == []
-    if CONFIGS[name]["steps"] and CONFIGS[name]["optimizer"] != "sgd":
+    config = CONFIGS[name]
+    if (config["steps"] or config["optimizer"] == "adagrad") and config["optimizer"] != "sgd":
         assert sum(obs[name]["entries"] for obs in restored) > 0  # state really came back
 
 
 @pytest.mark.parametrize("case, kind, message", [
-    ("missing_moment", "CheckpointIntegrityError", r"Adam state of 'body\.0\.weight' lacks \['exp_avg_sq'\]"),
+    ("missing_moment", "CheckpointIntegrityError",
+     r"Optimizer state of 'body\.0\.weight' lacks \['exp_avg_sq'\] in the checkpoint, which other parameters of its "
+     r"group 0 have"),
     ("wrong_type", "CheckpointConfigurationError", r"lacks options \[.*'momentum'.*\].*saved by another optimizer type"),
     ("membership", "CheckpointConfigurationError", r"matches no parameter group in the checkpoint: group membership changed"),
 ])
@@ -56,3 +59,34 @@ def test_parameter_offload_without_original_params_is_refused_with_the_fix(resto
         assert obs["offload_flat"]["type"] == "CheckpointConfigurationError"
         assert "CPU offload requires use_orig_params=True" in obs["offload_flat"]["message"]
         assert "FullyShardedDataParallelPlugin(use_orig_params=True)" in obs["offload_flat"]["message"]
+
+
+@pytest.fixture(scope="module")
+def conversion(tmp_path_factory: Any) -> list[dict[str, Any]]:
+    return launch("tests._optimizer_matrix:conversion_preflight", 2, args=(str(tmp_path_factory.mktemp("conv")),),
+                  timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("tag", ["orig", "flat"])
+def test_no_shard_on_two_ranks_restores_exactly_through_the_conversion_fallback(
+        conversion: list[dict[str, Any]], tag: str) -> None:
+    assert [obs[f"{tag}_strategies"] for obs in conversion] == [["NO_SHARD"], ["NO_SHARD"]]
+    assert conversion[0][f"{tag}_geometry"] == "mapped"
+    assert conversion[1][f"{tag}_geometry"].startswith("mismatch: ")  # rank 1 takes FSDP's conversion
+    for obs in conversion:
+        assert obs[f"{tag}_differences"] == []
+
+
+@pytest.mark.parametrize("tag", ["orig", "flat"])
+def test_conversion_fallback_checks_run_in_each_ranks_preflight_before_the_model_changes(
+        conversion: list[dict[str, Any]], tag: str) -> None:
+    message = r"Optimizer state of 'body\.0\.weight' lacks \['exp_avg_sq'\] in the checkpoint"
+    import re
+
+    for obs in conversion:  # rank 1 (conversion) used to skip these checks until after the weights were loaded
+        assert obs[f"{tag}_preflight"]["type"] == "CheckpointIntegrityError"
+        assert re.search(message, obs[f"{tag}_preflight"]["message"])
+        error = obs[f"{tag}_missing_moment"]
+        assert error["type"] == "CheckpointIntegrityError" and error["failures"] == [0, 1]
+        assert re.search(message, error["message"])
+        assert obs[f"{tag}_unchanged"] == []
