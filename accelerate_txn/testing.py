@@ -26,6 +26,12 @@ from typing import Any
 
 import torch
 
+#: ``state_dict_type`` values :func:`fsdp_accelerator` refuses, with the reason.
+UNSUPPORTED_STATE_DICT_TYPES = {
+    "FULL_STATE_DICT": "Accelerate's native FULL_STATE_DICT save kills rank 0 with a segmentation fault on CPU "
+                       "with gloo (a crash, not an exception: the job would hang or die without a message).",
+}
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -44,12 +50,37 @@ def fsdp_accelerator(
     total_limit: int | None = None,
     gradient_accumulation_steps: int = 1,
     fsdp_version: int = 1,
+    project_config: Any = None,
     **accelerator_kwargs: Any,
 ) -> Any:
-    """A real ``Accelerator`` using FSDP on CPU (gloo). Call once per process, in every rank."""
+    """A real ``Accelerator`` using FSDP on CPU (gloo). Call once per process, in every rank.
+
+    Pass either ``project_config`` (an Accelerate ``ProjectConfiguration``) or the shortcuts ``project_dir``,
+    ``automatic_checkpoint_naming`` and ``total_limit``, not both. ``state_dict_type``: ``"SHARDED_STATE_DICT"``
+    (what the protected path handles) or ``"LOCAL_STATE_DICT"``; ``"FULL_STATE_DICT"`` is refused because its
+    native save crashes the saving process on CPU (see :data:`UNSUPPORTED_STATE_DICT_TYPES`).
+    """
     from accelerate import Accelerator, FullyShardedDataParallelPlugin, PartialState
     from accelerate.utils import DistributedType, ProjectConfiguration
     from torch.distributed.fsdp import CPUOffload
+
+    from .errors import CheckpointConfigurationError
+
+    kind = str(getattr(state_dict_type, "name", state_dict_type)).upper()
+    if kind in UNSUPPORTED_STATE_DICT_TYPES:
+        raise CheckpointConfigurationError(
+            f"fsdp_accelerator(state_dict_type={state_dict_type!r}) cannot run on this CPU harness: "
+            f"{UNSUPPORTED_STATE_DICT_TYPES[kind]} Use state_dict_type='SHARDED_STATE_DICT' (the default, the "
+            "configuration accelerate-txn protects), or test FULL_STATE_DICT on GPUs with a real launcher."
+        )
+    shortcuts = {"project_dir": project_dir, "automatic_checkpoint_naming": automatic_checkpoint_naming,
+                 "total_limit": total_limit}
+    given = sorted(name for name, value in shortcuts.items() if value not in (None, False))
+    if project_config is not None and given:
+        raise CheckpointConfigurationError(
+            f"fsdp_accelerator: pass project_config or {', '.join(given)}, not both (they configure the same "
+            "ProjectConfiguration); put those settings into your ProjectConfiguration."
+        )
 
     policy = None
     if auto_wrap is not None:
@@ -68,7 +99,7 @@ def fsdp_accelerator(
         sync_module_states=False,
         cpu_ram_efficient_loading=False,
     )
-    project = ProjectConfiguration(
+    project = project_config if project_config is not None else ProjectConfiguration(
         project_dir=str(project_dir) if project_dir is not None else None,
         automatic_checkpoint_naming=automatic_checkpoint_naming,
         total_limit=total_limit,

@@ -140,19 +140,25 @@ def lock_is_free(checkpoints: Path) -> bool:
         return True
 
 
+def short_name(name: str) -> str:
+    """A directory name for the listing: a staging directory's two 32-digit ids shortened to the run's first 8."""
+    stem, marker, ids = name.partition(".staging-")
+    return f"{stem}{marker}{ids[:8]}…" if marker else name
+
+
 def describe_listing(checkpoints: Path, indent: str = "      ") -> list[str]:
-    """Human-readable lines for every entry of a checkpoints directory."""
+    """Human-readable lines for every entry of a checkpoints directory (names shortened to keep it narrow)."""
     entries = sorted(checkpoints.iterdir(), key=lambda p: p.name.lstrip("."))
-    width = max(len(entry.name) + 1 for entry in entries)
+    width = max(len(short_name(entry.name)) + 1 for entry in entries)
     lines = []
     for entry in entries:
-        shown = entry.name + ("/" if entry.is_dir() else "")
+        shown = short_name(entry.name) + ("/" if entry.is_dir() else "")
         if entry.name == LOCK_NAME:
             what = f"lock file (OS lock {'free' if lock_is_free(checkpoints) else 'HELD'})"
         elif ".staging-" in entry.name:
-            what = f"staging leftover of the killed save ({len(list(entry.rglob('*')))} files, no {MANIFEST})"
+            what = f"staging leftover ({len(list(entry.rglob('*')))} files, no manifest)"
         elif (entry / MANIFEST).is_file():
-            what = f"complete ({MANIFEST} present)"
+            what = "complete (manifest present)"
         else:
             what = "incomplete"
         lines.append(f"{indent}{shown:<{width}}  {what}")
@@ -241,6 +247,17 @@ def differences(reference: dict[str, Any], resumed: dict[str, Any], from_step: i
     return bad, counts
 
 
+def loss_table(reference: dict[int, float], resumed: dict[int, float], from_step: int,
+               indent: str = "      ") -> list[str]:
+    """Rank 0's loss of every step after the resume point in both runs, one row per step."""
+    lines = [f"{indent}rank 0 loss after the resume point:", f"{indent}  step   reference     resumed"]
+    for step in range(from_step + 1, STEPS + 1):
+        cells = [f"{run[step]:10.6f}" if step in run else f"{'missing':>10}" for run in (reference, resumed)]
+        same = "" if reference.get(step) == resumed.get(step) else "  DIFFERENT"
+        lines.append(f"{indent}  {step:>4}  {cells[0]}  {cells[1]}{same}")
+    return lines
+
+
 def fail(message: str, jobs: list[Job]) -> NoReturn:
     """Report an infrastructure failure with the jobs' log tails and exit 2."""
     say(f"\nDEMO FAILED: {message}")
@@ -267,7 +284,8 @@ def demo(output: Path) -> int:
 def _phases(output: Path, jobs: list[Job]) -> int:
     started = time.monotonic()
     say(f"accelerate-txn demo: {WORLD_SIZE}-process FSDP1 training on CPU (gloo), {STEPS} steps, "
-        f"save_state() every {SAVE_EVERY} steps, total_limit=2; everything under {output}/")
+        f"save_state() every {SAVE_EVERY} steps, total_limit=2")
+    say(f"everything under {output}/")
 
     reference_project = output / "reference"
     say(f"[1/4] reference: uninterrupted run in {reference_project}")
@@ -292,7 +310,7 @@ def _phases(output: Path, jobs: list[Job]) -> int:
     if (staging / MANIFEST).exists():
         raise DemoFailure(f"{staging} already has a manifest: the save is not in progress")
     held = not lock_is_free(checkpoints)
-    say(f"      {time.monotonic() - start:.1f}s: save in progress into {staging.name} "
+    say(f"      {time.monotonic() - start:.1f}s: save in progress into {short_name(staging.name)} "
         f"(no manifest yet; directory lock {'held' if held else 'NOT held'})")
     if not held:
         raise DemoFailure("the directory lock is not held while a save is in progress")
@@ -312,11 +330,12 @@ def _phases(output: Path, jobs: list[Job]) -> int:
     start_step = resumed[0]["start_step"]
     first_save = resumed[0]["saves"][0] if resumed[0]["saves"] else None
     say(f"      {seconds:.1f}s: resumed from {Path(resumed[0]['resumed_from']).name} at step {start_step} "
-        f"(newest complete checkpoint; the leftover was not a candidate); "
-        f"next automatic name checkpoint_{resumed[0]['next_save_iteration']}")
+        f"(newest complete checkpoint; the leftover was not a candidate)")
+    say(f"      next automatic name checkpoint_{resumed[0]['next_save_iteration']}")
     for line in job_log(output, "resume", 0).splitlines():
         if "staging directory left by a writer" in line:
-            say(f"      library log: {line.strip()}")
+            shown = line.strip().replace(f"{checkpoints}/", "").replace(staging.name, short_name(staging.name))
+            say(f"      library log: {shown}")
 
     say("[4/4] proof")
     problems: list[str] = []
@@ -330,8 +349,9 @@ def _phases(output: Path, jobs: list[Job]) -> int:
     else:
         ok = first_save["manifest"] and not any(".staging-" in name for name in first_save["listing"])
         say(f"      next save after resume (step {first_save['step']}): published {Path(first_save['path']).name} "
-            f"with {MANIFEST}: {'yes' if first_save['manifest'] else 'NO'}; the killed saver's lock did not block it")
-        say(f"      staging leftover {staging.name} cleaned up by that save: "
+            f"with {MANIFEST}: {'yes' if first_save['manifest'] else 'NO'}")
+        say("      the killed saver's lock did not block it")
+        say(f"      staging leftover {short_name(staging.name)} cleaned up by that save: "
             f"{'yes' if ok and not staging.exists() else 'NO'}")
         if not ok or staging.exists():
             problems.append(f"after the first save after resume the directory holds {first_save['listing']}")
@@ -343,10 +363,11 @@ def _phases(output: Path, jobs: list[Job]) -> int:
         bad, counts = differences(ours, theirs, start_step)
         status = "identical" if not bad else f"{len(bad)} DIFFERENCES"
         say(f"      rank {rank}: {counts['params']} parameter shards, {counts['optim']} optimizer state tensors, "
-            f"losses of steps {start_step + 1}-{STEPS}, scheduler, RNG and data position: {status}")
+            f"losses of steps {start_step + 1}-{STEPS},")
+        say(f"              scheduler, RNG and data position: {status}")
         problems += [f"rank {rank}: {item}" for item in bad]
-    losses = [f"{reference[0]['losses'][s]:.6f}" for s in range(start_step + 1, STEPS + 1)]
-    say(f"      rank 0 loss, steps {start_step + 1}-{STEPS} (reference run): {' '.join(losses)}")
+    for line in loss_table(reference[0]["losses"], resumed[0]["losses"], start_step):
+        say(line)
     say(f"total {time.monotonic() - started:.1f}s")
     if problems:
         say(f"RESULT: something was lost or differs ({len(problems)} findings):")

@@ -7,6 +7,7 @@ plan and the writer.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,21 @@ from ._common import (
     _output_dtype,
 )
 from ._publish import _publish_export
+
+
+def _file_mode() -> int:
+    """The mode ``open()`` gives a new file: ``0o666`` less the process umask, read without changing it where
+    Linux reports it (``os.umask`` sets it, briefly, for every thread)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def _shard_name(index: int, count: int) -> str:
@@ -119,9 +135,11 @@ def _write_shards(
 
     Only one shard's tensors are referenced here at a time, which is what bounds the export's memory.
     """
+    mode = _file_mode()
     for filename, keys in plan.files():
         tensors = _for_safetensors(fetch(keys), dtype)
         save_file(tensors, staging / filename, metadata={"format": "pt"})
+        os.chmod(staging / filename, mode)  # safetensors creates its files 0600, whatever the umask
         del tensors
     (staging / SAFETENSORS_INDEX_NAME).write_text(json.dumps(plan.index(), indent=2) + "\n")
 

@@ -1,0 +1,421 @@
+"""The commands. Each returns its exit status: 0 success, 1 a negative answer or a failed operation (invalid
+checkpoint, no checkpoint, configurations differ), 2 a usage error (raised as :class:`click.UsageError`).
+
+``list``, ``verify``, ``latest`` and ``prune`` do file work and never import torch themselves; ``inspect`` and
+``diff`` read manifests only; ``export`` imports torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..errors import CheckpointError, CheckpointIntegrityError, NoCheckpointError
+from . import _output as out
+from ._scan import (
+    COMPLETE,
+    PathKindError,
+    checkpoint_manifest,
+    component_steps,
+    scan_run_directory,
+    step_text,
+    verify_checkpoint,
+)
+
+JSON_HELP = "Print only JSON on stdout (messages and log lines go to stderr)."
+_EXISTING_DIR = click.Path(exists=True, file_okay=True, dir_okay=True, path_type=Path)
+#: --dtype names: torch's own names and the usual short ones.
+DTYPES = {
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp16": "float16", "float16": "float16", "half": "float16",
+    "fp32": "float32", "float32": "float32", "float": "float32",
+    "fp64": "float64", "float64": "float64", "double": "float64",
+}
+
+
+def _json_option(function: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("--json", "as_json", is_flag=True, help=JSON_HELP)(function)
+
+
+def _run_directory(path: Path) -> Path:
+    """``path`` as a run directory, or a usage error saying what it is instead."""
+    from .._manifest import MANIFEST
+
+    if not path.is_dir():
+        raise click.UsageError(f"{path} is a file, not a run directory (a directory of checkpoint_N)")
+    if (path / MANIFEST).exists():
+        raise click.UsageError(
+            f"{path} is a checkpoint, not a run directory: check it with 'accelerate-txn verify {path}' or read it "
+            f"with 'accelerate-txn inspect {path}'; list its run with 'accelerate-txn list {path.parent}'"
+        )
+    return path
+
+
+def _checkpoint(path: Path, command: str) -> dict[str, Any]:
+    try:
+        return checkpoint_manifest(path, command)
+    except PathKindError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+# --------------------------------------------------------------------------------------------- list
+
+
+@click.command("list", short_help="List a run directory's checkpoints and the one load_state() would pick.")
+@click.argument("directory", type=_EXISTING_DIR)
+@_json_option
+def list_command(directory: Path, as_json: bool) -> int:
+    """List every checkpoint of a run directory, newest first.
+
+    Shows each checkpoint_N and leftover with its status (complete, staging leftover, retired leftover, legacy,
+    corrupt, with the reason), Accelerator step, run id, size, age and integrity mode, and marks the one
+    load_state() would resume from (the newest complete checkpoint; load_state() also checks that it fits the
+    live Accelerator).
+    """
+    from .._select import latest_training_checkpoint
+
+    root = _run_directory(directory)
+    entries = scan_run_directory(root)
+    try:
+        with out.quiet("accelerate_txn._select"):  # its skip reasons are in the table already
+            pick = latest_training_checkpoint(root)
+    except NoCheckpointError:
+        pick = None
+    for entry in entries:
+        entry.selected = pick is not None and entry.path == Path(pick)
+    now = time.time()
+    if as_json:
+        out.emit_json({"directory": str(root), "would_load": pick,
+                       "checkpoints": [entry.as_json(now) for entry in entries]})
+        return 0
+    if not entries:
+        out.say(f"{root}: no checkpoints")
+        return 0
+    rows = []
+    for entry in entries:
+        manifest = entry.manifest or {}
+        rows.append(["→" if entry.selected else "", entry.short_name, entry.status,
+                     step_text(manifest) if entry.manifest else "-", (entry.run_id or "-")[:8],
+                     out.size_text(entry.size()), out.age_text(now - entry.modified()),
+                     str(manifest.get("integrity", "-"))])
+    console = out.console()
+    console.print(out.table(f"{root}", [("", "left"), ("checkpoint", "left"), ("status", "left"), ("acc.step", "right"),
+                                        ("run", "left"), ("size", "right"), ("age", "right"),
+                                        ("integrity", "left")], rows))
+    for entry in entries:
+        if entry.reason:
+            out.say(f"  {entry.name}: {entry.reason}")
+    if pick is None:
+        out.say("load_state() would find no complete checkpoint here (a resume raises NoCheckpointError).")
+    else:
+        out.say(f"load_state() would resume from {Path(pick).name}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- verify
+
+
+@click.command("verify", short_help="Check a checkpoint against its manifest (exit 0 valid, 1 invalid).")
+@click.argument("checkpoint", type=_EXISTING_DIR)
+@click.option("--full", is_flag=True, help="Re-hash every file that has a recorded hash, large payloads included.")
+@click.option("--dcp", is_flag=True, help="Also re-read DCP .metadata files (schemas, payload lists); loads torch.")
+@_json_option
+def verify_command(checkpoint: Path, full: bool, dcp: bool, as_json: bool) -> int:
+    """Check a checkpoint against its manifest: exit 0 valid, 1 invalid, 2 usage error.
+
+    Checks the manifest, that the directory holds exactly the files of its inventory with their recorded sizes,
+    and the content hashes of control files and small payloads (of every hashed file with --full). Says what it
+    did not check.
+    """
+    try:
+        manifest = _checkpoint(checkpoint, "verify")
+    except CheckpointIntegrityError as exc:
+        if as_json:
+            out.emit_json({"path": str(checkpoint), "valid": False, "error": str(exc)})
+        out.say(f"{checkpoint}: NOT a valid checkpoint: {exc}", err=True)
+        return 1
+    result = verify_checkpoint(checkpoint, manifest, full=full, dcp=dcp)
+    if as_json:
+        out.emit_json(result.as_json())
+    if not result.valid:
+        out.say(f"{checkpoint}: NOT a valid checkpoint: {result.error}", err=True)
+        return 1
+    if as_json:
+        return 0
+    report = result.report
+    out.say(f"{checkpoint}: valid (run {manifest.get('run_id')}, protocol {manifest.get('protocol')}, integrity "
+            f"{report.get('integrity')}, Accelerator step {step_text(manifest)})")
+    out.say("checked:")
+    out.say(f"  {report['files']} files present with their recorded sizes, no symbolic links")
+    out.say(f"  content of {report['hashed']} file(s) re-hashed ({report.get('algorithm')}) and equal to the manifest")
+    extra = report.get("extra")
+    if extra is not None:
+        out.say("  no unlisted file that a loader would read" + (
+            f"; {len(extra)} unlisted file(s) no loader reads: {', '.join(extra[:5])}" if extra else ""))
+    if report.get("dcp_metadata"):
+        out.say(f"  DCP metadata of {report['dcp_metadata']} director(ies): schemas and payload lists")
+    out.say("not checked:")
+    for note in result.not_checked():
+        out.say(f"  {note}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- inspect
+
+
+def _model_line(model: dict[str, Any]) -> str:
+    fsdp = f", {model['fsdp_units']} FSDP units ({', '.join(model['sharding'])})" if model["fsdp_units"] else ""
+    frozen = model["parameters"] - model["trainable"]
+    return (f"{model['id']!r}: {model['class']}, {model['parameters']:,} parameters"
+            + (f" ({frozen:,} frozen)" if frozen else "") + f" in {model['tensors']} tensors, "
+            + "/".join(dtype.removeprefix("torch.") for dtype in model["dtypes"]) + fsdp)
+
+
+def _inspect_lines(name: str, summary: dict[str, Any]) -> list[str]:
+    lines = [f"component {name!r}:" if name else "training configuration:",
+             f"  world size {summary['world_size']}, backend {summary['backend']}, mixed precision "
+             f"{summary['mixed_precision']}, gradient accumulation {summary['accumulation_steps']}"]
+    lines += [f"  model {_model_line(model)}" for model in summary["models"]]
+    for index, optimizer in enumerate(summary["optimizers"]):
+        count = len(optimizer["groups"])
+        sizes = " + ".join(str(n) for n in optimizer["groups"]) or "0"
+        lines.append(f"  optimizer {index}: {optimizer['class']}, {count} group{'s' if count != 1 else ''} "
+                     f"({sizes} parameter tensors)")
+    for scheduler in summary["schedulers"]:
+        functions = f" ({', '.join(scheduler['functions'])})" if scheduler["functions"] else ""
+        lines.append(f"  scheduler: {scheduler['class']} on optimizer {scheduler['optimizer']}{functions}")
+    for loader in summary["dataloaders"]:
+        lines.append(f"  dataloader: {loader.get('class')} over {loader.get('dataset')}, {loader.get('workers')} "
+                     f"workers{', stateful' if loader.get('stateful') else ''}")
+    if summary["custom_objects"]:
+        lines.append(f"  custom objects: {', '.join(map(str, summary['custom_objects']))}")
+    if summary["scaler"]:
+        lines.append(f"  gradient scaler: {summary['scaler']}")
+    for filename, state in summary["private_states"].items():
+        lines.append(f"  registered state {filename}: generators {', '.join(state['generators']) or '-'}; "
+                     f"progress {', '.join(map(str, state['progress_keys'])) or '-'}")
+    training = summary["training"]
+    lines.append("  training metadata: " + (", ".join(f"{k}={v!r}" for k, v in sorted(training.items())) or "none"))
+    return lines
+
+
+@click.command("inspect", short_help="Show the training configuration a checkpoint was saved for.")
+@click.argument("checkpoint", type=_EXISTING_DIR)
+@_json_option
+def inspect_command(checkpoint: Path, as_json: bool) -> int:
+    """Show what a checkpoint was saved for: models and parameter counts, optimizers and their groups,
+    schedulers, precision, world size, versions and training metadata (read from its manifest, not verified)."""
+    from ._describe import summarize
+
+    manifest = _checkpoint(checkpoint, "inspect")
+    components = manifest.get("components") if isinstance(manifest.get("components"), dict) else {}
+    summaries = {name: summarize(descriptor) for name, descriptor in sorted(components.items())}
+    if as_json:
+        out.emit_json({"path": str(checkpoint), "run_id": manifest.get("run_id"), "protocol": manifest.get("protocol"),
+                       "integrity": manifest.get("integrity"), "versions": manifest.get("versions"),
+                       "steps": component_steps(manifest), "components": summaries})
+        return 0
+    versions = manifest.get("versions") if isinstance(manifest.get("versions"), dict) else {}
+    out.say(f"{checkpoint} (run {manifest.get('run_id')}, protocol {manifest.get('protocol')}, integrity "
+            f"{manifest.get('integrity')}; not verified here: see 'accelerate-txn verify')")
+    out.say("saved with " + (", ".join(f"{k} {v}" for k, v in sorted(versions.items())) or "unknown versions")
+            + f"; Accelerator step {step_text(manifest)}")
+    if not summaries:
+        out.say("the manifest records no training configuration")
+    for name, summary in summaries.items():
+        for line in _inspect_lines(name, summary):
+            out.say(line)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- diff
+
+
+@click.command("diff", short_help="Explain why a run configured like B could not resume from A.")
+@click.argument("saved", metavar="A", type=_EXISTING_DIR)
+@click.argument("other", metavar="B", type=_EXISTING_DIR)
+@_json_option
+def diff_command(saved: Path, other: Path, as_json: bool) -> int:
+    """Explain why a run configured like B could not resume from A: exit 0 if it could, 1 if not.
+
+    Compares the training configurations both manifests record, as load_state() compares a checkpoint's saved
+    configuration with the live Accelerator ("saved" is A, "live" is B).
+    """
+    from ._describe import resume_blockers
+
+    first, second = _checkpoint(saved, "diff"), _checkpoint(other, "diff")
+    blockers = resume_blockers(first, second)
+    versions = [first.get("versions"), second.get("versions")]
+    same_run = first.get("run_id") == second.get("run_id")
+    if as_json:
+        out.emit_json({"a": str(saved), "b": str(other), "would_resume": not blockers, "same_run": same_run,
+                       "versions": {"a": versions[0], "b": versions[1]}, "blockers": blockers})
+        return 1 if blockers else 0
+    if not same_run:
+        out.say(f"note: different training runs ({first.get('run_id')} vs {second.get('run_id')})")
+    if versions[0] != versions[1]:
+        out.say(f"note: saved with other versions: {versions[0]} (A) vs {versions[1]} (B)")
+    if not blockers:
+        out.say(f"{other} records the same training configuration as {saved}: a run configured like B would resume A")
+        return 0
+    out.say(f"a run configured like {other} would not resume {saved} (saved = A, live = B):")
+    for blocker in blockers:
+        for line in blocker["differences"] or [blocker["message"]]:
+            out.say(f"  {line}")
+    return 1
+
+
+# --------------------------------------------------------------------------------------------- prune
+
+
+def _prune_plan(entries: list[Any], run_id: str, keep: int) -> tuple[list[Any], list[Any]]:
+    """(deleted, kept) complete checkpoints of ``run_id`` under retention ``keep``: the rule of
+    ``accelerate_txn._select.prune`` (oldest first, never the newest), for --dry-run."""
+    ours = sorted((e for e in entries if e.status == COMPLETE and e.run_id == run_id), key=lambda e: e.number)
+    doomed = ours[:-1][:max(0, len(ours) - keep)]
+    return doomed, [entry for entry in ours if entry not in doomed]
+
+
+@click.command("prune", short_help="Delete a run's oldest complete checkpoints, keeping --keep.")
+@click.argument("directory", type=_EXISTING_DIR)
+@click.option("--keep", type=click.IntRange(min=1), required=True, help="How many complete checkpoints to keep.")
+@click.option("--run-id", help="The run to prune, when the directory holds checkpoints of several runs.")
+@click.option("--dry-run", is_flag=True, help="Only say what would be deleted.")
+@_json_option
+def prune_command(directory: Path, keep: int, run_id: str | None, dry_run: bool, as_json: bool) -> int:
+    """Delete the oldest complete checkpoints of one run, keeping the newest --keep.
+
+    The rules of save-time retention: only complete checkpoints of that run are counted and deleted, never the
+    newest; leftovers, corrupt, legacy and other runs' checkpoints are left alone. Holds the directory's lock,
+    so it never races a save (it fails at once if a save is in progress).
+    """
+    from .._select import complete_run_id, prune
+    from .._staging import DirectoryLock
+
+    root = _run_directory(directory)
+    entries = scan_run_directory(root)
+    runs = sorted({entry.run_id for entry in entries if entry.status == COMPLETE and entry.run_id})
+    if run_id is None and len(runs) > 1:
+        raise click.UsageError(f"{root} holds complete checkpoints of {len(runs)} runs ({', '.join(runs)}): "
+                               "choose one with --run-id")
+    if run_id is not None and run_id not in runs:
+        raise click.UsageError(f"{root} holds no complete checkpoint of run {run_id!r} (runs: {', '.join(runs) or 'none'})")
+    run = run_id or (runs[0] if runs else None)
+    suspect = [entry.name for entry in entries if entry.status != COMPLETE and entry.run_id == run
+               and entry.manifest is not None and complete_run_id(entry.path) == run]
+    if run and suspect:
+        # Retention counts every published checkpoint of the run, verified or not: a corrupt one would count
+        # toward --keep and good ones would go instead.
+        raise CheckpointIntegrityError(
+            f"Refusing to prune {root}: {', '.join(suspect)} of run {run} {'is' if len(suspect) == 1 else 'are'} "
+            "published but fail verification (see 'accelerate-txn list'), and retention would count them as "
+            "checkpoints to keep. Restore or remove them first."
+        )
+    doomed, kept = _prune_plan(entries, run, keep) if run else ([], [])
+    deleted: list[Path] = [entry.path for entry in doomed]
+    if not dry_run and doomed:
+        lock = DirectoryLock(root)
+        lock.acquire()
+        try:
+            newest = kept[-1].path  # never deleted; prune re-reads the directory under the lock
+            deleted = prune(root, run, keep, newest)  # type: ignore[arg-type]
+        finally:
+            lock.release()
+    kept_paths = [entry.path for entry in kept] if dry_run else [e.path for e in kept + doomed if e.path not in deleted]
+    if as_json:
+        out.emit_json({"directory": str(root), "run_id": run, "keep": keep, "dry_run": dry_run,
+                       "deleted": [str(p) for p in deleted], "kept": [str(p) for p in kept_paths]})
+        return 0
+    verb = "would delete" if dry_run else "deleted"
+    out.say(f"{verb}: {', '.join(p.name for p in deleted) or 'nothing'}")
+    out.say(f"kept: {', '.join(p.name for p in kept_paths) or 'nothing'}" + (f" (run {run})" if run else ""))
+    others = [e.name for e in entries if not (e.status == COMPLETE and e.run_id == run)]
+    if others:
+        out.say(f"left alone (not complete checkpoints of this run): {', '.join(others)}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- latest
+
+
+@click.command("latest", short_help="Print the checkpoint load_state() would resume from.")
+@click.argument("directory", type=_EXISTING_DIR)
+@_json_option
+def latest_command(directory: Path, as_json: bool) -> int:
+    """Print the checkpoint load_state() would resume from: the newest complete checkpoint_N.
+
+    Exit 1 if the directory holds no complete checkpoint; why each newer one was skipped goes to stderr.
+    """
+    from .._select import latest_training_checkpoint
+
+    root = _run_directory(directory)
+    try:
+        found = latest_training_checkpoint(root)
+        error = None if found else f"{root}: no checkpoints"
+    except NoCheckpointError as exc:
+        found, error = None, str(exc)
+    if as_json:
+        out.emit_json({"directory": str(root), "latest": found, "error": error})
+    elif found:
+        out.say(found)
+    if error:
+        out.say(error, err=True)
+        return 1
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- export
+
+
+def _dtype_name(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    if value is None:
+        return None
+    name = DTYPES.get(value.strip().lower().removeprefix("torch."))
+    if name is None:
+        raise click.BadParameter(f"{value!r} is not a floating dtype; use one of {', '.join(DTYPES)}")
+    return name
+
+
+@click.command("export", short_help="Export a checkpoint's model to Diffusers sharded safetensors.")
+@click.argument("checkpoint", type=_EXISTING_DIR)
+@click.argument("config", type=_EXISTING_DIR)
+@click.argument("output", type=click.Path(path_type=Path))
+@click.option("--max-shard-size", default="5GiB", show_default=True,
+              help="Bytes per shard: a number, or with a unit: 5GiB = 5*2**30 (the API default), 5GB = 5*10**9.")
+@click.option("--dtype", callback=_dtype_name,
+              help="Cast floating tensors: bf16, fp16, fp32 (or bfloat16, float16, half, float32, float, ...).")
+@_json_option
+def export_command(checkpoint: Path, config: Path, output: Path, max_shard_size: str, dtype: str | None,
+                   as_json: bool) -> int:
+    """Export a checkpoint's model to Diffusers sharded safetensors.
+
+    CHECKPOINT is a checkpoint directory (with pytorch_model_fsdp_0/) or a DCP directory; CONFIG the model's
+    config.json (or its directory), shipped with the weights; OUTPUT the export directory (replaced atomically).
+    """
+    import torch
+
+    from ..errors import CheckpointConfigurationError
+    from ..weights import export_dcp_to_diffusers
+    from ..weights._export import _resolve_shard_size
+
+    try:
+        size = _resolve_shard_size(int(max_shard_size) if max_shard_size.strip().isdigit() else max_shard_size)
+    except CheckpointConfigurationError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--max-shard-size'") from None
+    cast = getattr(torch, dtype) if dtype else None
+    result = export_dcp_to_diffusers(checkpoint, config, output, size, dtype=cast)
+    files = sorted(p.name for p in Path(result).iterdir())
+    if as_json:
+        out.emit_json({"checkpoint": str(checkpoint), "output": str(result), "max_shard_size": size, "dtype": dtype,
+                       "files": files})
+    else:
+        out.say(f"exported {checkpoint} -> {result} ({len(files)} files, shards of at most {size:,} bytes)")
+    return 0
+
+
+COMMANDS = (list_command, verify_command, inspect_command, diff_command, prune_command, latest_command, export_command)
+__all__ = ["COMMANDS", "DTYPES", "CheckpointError"]

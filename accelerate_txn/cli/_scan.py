@@ -1,0 +1,316 @@
+"""What the command line knows about directories: which kind a path is, what a run directory holds, and exactly
+what a verification checked. File work only: no torch at import, no process group, nothing is modified.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import _manifest
+from .._manifest import MANIFEST, read_manifest, verify_manifest
+from .._staging import _RETIRED, _STAGING, retired_leftovers, staging_leftovers
+from ..errors import CheckpointError, CheckpointIntegrityError
+
+COMPLETE, STAGING, RETIRED, LEGACY, CORRUPT = "complete", "staging leftover", "retired leftover", "legacy", "corrupt"
+_RANK_FILES = ("random_states_{rank}.pkl",)  # Accelerate's per-rank file, besides registered private states
+_PAYLOAD_SUFFIXES = (".distcp", ".safetensors", ".bin")
+_SMALL = 16 * 1024 * 1024  # payloads above this are size-checked only by a quick verification
+_CHECKPOINT_NAME = re.compile(r"checkpoint[-_](\d+)\Z")  # as accelerate_txn._select (imported lazily: torch)
+
+
+class PathKindError(CheckpointError):
+    """The path exists but is not the kind of directory the command works on (a usage error, exit status 2)."""
+
+
+# --------------------------------------------------------------------------------------------- classification
+
+
+def looks_like_run_directory(path: Path) -> bool:
+    """A directory holding ``checkpoint_N`` directories or a save's staging/retired leftovers."""
+    from .._select import numbered_checkpoints
+
+    return bool(numbered_checkpoints(path) or staging_leftovers(path) or retired_leftovers(path))
+
+
+def _loader_files(path: Path) -> list[str]:
+    """Files under ``path`` that a native Accelerate load would read (what makes a manifest-less directory a
+    legacy checkpoint rather than an empty or foreign one)."""
+    may_read = getattr(_manifest, "loader_may_read", None)
+    found = []
+    for directory, _dirs, files in os.walk(path):
+        for name in files:
+            relative = Path(directory, name).relative_to(path).as_posix()
+            if may_read(relative) if may_read else name.endswith((*_PAYLOAD_SUFFIXES, ".pkl", ".pt", ".metadata")):
+                found.append(relative)
+    return sorted(found)
+
+
+def checkpoint_manifest(path: Path, command: str) -> dict[str, Any]:
+    """The manifest of the checkpoint directory ``path``.
+
+    Raises :class:`PathKindError` (usage) for a file or a directory that is not a checkpoint, with a hint (a run
+    directory: use ``list``/``latest``), and :class:`CheckpointIntegrityError` (invalid) for a checkpoint-like
+    directory that has no valid manifest: a staging leftover, a legacy checkpoint, an unfinished save.
+    """
+    if path.is_file():
+        hint = f"; pass its directory: accelerate-txn {command} {path.parent}" if path.name == MANIFEST else ""
+        raise PathKindError(f"{path} is a file, not a checkpoint directory{hint}")
+    if _STAGING.fullmatch(path.name) or _RETIRED.fullmatch(path.name):  # even with a manifest: unpublished
+        raise CheckpointIntegrityError(
+            f"{path} is a staging (or retired) directory: a save that did not finish or a checkpoint being deleted, "
+            f"never a loadable checkpoint. See the run directory with 'accelerate-txn list {path.parent}'"
+        )
+    manifest = read_manifest(path)
+    if manifest is not None:
+        return manifest
+    if looks_like_run_directory(path):
+        count = sum(1 for entry in path.iterdir() if _CHECKPOINT_NAME.fullmatch(entry.name) and entry.is_dir())
+        raise PathKindError(
+            f"{path} is a run directory ({count} checkpoint_N inside), not a checkpoint. See its checkpoints with "
+            f"'accelerate-txn list {path}', or the one load_state() would resume with 'accelerate-txn latest {path}'"
+        )
+    if (path / (MANIFEST + ".tmp")).exists():
+        raise CheckpointIntegrityError(f"{path} holds only a partly written manifest ({MANIFEST}.tmp): an interrupted save")
+    if _loader_files(path):
+        raise CheckpointIntegrityError(
+            f"{path} has no {MANIFEST}: a legacy (native Accelerate) checkpoint or an unfinished save. There is "
+            "nothing to verify it against; load_state() reads it only with configure_checkpointing(allow_legacy=True)"
+        )
+    if _CHECKPOINT_NAME.fullmatch(path.name):
+        raise CheckpointIntegrityError(f"{path} has no {MANIFEST} and no checkpoint files: not a complete checkpoint")
+    raise PathKindError(f"{path} is not a checkpoint directory: it has no {MANIFEST} and no checkpoint_N inside")
+
+
+# --------------------------------------------------------------------------------------------- verification
+
+
+def private_patterns(manifest: dict[str, Any]) -> list[re.Pattern[str]]:
+    """Name patterns of the per-rank files the manifest's components declare (for the extra-file check)."""
+    templates = set(_RANK_FILES)
+    components = manifest.get("components")
+    for descriptor in components.values() if isinstance(components, dict) else ():
+        states = descriptor.get("private_states") if isinstance(descriptor, dict) else None
+        templates.update(name for name in states or {} if isinstance(name, str) and "{rank}" in name)
+    return [re.compile(re.escape(t).replace(re.escape("{rank}"), r"\d+")) for t in sorted(templates)]
+
+
+def _is_large_payload(name: str, size: int) -> bool:
+    return name.endswith(_PAYLOAD_SUFFIXES) and size > _SMALL
+
+
+def _hash_algorithm(row: dict[str, Any]) -> str | None:
+    return next((key for key in ("xxh3_128", "sha256") if key in row), None)
+
+
+@dataclass
+class Verification:
+    """The outcome of verifying one checkpoint, and exactly what was and was not checked."""
+
+    path: Path
+    manifest: dict[str, Any]
+    full: bool
+    dcp: bool
+    error: str | None = None
+    report: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def valid(self) -> bool:
+        return self.error is None
+
+    def not_checked(self) -> list[str]:
+        """What this verification did not establish, in words."""
+        files = self.manifest.get("files") if isinstance(self.manifest.get("files"), dict) else {}
+        rows = [(name, row) for name, row in files.items() if isinstance(row, dict)]
+        no_hash = sum(1 for _name, row in rows if _hash_algorithm(row) is None)
+        large = sum(1 for name, row in rows if _hash_algorithm(row) and _is_large_payload(name, row.get("size", 0)))
+        notes = []
+        if large and not self.full:
+            notes.append(f"content of {large} large payload file(s): size only (--full re-hashes them)")
+        if no_hash:
+            notes.append(f"content of {no_hash} file(s) saved without a hash (integrity "
+                         f"{self.manifest.get('integrity', 'metadata')!r}): size only")
+        dcp = sum(1 for name, _row in rows if name.rsplit("/", 1)[-1] == ".metadata")
+        if dcp and not self.dcp:
+            notes.append(f"DCP .metadata of {dcp} director(ies) not re-read (their bytes are hash-checked against the "
+                         "manifest; --dcp also re-reads schemas and payload lists, which loads torch)")
+        if self.report.get("extra") is None:
+            notes.append("files present but not in the inventory (this version does not look for them)")
+        notes.append("fit to a training configuration: load_state() compares it with the live Accelerator "
+                     "(see 'accelerate-txn inspect' and 'accelerate-txn diff')")
+        return notes
+
+    def as_json(self) -> dict[str, Any]:
+        manifest = self.manifest
+        return {
+            "path": str(self.path),
+            "valid": self.valid,
+            "error": self.error,
+            "run_id": manifest.get("run_id"),
+            "transaction_id": manifest.get("transaction_id"),
+            "protocol": manifest.get("protocol"),
+            "integrity": manifest.get("integrity"),
+            "components": component_steps(manifest),
+            "versions": manifest.get("versions"),
+            "checked": {**self.report, "full": self.full, "dcp": self.dcp} if self.valid else None,
+            "not_checked": self.not_checked() if self.valid else None,
+        }
+
+
+def _fallback_report(manifest: dict[str, Any], full: bool) -> dict[str, Any]:
+    """What a ``verify_manifest`` that returns no report (before the manifest rework) checked: every size, and
+    the recorded hashes of control files and small payloads (of every file with ``full``)."""
+    files = manifest["files"]
+    hashed = sum(1 for name, row in files.items()
+                 if _hash_algorithm(row) and (full or not _is_large_payload(name, row["size"])))
+    algorithm = next((_hash_algorithm(row) for row in files.values() if _hash_algorithm(row)), None)
+    return {"files": len(files), "hashed": hashed, "size_only": len(files) - hashed, "algorithm": algorithm,
+            "extra": None, "integrity": manifest.get("integrity")}
+
+
+def verify_checkpoint(path: Path, manifest: dict[str, Any], *, full: bool, dcp: bool = False) -> Verification:
+    """Verify ``path`` against ``manifest``; never raises for an invalid checkpoint (see ``.error``)."""
+    result = Verification(path, manifest, full, dcp)
+    wanted = {"dcp": dcp, "private_patterns": private_patterns(manifest)}
+    accepted = inspect.signature(verify_manifest).parameters
+    try:
+        report = verify_manifest(path, manifest, full=full, **{k: v for k, v in wanted.items() if k in accepted})
+    except CheckpointIntegrityError as exc:
+        result.error = str(exc)
+        return result
+    result.report = dict(report) if isinstance(report, dict) else _fallback_report(manifest, full)
+    result.report.setdefault("integrity", manifest.get("integrity"))
+    return result
+
+
+def component_steps(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per component: its name (``""`` is the checkpoint root: a single Accelerator) and the
+    ``Accelerator.step`` the manifest recorded (the gradient-accumulation counter load_state() restores)."""
+    names = manifest.get("components") if isinstance(manifest.get("components"), dict) else {}
+    steps = manifest.get("steps") if isinstance(manifest.get("steps"), dict) else {}
+    return [{"component": name, "directory": name or ".", "accelerator_step": steps.get(name)}
+            for name in sorted(set(names) | set(steps))]
+
+
+def step_text(manifest: dict[str, Any]) -> str:
+    """``Accelerator.step`` for display: one number when every component agrees."""
+    values = {row["accelerator_step"] for row in component_steps(manifest)}
+    if len(values) == 1:
+        (value,) = values
+        return "-" if value is None else str(value)
+    return ", ".join(f"{row['directory']}={row['accelerator_step']}" for row in component_steps(manifest))
+
+
+# --------------------------------------------------------------------------------------------- run directories
+
+
+@dataclass
+class Entry:
+    """One checkpoint-like directory of a run directory."""
+
+    path: Path
+    number: int
+    status: str
+    reason: str | None = None
+    manifest: dict[str, Any] | None = None
+    run_id: str | None = None
+    selected: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def short_name(self) -> str:
+        """The name for a table: leftovers' long random suffixes elided (the run id has its own column)."""
+        for pattern, word in ((_STAGING, "staging"), (_RETIRED, "deleting")):
+            match = pattern.fullmatch(self.name)
+            if match:
+                return f".{match.group('name')}.{word}-…"
+        return self.name
+
+    def size(self) -> int:
+        """Bytes of every regular file below (symbolic links are not followed)."""
+        total = 0
+        for directory, _dirs, files in os.walk(self.path):
+            for name in files:
+                try:
+                    info = os.lstat(os.path.join(directory, name))
+                except OSError:  # deleted meanwhile (e.g. by a save's cleanup)
+                    continue
+                total += info.st_size if stat.S_ISREG(info.st_mode) else 0
+        return total
+
+    def modified(self) -> float:
+        target = self.path / MANIFEST if self.status == COMPLETE else self.path
+        try:
+            return target.stat().st_mtime
+        except OSError:
+            return self.path.lstat().st_mtime
+
+    def as_json(self, now: float) -> dict[str, Any]:
+        manifest = self.manifest or {}
+        modified = self.modified()
+        return {
+            "name": self.name,
+            "path": str(self.path),
+            "number": self.number,
+            "status": self.status,
+            "reason": self.reason,
+            "run_id": self.run_id,
+            "components": component_steps(manifest) if self.manifest else None,
+            "integrity": manifest.get("integrity"),
+            "size_bytes": self.size(),
+            "modified": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(modified)),
+            "age_seconds": round(max(0.0, now - modified), 1),
+            "would_load": self.selected,
+        }
+
+
+def _checkpoint_entry(number: int, path: Path) -> Entry:
+    try:
+        manifest = read_manifest(path)
+    except (CheckpointIntegrityError, OSError) as exc:
+        return Entry(path, number, CORRUPT, str(exc))
+    if manifest is None:
+        if (path / (MANIFEST + ".tmp")).exists():
+            return Entry(path, number, CORRUPT, f"only a partly written {MANIFEST}.tmp: an interrupted save")
+        if _loader_files(path):
+            return Entry(path, number, LEGACY, "no completion manifest: a native Accelerate checkpoint or an "
+                         "unfinished save; loaded only with allow_legacy=True")
+        return Entry(path, number, CORRUPT, "no completion manifest and no checkpoint files")
+    run_id = manifest.get("run_id") if isinstance(manifest.get("run_id"), str) else None
+    result = verify_checkpoint(path, manifest, full=False)
+    status = COMPLETE if result.valid else CORRUPT
+    return Entry(path, number, status, result.error, manifest, run_id)
+
+
+def _leftover_number(name: str) -> int:
+    match = _CHECKPOINT_NAME.fullmatch(name)
+    return int(match.group(1)) if match else -1
+
+
+def scan_run_directory(root: Path) -> list[Entry]:
+    """Every checkpoint and leftover of ``root``, newest first (a leftover of ``checkpoint_9`` ranks as 9)."""
+    from .._select import numbered_checkpoints
+
+    entries = [_checkpoint_entry(number, path) for number, path in numbered_checkpoints(root)]
+    for path, run in staging_leftovers(root):
+        target = _STAGING.fullmatch(path.name).group("name")  # type: ignore[union-attr]
+        entries.append(Entry(path, _leftover_number(target), STAGING,
+                             f"unpublished save of {target}: in progress, or left by a writer that died (the next "
+                             "save of this run removes it)", run_id=run))
+    for path in retired_leftovers(root):
+        match = _RETIRED.fullmatch(path.name)
+        target = match.group("name") if match else path.name
+        entries.append(Entry(path, _leftover_number(target), RETIRED,
+                             f"{target} taken out of service by retention, deletion interrupted (the next save "
+                             "removes it)", run_id=match.group("run") if match else None))
+    order = {COMPLETE: 0, LEGACY: 1, CORRUPT: 1, STAGING: 2, RETIRED: 3}
+    return sorted(entries, key=lambda entry: (-entry.number, order[entry.status], entry.name))
