@@ -31,7 +31,7 @@ from ._native import fsdp_routing, native_method, synchronized_hooks
 from ._ranks import agree, digest, on_main, rank, run_phase, world_size
 from ._required import Preflight, check_inventory_covers, check_required_files, private_patterns, rank_files
 from ._rng import apply_rng
-from ._select import CHECKPOINT_NAME, checkpoint_candidates, refuse_transient
+from ._select import CHECKPOINT_NAME, checkpoint_candidates, numbered_checkpoints, refuse_transient
 from ._staging import new_id
 from ._versions import checkpoint_compatibility, require_supported_versions
 from .errors import CheckpointConfigurationError, CheckpointIntegrityError, NoCheckpointError
@@ -216,11 +216,14 @@ def load_training_checkpoint(owners: Any, input_dir: str | Path | None = None, *
         raise
     run_id = manifest["run_id"] if manifest else on_main(new_id, "Choosing a run id")
     match = CHECKPOINT_NAME.fullmatch(path.name)
+    # Past every existing checkpoint_N, not just the restored one: a newer sibling that was skipped (corrupt) must
+    # not make the next automatic save collide with it.
+    taken = on_main(lambda: max((n for n, _ in numbered_checkpoints(path.parent)), default=-1), "Numbering")
     for owner in group.values():
         mark_failed(owner, False)
         checkpoint_config(owner).run_id = run_id
         if owner.project_configuration.automatic_checkpoint_naming and match:
-            owner.project_configuration.iteration = max(owner.save_iteration, int(match.group(1)) + 1)
+            owner.project_configuration.iteration = max(owner.save_iteration, int(match.group(1)) + 1, taken + 1)
     if rank() == 0:
         logger.info("Resumed from checkpoint %s (step %s)", path,
                     ", ".join(str(o.step) for o in group.values()))

@@ -70,7 +70,8 @@ def _hasher(algorithm: str) -> Any:
 def _open_regular(path: Path) -> int:
     """A read-only descriptor of the regular file ``path``, never following a symbolic link."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        # O_NONBLOCK: a named pipe in a checkpoint must be refused, not block every reader (no effect on files).
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except FileNotFoundError:
         raise CheckpointIntegrityError(f"Checkpoint file {path} is missing") from None
     except OSError as exc:
@@ -410,6 +411,9 @@ def check_structure(directory: Path, manifest: dict[str, Any], *,
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         raise CheckpointIntegrityError(f"{where} has no file inventory")
+    integrity = manifest.get("integrity", "metadata")
+    if integrity not in INTEGRITY_MODES:
+        raise CheckpointIntegrityError(f"{where} names an unknown integrity mode {integrity!r}")
     for name, row in files.items():
         relative_inside(name)
         if (not isinstance(row, dict) or not isinstance(row.get("size"), int) or isinstance(row.get("size"), bool)
@@ -418,6 +422,11 @@ def check_structure(directory: Path, manifest: dict[str, Any], *,
         recorded = _row_hash(row)
         if recorded is not None and not (isinstance(recorded[1], str) and _HEX.fullmatch(recorded[1])):
             raise CheckpointIntegrityError(f"{where} has a malformed {recorded[0]} for {name!r}")
+        if recorded is None and (integrity == "full" or not _is_large_payload(name, row["size"])):
+            raise CheckpointIntegrityError(
+                f"{where} records no content hash for {name!r}, which its integrity mode ({integrity!r}) requires: "
+                "the manifest was altered"
+            )
     present = list_tree(directory)
     for name, row in sorted(files.items()):
         path = Path(directory) / name
@@ -437,7 +446,7 @@ def check_structure(directory: Path, manifest: dict[str, Any], *,
             f"({len(read)} such file(s)): the checkpoint was altered after it was published. Remove the file(s) or "
             "restore an intact copy."
         )
-    return {"files": len(files), "extra": extra, "integrity": manifest.get("integrity", "metadata"),
+    return {"files": len(files), "extra": extra, "integrity": integrity,
             "algorithm": next((a for a in HASHES if any(a in row for row in files.values())), HASH)}
 
 

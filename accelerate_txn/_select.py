@@ -124,19 +124,30 @@ def checkpoint_candidates(output_dir: str | Path, owners: Any = None) -> tuple[l
     return complete + legacy, reasons
 
 
-def latest_training_checkpoint(output_dir: str | Path, owners: Any = None) -> str | None:
+def latest_training_checkpoint(output_dir: str | Path, owners: Any = None, *, full: bool = False) -> str | None:
     """The newest complete checkpoint under ``output_dir`` (a directory of ``checkpoint_N``), or ``None``.
 
     Candidates are tried newest first; a broken one (no or invalid manifest, missing, truncated or extra files,
     a wrong control-file hash) is skipped with a log line saying why. Pass ``owners`` (an Accelerator or
     ``{component: Accelerator}``) to also require that the checkpoint holds their components and required files,
     and to consider legacy (manifest-less) checkpoints, after every complete one, when every owner allows them.
-    Uses no collectives; payload hashes are checked by the restore itself (every rank its own files).
+    Uses no collectives. Large payload hashes are checked by the restore itself (every rank its own files), which
+    skips a candidate that fails them; ``full=True`` checks them here too (one process: the CLI), so the answer is
+    the checkpoint ``load_state()`` would resume from.
     Raises :class:`NoCheckpointError` if candidates exist but none is complete.
     """
     candidates, reasons = checkpoint_candidates(output_dir, owners)
-    if candidates:
-        return str(candidates[0])
+    for path in candidates:
+        if full:
+            try:
+                manifest = read_manifest(path)
+                if manifest is not None:
+                    verify_manifest(path, manifest, full=True, dcp=False)
+            except CheckpointIntegrityError as exc:
+                reasons.append(f"{path.name}: {exc}")
+                logger.warning("Skipping checkpoint %s: %s", path, exc)
+                continue
+        return str(path)
     if reasons:
         raise NoCheckpointError(
             f"No complete checkpoint in {output_dir}; skipped " + "; ".join(reasons)

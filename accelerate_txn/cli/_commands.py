@@ -82,7 +82,7 @@ def list_command(directory: Path, as_json: bool) -> int:
     entries = scan_run_directory(root)
     try:
         with out.quiet("accelerate_txn._select"):  # its skip reasons are in the table already
-            pick = latest_training_checkpoint(root)
+            pick = latest_training_checkpoint(root, full=True)
     except NoCheckpointError:
         pick = None
     for entry in entries:
@@ -354,7 +354,7 @@ def latest_command(directory: Path, as_json: bool) -> int:
 
     root = _run_directory(directory)
     try:
-        found = latest_training_checkpoint(root)
+        found = latest_training_checkpoint(root, full=True)
         error = None if found else f"{root}: no checkpoints"
     except NoCheckpointError as exc:
         found, error = None, str(exc)
