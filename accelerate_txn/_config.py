@@ -16,6 +16,7 @@ from weakref import WeakKeyDictionary, ref
 
 import torch
 
+from ._internals import prepared_optimizers
 from .errors import CheckpointConfigurationError, RestoreFailedError
 
 FINITE_ENV = "VIDEOX_CHECKPOINT_FINITE"
@@ -227,7 +228,7 @@ def mark_failed(accelerator: Any, failed: bool) -> None:
                     "load a checkpoint successfully before calling optimizer.step()."
                 )
 
-        for optimizer in accelerator._optimizers:
+        for optimizer in prepared_optimizers(accelerator):
             config.step_guards.append(raw_optimizer(optimizer).register_step_pre_hook(guard))
     elif not failed:
         for handle in config.step_guards:

@@ -17,6 +17,19 @@ from typing import Any
 import torch
 
 from ._config import checkpoint_config, plain, raw_optimizer
+from ._internals import (
+    custom_objects,
+    flat_param,
+    inter_node_group,
+    original_params,
+    original_shapes,
+    param_to_fqns,
+    prepared_dataloaders,
+    prepared_models,
+    prepared_optimizers,
+    prepared_schedulers,
+    uses_orig_params,
+)
 from ._jsondiff import differences
 from .errors import CheckpointConfigurationError
 
@@ -62,10 +75,10 @@ def unsupported_reason(accelerator: Any) -> str | None:
         return None
     if not is_fsdp1_sharded(accelerator):
         return "Protected FSDP checkpoints require FSDP1 with state_dict_type=SHARDED_STATE_DICT."
-    if len(accelerator._models) != len(accelerator._optimizers):
+    if len(prepared_models(accelerator)) != len(prepared_optimizers(accelerator)):
         return (f"Protected FSDP checkpoints need one optimizer per prepared model; this Accelerator has "
-                f"{len(accelerator._models)} models and {len(accelerator._optimizers)} optimizers.")
-    for optimizer in accelerator._optimizers:
+                f"{len(prepared_models(accelerator))} models and {len(prepared_optimizers(accelerator))} optimizers.")
+    for optimizer in prepared_optimizers(accelerator):
         reason = unsupported_state(raw_optimizer(optimizer))
         if reason:
             return f"Unsupported optimizer: {reason}."
@@ -76,10 +89,10 @@ def _unsupported_units(accelerator: Any) -> str | None:
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    for model in accelerator._models:
+    for model in prepared_models(accelerator):
         for unit in FSDP.fsdp_modules(model):
             group_size = dist.get_world_size(unit.process_group) if dist.is_initialized() else 1
-            if group_size != accelerator.num_processes or getattr(unit, "_inter_node_pg", None) is not None:
+            if group_size != accelerator.num_processes or inter_node_group(unit) is not None:
                 # HYBRID_SHARD (FSDP may report it as NO_SHARD when its shard group has one rank, as on CPU)
                 return (f"Unsupported sharding strategy: protected FSDP checkpoints need units sharded over all "
                         f"{accelerator.num_processes} ranks; this one shards over {group_size} "
@@ -87,7 +100,7 @@ def _unsupported_units(accelerator: Any) -> str | None:
             if unit.sharding_strategy.name not in PROTECTED_SHARDING:
                 return (f"Unsupported sharding strategy: protected FSDP checkpoints support "
                         f"{', '.join(PROTECTED_SHARDING)}; got {unit.sharding_strategy.name}.")
-            if unit.cpu_offload.offload_params and not unit._use_orig_params:
+            if unit.cpu_offload.offload_params and not uses_orig_params(unit):
                 return ("FSDP parameter CPU offload requires use_orig_params=True for a reliable restore: set "
                         "FullyShardedDataParallelPlugin(use_orig_params=True).")
     return None
@@ -103,23 +116,22 @@ def validate_owner(accelerator: Any) -> None:
 def parameter_layout(model: Any, optimizer: torch.optim.Optimizer) -> tuple[list[list[str]], dict[str, Any]]:
     """Optimizer groups as parameter names, and every parameter's original (unsharded) shape and dtype."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp._common_utils import _get_param_to_fqns
 
-    names = _get_param_to_fqns(model)
+    names = param_to_fqns(model)
     groups = [[name for parameter in group["params"] for name in names[parameter]] for group in optimizer.param_groups]
     shapes: dict[str, Any] = {}
     for parameter, fqns in names.items():
         for name in fqns:
             shapes[name] = (tuple(parameter.shape), parameter.dtype, parameter.requires_grad)
     for unit in FSDP.fsdp_modules(model):
-        handle = unit._handle
-        if handle is None:
+        flat = flat_param(unit)
+        if flat is None:
             continue
-        flat = handle.flat_param
-        if unit._use_orig_params:
-            pairs = [(name, shape) for parameter, shape in zip(flat._params, flat._shapes) for name in names[parameter]]
+        if uses_orig_params(unit):
+            pairs = [(name, shape) for parameter, shape in zip(original_params(flat), original_shapes(flat))
+                     for name in names[parameter]]
         else:
-            pairs = list(zip(names[flat], flat._shapes))
+            pairs = list(zip(names[flat], original_shapes(flat)))
         for name, shape in pairs:
             _old, dtype, requires_grad = shapes.get(name, (None, flat.dtype, flat.requires_grad))
             shapes[name] = (tuple(shape), dtype, requires_grad)
@@ -157,23 +169,24 @@ def describe(accelerator: Any, *, require_model_ids: bool = True) -> dict[str, A
     validate_owner(accelerator)
     config = checkpoint_config(accelerator)
     fsdp = backend(accelerator) == "FSDP"
-    known = {id(model) for model in accelerator._models}
+    known = {id(model) for model in prepared_models(accelerator)}
     strangers = [name for model, name in config.model_ids.items() if id(model) not in known]
-    if config.model_ids and (strangers or len(config.model_ids) != len(accelerator._models)):
+    if config.model_ids and (strangers or len(config.model_ids) != len(prepared_models(accelerator))):
         raise CheckpointConfigurationError(
             "configure_checkpointing(model_ids=...) must name every prepared model, and only prepared models "
             f"(unknown roles: {strangers}); pass the models returned by accelerator.prepare()."
         )
-    classes = [class_name(accelerator.unwrap_model(model, keep_torch_compile=False)) for model in accelerator._models]
+    classes = [class_name(accelerator.unwrap_model(model, keep_torch_compile=False)) for model in prepared_models(accelerator)]
     models, optimizers = [], []
-    for index, model in enumerate(accelerator._models):
-        optimizer = raw_optimizer(accelerator._optimizers[index]) if index < len(accelerator._optimizers) else None
+    for index, model in enumerate(prepared_models(accelerator)):
+        optimizer = (raw_optimizer(prepared_optimizers(accelerator)[index])
+                     if index < len(prepared_optimizers(accelerator)) else None)
         units: list[dict[str, Any]] = []
         if fsdp:
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
             groups, shapes = parameter_layout(model, optimizer)
-            units = [{"original_params": unit._use_orig_params, "cpu_offload": unit.cpu_offload.offload_params,
+            units = [{"original_params": uses_orig_params(unit), "cpu_offload": unit.cpu_offload.offload_params,
                       "sharding": unit.sharding_strategy.name} for unit in FSDP.fsdp_modules(model)]
         else:
             by_id, shapes = _plain_names(model, accelerator)
@@ -210,10 +223,10 @@ def describe(accelerator: Any, *, require_model_ids: bool = True) -> dict[str, A
     if len({model["id"] for model in models}) != len(models):
         raise CheckpointConfigurationError("Checkpoint model roles must be unique; check configure_checkpointing(model_ids=...)")
     schedulers = []
-    for wrapped in accelerator._schedulers:
+    for wrapped in prepared_schedulers(accelerator):
         scheduler = getattr(wrapped, "scheduler", wrapped)
         bound = getattr(scheduler, "optimizer", None)
-        index = next((i for i, opt in enumerate(accelerator._optimizers) if bound in (opt, raw_optimizer(opt))), None)
+        index = next((i for i, opt in enumerate(prepared_optimizers(accelerator)) if bound in (opt, raw_optimizer(opt))), None)
         if index is None:
             raise CheckpointConfigurationError(
                 f"LR scheduler {class_name(scheduler)} is not bound to an optimizer prepared by this Accelerator."
@@ -230,7 +243,7 @@ def describe(accelerator: Any, *, require_model_ids: bool = True) -> dict[str, A
         "models": models,
         "optimizers": optimizers,
         "schedulers": schedulers,
-        "custom_objects": [class_name(obj) for obj in accelerator._custom_objects],
+        "custom_objects": [class_name(obj) for obj in custom_objects(accelerator)],
         "scaler": class_name(accelerator.scaler) if accelerator.scaler is not None else None,
         "private_states": json.loads(json.dumps(config.private_states, sort_keys=True)),
         "training": config.metadata,
@@ -239,7 +252,7 @@ def describe(accelerator: Any, *, require_model_ids: bool = True) -> dict[str, A
             "dataset": class_name(getattr(loader.dataset, "checkpoint_dataset", loader.dataset)),
             "workers": getattr(loader, "num_workers", 0),
             "stateful": bool(getattr(loader, "use_stateful_dataloader", False)),
-        } for loader in accelerator._dataloaders],
+        } for loader in prepared_dataloaders(accelerator)],
     }
 
 

@@ -25,11 +25,10 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 def check_finite_state(value: Any, what: str = "training state") -> None:
     """Raise :class:`NonFiniteStateError` if any floating tensor in ``value`` holds NaN or Inf."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from ._internals import local_tensors
 
     for tensor in _tensors(value):
-        locals_ = [shard.tensor for shard in tensor.local_shards()] if isinstance(tensor, ShardedTensor) else [tensor]
-        for local in locals_:
+        for local in local_tensors(tensor):
             if not (local.is_floating_point() or local.is_complex()):
                 continue
             for chunk in local.detach().reshape(-1).split(_CHUNK):

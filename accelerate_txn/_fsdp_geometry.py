@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ._internals import numels_with_padding, original_shapes, padding_mask, shard_param_infos
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -50,14 +52,14 @@ def flat_members(flat_param: Any, fqns: list[str], world_size: int, rank: int) -
     e.g. shared parameters): callers then fall back to a slower, layout-agnostic path.
     """
     shard = flat_param.numel()  # every rank's shard has this size (the last ones padded)
-    shapes = [tuple(shape) for shape in flat_param._shapes]
-    infos = flat_param._shard_param_infos
+    shapes = [tuple(shape) for shape in original_shapes(flat_param)]
+    infos = shard_param_infos(flat_param)
     if not (len(fqns) == len(shapes) == len(infos)):
         raise GeometryMismatch(f"{len(fqns)} names, {len(shapes)} shapes, {len(infos)} shard infos")
     members: list[Member] = []
     offset = 0
     index = 0
-    for numel, padding in zip(flat_param._numels_with_padding, flat_param._is_padding_mask):
+    for numel, padding in zip(numels_with_padding(flat_param), padding_mask(flat_param)):
         if padding:
             offset += numel
             continue

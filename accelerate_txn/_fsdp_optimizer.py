@@ -37,6 +37,21 @@ import torch.distributed as dist
 from ._config import raw_optimizer
 from ._descriptor import parameter_layout
 from ._fsdp_geometry import GeometryMismatch, Member, boxes, flat_members
+from ._internals import (
+    flat_param,
+    has_load_state_dict_pre_hooks,
+    local_shard,
+    original_params,
+    param_to_fqns,
+    prepared_models,
+    prepared_optimizers,
+    prepared_schedulers,
+    shard_metadata,
+    sharded_tensor,
+    store_loaded_bytes,
+    unflatten_state_dict,
+    uses_orig_params,
+)
 from ._manifest import read_dcp_metadata
 from ._ranks import any_rank, run_phase
 from .errors import CheckpointConfigurationError, CheckpointIntegrityError
@@ -54,10 +69,6 @@ def _shape_problem(fqn: str, name: str, stored: Any, shape: tuple[int, ...]) -> 
 
 def _destination(metadata: Any, shapes: dict[str, Any], group: Any) -> dict[str, Any]:
     """Allocate this rank's chunks on CPU, straight from the checkpoint metadata (validated as we go)."""
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -88,14 +99,11 @@ def _destination(metadata: Any, shapes: dict[str, Any], group: Any) -> dict[str,
         for shard_rank, offset in enumerate(range(0, size[0], chunk)):
             lengths = [min(chunk, size[0] - offset), *size[1:]]
             placement = f"rank:{dist.get_global_rank(group, shard_rank) if group is not None else shard_rank}/cpu"
-            shard = ShardMetadata([offset] + [0] * (len(size) - 1), lengths, placement)
+            shard = shard_metadata([offset] + [0] * (len(size) - 1), lengths, placement)
             shards.append(shard)
             if shard_rank == rank:
-                local.append(Shard(torch.empty(lengths, dtype=stored.properties.dtype, device="cpu"), shard))
-        properties = TensorProperties(dtype=stored.properties.dtype, requires_grad=False)
-        flat[key] = ShardedTensor._init_from_local_shards_and_global_metadata(
-            local, ShardedTensorMetadata(shards, torch.Size(size), properties), process_group=group,
-        )
+                local.append(local_shard(torch.empty(lengths, dtype=stored.properties.dtype, device="cpu"), shard))
+        flat[key] = sharded_tensor(local, shards, size, stored.properties.dtype, group)
     return unflatten_state_dict(flat, metadata.planner_data)
 
 
@@ -156,16 +164,11 @@ class _SafePlanner:
 
     @staticmethod
     def create() -> Any:
-        from torch.distributed.checkpoint._traverse import set_element
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
         class SafeLoadPlanner(DefaultLoadPlanner):
             def load_bytes(self, read_item: Any, value: Any) -> None:
-                loaded = torch.load(value, weights_only=True)
-                if self.flatten_state_dict:
-                    set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-                else:
-                    self.state_dict[read_item.dest_index.fqn] = loaded
+                store_loaded_bytes(self, read_item, torch.load(value, weights_only=True))
 
         # Our destination is already sharded: the default flattening drops empty local shards (ranks that own
         # no rows of a small parameter) and then fails on the schema.
@@ -183,7 +186,6 @@ def _saved_groups(metadata: Any, directory: Path) -> dict[str, Any]:
     """Read only the parameter-group entries (small) of the optimizer checkpoint, locally (no collective, so it
     is safe inside a rank phase)."""
     from torch.distributed.checkpoint import FileSystemReader, load
-    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     flat: dict[str, Any] = {}
@@ -212,23 +214,22 @@ class _Owner:
 def _owners(model: Any, optimizer: torch.optim.Optimizer, group: Any) -> dict[str, tuple[_Owner, Member]]:
     """fqn -> (live optimizer parameter holding it, its geometry on every rank)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp._common_utils import _get_param_to_fqns
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    names = _get_param_to_fqns(model)
+    names = param_to_fqns(model)
     in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
     result: dict[str, tuple[_Owner, Member]] = {}
     for unit in FSDP.fsdp_modules(model):
-        if unit._handle is None:
+        flat = flat_param(unit)
+        if flat is None:
             continue
-        flat = unit._handle.flat_param
-        if unit._use_orig_params:
-            fqns = [names[p][0] for p in flat._params]
+        if uses_orig_params(unit):
+            fqns = [names[p][0] for p in original_params(flat)]
         else:
             fqns = list(names[flat])
         members = flat_members(flat, fqns, world, rank)
-        if unit._use_orig_params:
-            for parameter, member in zip(flat._params, members):
+        if uses_orig_params(unit):
+            for parameter, member in zip(original_params(flat), members):
                 owner = _Owner(parameter, parameter.numel())
                 if rank in member.pieces:
                     owner.positions[member.fqn] = 0
@@ -252,10 +253,6 @@ def _plan(metadata: Any, owners: dict[str, tuple[_Owner, Member]], group: Any,
     where in it. ``reusable``: the fresh optimizer's own (already released) local state tensors, read into in
     place, so a flat shard's padding keeps the value the optimizer initialised it with (Adagrad: its initial
     accumulator; padding is never saved). Returns (DCP load state dict, owner id -> {state key -> local tensor})."""
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     rank = dist.get_rank(group)
@@ -287,15 +284,13 @@ def _plan(metadata: Any, owners: dict[str, tuple[_Owner, Member]], group: Any,
         for holder, piece in sorted(member.pieces.items()):
             position = owner.positions.get(fqn, 0)
             for offsets, sizes, flat_start in boxes(member.shape, piece.start, piece.stop):
-                box = ShardMetadata(list(offsets), list(sizes), f"rank:{_global_rank(group, holder)}/cpu")
+                box = shard_metadata(list(offsets), list(sizes), f"rank:{_global_rank(group, holder)}/cpu")
                 shards_metadata.append(box)
                 if holder == rank:
                     begin = position + flat_start - piece.start
                     view = destination[begin:begin + math.prod(sizes)].view(sizes)
-                    shards.append(Shard(view, box))
-        properties = TensorProperties(dtype=dtype, requires_grad=False)
-        flat[key] = ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards, ShardedTensorMetadata(shards_metadata, torch.Size(stored.size), properties), process_group=group)
+                    shards.append(local_shard(view, box))
+        flat[key] = sharded_tensor(shards, shards_metadata, stored.size, dtype, group)
     return unflatten_state_dict(flat, {key: metadata.planner_data[key] for key in flat}), local
 
 
@@ -421,8 +416,8 @@ def validate_optimizer_checkpoint(accelerator: Any, input_dir: Path) -> None:
     optimizers (entries, shapes, groups, completeness) without changing anything and without collectives:
     the protected load runs this on every rank before the restore touches any state, for the direct path and
     the conversion fallback alike."""
-    allow_reorder = not accelerator._schedulers
-    for index, (model, optimizer) in enumerate(zip(accelerator._models, accelerator._optimizers)):
+    allow_reorder = not prepared_schedulers(accelerator)
+    for index, (model, optimizer) in enumerate(zip(prepared_models(accelerator), prepared_optimizers(accelerator))):
         optimizer = raw_optimizer(optimizer)
         try:
             owners: dict[str, tuple[_Owner, Member]] | None = _owners(model, optimizer, model.process_group)
@@ -449,7 +444,7 @@ def load_sharded_optimizer(accelerator: Any, optimizer: Any, model: Any, input_d
     group = model.process_group
     directory = Path(input_dir) / f"optimizer_{index}"
     if allow_reorder is None:
-        allow_reorder = not accelerator._schedulers
+        allow_reorder = not prepared_schedulers(accelerator)
 
     def geometry() -> dict[str, tuple[_Owner, Member]] | None:
         try:
@@ -468,7 +463,7 @@ def load_sharded_optimizer(accelerator: Any, optimizer: Any, model: Any, input_d
     reusable: dict[int, dict[str, torch.Tensor]] = {}
     # Release superseded moments first so old and new never coexist (plain torch optimizers only: load
     # pre-hooks of custom ones may need the old state); their tensors are read into in place.
-    if not optimizer._optimizer_load_state_dict_pre_hooks:
+    if not has_load_state_dict_pre_hooks(optimizer):
         reusable = {id(p): {k: v for k, v in s.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
                     for p, s in optimizer.state.items() if p.numel() > 0}
         optimizer.state.clear()
@@ -513,7 +508,7 @@ def _load_by_conversion(accelerator: Any, optimizer: torch.optim.Optimizer, mode
     saved["param_groups"] = aligned["param_groups"]  # aligned (and checked) from the same entries before reading
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=True),
                               ShardedOptimStateDictConfig(offload_to_cpu=True)):
-        if not optimizer._optimizer_load_state_dict_pre_hooks:
+        if not has_load_state_dict_pre_hooks(optimizer):
             optimizer.state.clear()
         local = run_phase(lambda: FSDP.optim_state_dict_to_load(model, optimizer, saved),
                           "Converting the FSDP optimizer state", group)
@@ -525,12 +520,10 @@ def verify_restored(model: Any, optimizer: Any, directory: Path) -> None:
     """After a restore, every parameter with saved state (and a non-empty local shard) has live state with
     every key the checkpoint recorded for it."""
     optimizer = raw_optimizer(optimizer)
-    from torch.distributed.fsdp._common_utils import _get_param_to_fqns
-
     entries = _state_entries(read_dcp_metadata(directory))
     absent: list[str] = []
     incomplete: list[str] = []
-    for parameter, fqns in _get_param_to_fqns(model).items():
+    for parameter, fqns in param_to_fqns(model).items():
         if parameter.numel() == 0:
             continue
         live = optimizer.state.get(parameter) or {}

@@ -26,6 +26,14 @@ from ._config import checkpoint_config, mark_failed, raw_optimizer
 from ._descriptor import backend, compare_descriptor, describe, participants
 from ._finite import check_finite_state
 from ._fsdp_optimizer import validate_optimizer_checkpoint, verify_restored
+from ._internals import (
+    custom_objects,
+    custom_state_loader,
+    load_state_pre_hooks,
+    prepared_models,
+    prepared_optimizers,
+    save_state_pre_hooks,
+)
 from ._manifest import check_dcp_inventory, check_hashes, check_structure, hashed_names, read_manifest, writer_rank
 from ._native import fsdp_routing, native_method, synchronized_hooks
 from ._ranks import agree, digest, on_main, rank, run_phase, world_size
@@ -94,7 +102,7 @@ def _check_live(path: Path, manifest: dict[str, Any] | None, group: dict[str, An
                 descriptors: dict[str, Any]) -> dict[str, Preflight]:
     """Every rank: gradients, legacy policy, configuration, and this rank's required files (read safely)."""
     for owner in group.values():
-        pending = [n for model in owner._models for n, p in model.named_parameters() if p.grad is not None]
+        pending = [n for model in prepared_models(owner) for n, p in model.named_parameters() if p.grad is not None]
         if pending:
             raise CheckpointConfigurationError(
                 f"load_state() found accumulated gradients (e.g. {pending[0]}): call "
@@ -131,21 +139,15 @@ def _check_live(path: Path, manifest: dict[str, Any] | None, group: dict[str, An
 def _custom_objects_from(states: dict[int, Any], owner: Any) -> Iterator[None]:
     """Native ``load_state`` unpickles custom objects with ``weights_only=False``: hand it the state the preflight
     read safely instead (unless the user trusts the files: ``trust_custom_objects=True``)."""
-    import accelerate.accelerator as module
-
-    original = getattr(module, "load_custom_state", None)
-    if original is None or checkpoint_config(owner).trust_custom_objects or not owner._custom_objects:
+    if checkpoint_config(owner).trust_custom_objects or not custom_objects(owner):
         yield
         return
 
     def load_custom_state(obj: Any, path: Any, index: int = 0, *args: Any, **kwargs: Any) -> None:
         obj.load_state_dict(states[index])
 
-    module.load_custom_state = load_custom_state
-    try:
+    with custom_state_loader(load_custom_state):
         yield
-    finally:
-        module.load_custom_state = original
 
 
 def _restore(path: Path, group: dict[str, Any], found: dict[str, Preflight], kwargs: dict[str, Any]) -> None:
@@ -165,12 +167,12 @@ def _restore(path: Path, group: dict[str, Any], found: dict[str, Preflight], kwa
         if backend(owner) == "FSDP":
             run_phase(lambda owner=owner, directory=directory: [
                 verify_restored(model, optimizer, directory / f"optimizer_{index}")
-                for index, (model, optimizer) in enumerate(zip(owner._models, owner._optimizers))
+                for index, (model, optimizer) in enumerate(zip(prepared_models(owner), prepared_optimizers(owner)))
             ], "Verifying the optimizer restore")
         if checkpoint_config(owner).check_finite:
             run_phase(lambda owner=owner: (
-                check_finite_state([list(m.parameters()) for m in owner._models], "restored model parameters"),
-                check_finite_state([raw_optimizer(o).state for o in owner._optimizers], "restored optimizer state"),
+                check_finite_state([list(m.parameters()) for m in prepared_models(owner)], "restored model parameters"),
+                check_finite_state([raw_optimizer(o).state for o in prepared_optimizers(owner)], "restored optimizer state"),
             ), "Finite check")
     # Native Accelerate swallows RNG errors: apply the pre-validated state ourselves (the last component's,
     # as native sequential loads would leave it) and let a failure raise.
@@ -236,7 +238,7 @@ def _verify(path: Path, group: dict[str, Any], templates: list[str]) -> tuple[di
     manifest = run_phase(lambda: (refuse_transient(path), read_manifest(path))[1], f"Reading the manifest of {path}")
     descriptors = run_phase(lambda: {name: describe(o, require_model_ids=manifest is not None)
                                      for name, o in group.items()}, "Describing the live training configuration")
-    hooks = {name: [len(o._save_model_state_pre_hook), len(o._load_model_state_pre_hook)] for name, o in group.items()}
+    hooks = {name: [len(save_state_pre_hooks(o)), len(load_state_pre_hooks(o))] for name, o in group.items()}
     policies = {name: [checkpoint_config(o).allow_legacy, checkpoint_config(o).check_finite,
                        checkpoint_config(o).trust_custom_objects] for name, o in group.items()}
     agree({"path": str(path), "manifest": digest(manifest).hex(), "hooks": hooks, "policies": policies},

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 from weakref import WeakSet
 
+from ._internals import load_state_pre_hooks, save_state_pre_hooks
 from ._ranks import run_phase
 
 _ROUTED: WeakSet = WeakSet()  # Accelerators whose FSDP loads we route (protected load in progress)
@@ -50,7 +51,7 @@ def fsdp_routing(accelerator: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def synchronized_hooks(accelerator: Any) -> Iterator[None]:
     changes = []
-    for hooks, kind in ((accelerator._save_model_state_pre_hook, "save"), (accelerator._load_model_state_pre_hook, "load")):
+    for hooks, kind in ((save_state_pre_hooks(accelerator), "save"), (load_state_pre_hooks(accelerator), "load")):
         for key, function in list(hooks.items()):
             def synchronized(*args: Any, _function: Callable[..., Any] = function, _kind: str = kind) -> Any:
                 name = getattr(_function, "__qualname__", repr(_function))

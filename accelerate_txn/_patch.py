@@ -33,6 +33,7 @@ from weakref import WeakSet
 import wrapt
 
 from ._descriptor import is_fsdp1_sharded, unsupported_reason
+from ._internals import accelerator_module, prepared_optimizers
 from ._native import _OPTED_IN, _OPTED_OUT, ORIGINALS, routed
 from ._ranks import agree, any_rank, distributed, world_size
 from ._versions import override_requested, unsupported_message, versions_ok
@@ -88,7 +89,7 @@ def _checkpoint_reason(accelerator: Any, input_dir: Any) -> str | None:
 
     if input_dir is None:
         return None  # automatic selection: only published (protected, hence supported) checkpoints or legacy
-    for index in range(len(accelerator._optimizers)):
+    for index in range(len(prepared_optimizers(accelerator))):
         directory = Path(input_dir) / f"optimizer_{index}"
         try:
             metadata = read_dcp_metadata(directory)
@@ -220,14 +221,14 @@ _WRAPPERS = {
 
 
 def installed() -> bool:
-    import accelerate.accelerator as module
+    module = accelerator_module()
 
     return isinstance(module.Accelerator.__dict__.get("save_state"), wrapt.FunctionWrapper)
 
 
 def install() -> None:
     """Wrap the Accelerate entry points once (idempotent)."""
-    import accelerate.accelerator as module
+    module = accelerator_module()
 
     if installed():
         return
@@ -239,7 +240,7 @@ def install() -> None:
 
 def uninstall() -> None:
     """Restore the original Accelerate functions (for tests and tools)."""
-    import accelerate.accelerator as module
+    module = accelerator_module()
 
     if not installed():
         return

@@ -17,6 +17,7 @@ from typing import Any
 
 from ._config import checkpoint_config
 from ._descriptor import backend
+from ._internals import custom_objects, prepared_dataloaders, prepared_models, prepared_optimizers, prepared_schedulers
 from ._manifest import RANK_FILES, check_dcp_payloads, dcp_payload_names, rank_file_pattern
 from ._rng import RNG_FILE, load_weights_only, read_rng_file
 from .errors import CheckpointIntegrityError
@@ -73,7 +74,7 @@ def check_required_files(accelerator: Any, directory: Path, ranks: range | tuple
     found = Preflight()
     config = checkpoint_config(accelerator)
     if backend(accelerator) == "FSDP":
-        for index in range(len(accelerator._models)):
+        for index in range(len(prepared_models(accelerator))):
             for folder in (f"pytorch_model_fsdp_{index}", f"optimizer_{index}"):
                 if (directory / folder).is_symlink():
                     raise CheckpointIntegrityError(f"{directory / folder} is a symbolic link, not checkpoint data")
@@ -81,24 +82,24 @@ def check_required_files(accelerator: Any, directory: Path, ranks: range | tuple
                 found.names.add(f"{folder}/.metadata")
                 found.names.update(f"{folder}/{name}" for name in dcp_payload_names(metadata))
     else:
-        for index in range(len(accelerator._models)):
+        for index in range(len(prepared_models(accelerator))):
             candidates = [_indexed("model", ".safetensors", index), _indexed("pytorch_model", ".bin", index)]
             present = [name for name in candidates if (directory / name).is_file()]
             if not present:
                 raise CheckpointIntegrityError(f"Missing model weights: none of {[str(directory / c) for c in candidates]}")
             _need(directory, present[0], "model weights", found)
-        for index in range(len(accelerator._optimizers)):
+        for index in range(len(prepared_optimizers(accelerator))):
             _read(directory, _indexed("optimizer", ".bin", index), "optimizer state", found)
-    for index in range(len(accelerator._schedulers)):
+    for index in range(len(prepared_schedulers(accelerator))):
         _read(directory, _indexed("scheduler", ".bin", index), "LR scheduler state", found)
-    for index, loader in enumerate(accelerator._dataloaders):
+    for index, loader in enumerate(prepared_dataloaders(accelerator)):
         if _reads_sampler(loader):
             _read(directory, _indexed("sampler", ".bin", index), "data-loader sampler state", found)
         if getattr(loader, "use_stateful_dataloader", False):
             _read(directory, _indexed("dl_state_dict", ".bin", index), "stateful data-loader state", found)
     if accelerator.scaler is not None:
         _read(directory, "scaler.pt", "gradient scaler state", found)
-    for index in range(len(accelerator._custom_objects)):
+    for index in range(len(custom_objects(accelerator))):
         name = f"custom_checkpoint_{index}.pkl"
         if read_custom and not config.trust_custom_objects:
             state = _read(directory, name, "registered custom object state", found)
@@ -106,10 +107,10 @@ def check_required_files(accelerator: Any, directory: Path, ranks: range | tuple
         else:
             _need(directory, name, "registered custom object state", found)
     stray = sorted(path.name for path in directory.glob("custom_checkpoint_*.pkl")
-                   if path.name not in {f"custom_checkpoint_{i}.pkl" for i in range(len(accelerator._custom_objects))})
+                   if path.name not in {f"custom_checkpoint_{i}.pkl" for i in range(len(custom_objects(accelerator)))})
     if stray:
         raise CheckpointIntegrityError(
-            f"{directory} holds {stray[0]}, but this Accelerator registered {len(accelerator._custom_objects)} custom "
+            f"{directory} holds {stray[0]}, but this Accelerator registered {len(custom_objects(accelerator))} custom "
             "object(s): Accelerate would refuse it mid-restore. Register the same objects as when it was saved."
         )
     for rank in ranks:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ._config import checkpoint_config
+from ._internals import numpy_reconstruct
 from .errors import CheckpointConfigurationError, CheckpointIntegrityError
 
 RNG_FILE = "random_states_{rank}.pkl"
@@ -24,13 +25,9 @@ _REQUIRED = ("step", "random_state", "numpy_random_seed", "torch_manual_seed")
 
 
 def _numpy_globals() -> list[Any]:
-    try:
-        from numpy._core.multiarray import _reconstruct
-    except ImportError:  # numpy < 2
-        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
     import codecs
 
-    allowed: list[Any] = [np.ndarray, np.dtype, _reconstruct, codecs.encode]  # as Accelerate's own reader
+    allowed: list[Any] = [np.ndarray, np.dtype, numpy_reconstruct(), codecs.encode]  # as Accelerate's own reader
     dtypes = getattr(np, "dtypes", None)
     if dtypes is not None and hasattr(dtypes, "UInt32DType"):
         allowed.append(dtypes.UInt32DType)

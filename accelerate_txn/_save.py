@@ -32,6 +32,7 @@ from . import _faults
 from ._config import checkpoint_config, ensure_not_failed, raw_optimizer
 from ._descriptor import describe, participants
 from ._finite import check_finite_state
+from ._internals import load_state_pre_hooks, prepared_models, prepared_optimizers, save_state_pre_hooks
 from ._manifest import HASH, MANIFEST, PROTOCOL, add_schemas, hash_rows, list_tree, write_manifest, writer_rank
 from ._native import automatic_naming_off, native_method, synchronized_hooks
 from ._ranks import agree, distributed, on_main, rank, run_phase, world_size
@@ -54,15 +55,15 @@ def _preflight(owners: dict[str, Any]) -> dict[str, Any]:
                 "save_state() was called in the middle of gradient accumulation (accelerator.sync_gradients is "
                 "False): save after the optimizer step of a full accumulation cycle."
             )
-        pending = [n for model in owner._models for n, p in model.named_parameters() if p.grad is not None]
+        pending = [n for model in prepared_models(owner) for n, p in model.named_parameters() if p.grad is not None]
         if pending:
             raise CheckpointConfigurationError(
                 f"save_state() found pending gradients (e.g. {pending[0]}): a checkpoint must be taken after "
                 "optimizer.step() and optimizer.zero_grad(set_to_none=True), or resumed training would differ."
             )
         if checkpoint_config(owner).check_finite:
-            check_finite_state([list(model.parameters()) for model in owner._models], "model parameters")
-            check_finite_state([raw_optimizer(opt).state for opt in owner._optimizers], "optimizer state")
+            check_finite_state([list(model.parameters()) for model in prepared_models(owner)], "model parameters")
+            check_finite_state([raw_optimizer(opt).state for opt in prepared_optimizers(owner)], "optimizer state")
     return descriptors
 
 
@@ -208,7 +209,7 @@ def save_training_checkpoint(
     descriptors = run_phase(lambda: _preflight(group), "Checkpoint preflight")
     policies = {name: {"finite": checkpoint_config(o).check_finite, "checksum": checkpoint_config(o).checksum,
                        "lock_timeout": checkpoint_config(o).lock_timeout} for name, o in group.items()}
-    hooks = {name: [len(o._save_model_state_pre_hook), len(o._load_model_state_pre_hook)] for name, o in group.items()}
+    hooks = {name: [len(save_state_pre_hooks(o)), len(load_state_pre_hooks(o))] for name, o in group.items()}
     agree({"path": str(path), "limit": limit, "policies": policies, "hooks": hooks}, "the checkpoint path and policies")
     agree(descriptors, "the training configuration")
     run_ids = sorted({checkpoint_config(o).run_id for o in group.values()} - {None})

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import xxhash
 import torch
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 
 from accelerate_txn._manifest import (

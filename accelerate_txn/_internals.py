@@ -1,0 +1,263 @@
+"""Every private Accelerate, torch and NumPy internal accelerate-txn relies on, in one file.
+
+The rest of the library reaches framework internals only through these functions (tests/test_internals.py
+fails on a private access anywhere else, and calls every function here on the installed versions). Supporting
+a new Accelerate or torch release means reading this file against the new source, and running that test.
+
+Checked against (source of each release read side by side):
+
+* Accelerate 1.7.0, 1.8.1, 1.9.0, 1.10.1, 1.11.0, 1.12.0, 1.13.0, 1.14.0, 1.15.0: everything below is the same in
+  all of them (attributes initialised in ``Accelerator.__init__``, the module globals ``load_state`` calls).
+* torch 2.7.0 and 2.13.0: everything below is the same in both (FSDP1 ``_FSDPState``/``FlatParameter`` fields,
+  ``_get_param_to_fqns``, ``ShardedTensor``, DCP ``_nested_dict``/``_traverse``, ``DefaultLoadPlanner.load_bytes``,
+  ``Optimizer._optimizer_load_state_dict_pre_hooks``).
+* NumPy 1.x and 2.x: the one place where releases differ (``_reconstruct`` moved); see :func:`numpy_reconstruct`.
+
+Where a later release differs, branch here on the installed version (``packaging.version.Version`` of
+``accelerate.__version__`` / ``torch.__version__``) and note both sides; callers stay unchanged.
+
+Also private, but named rather than accessed (so not here): ``_manifest._MetadataUnpickler`` allowlists the
+pickle globals DCP ``.metadata`` is built from, some of them private (``torch.distributed.checkpoint.filesystem.
+_StorageInfo``, ``torch.serialization._get_layout``, ``pathlib._local`` on Python 3.13); tests/test_internals.py
+checks that each of them resolves on the installed versions.
+
+Not here: attributes with public names that the code uses as they are (``unit.sharding_strategy``,
+``unit.cpu_offload``, ``model.process_group``, ``accelerator.state.fsdp_plugin``, ``AcceleratedOptimizer.optimizer``).
+Imports of torch and Accelerate are lazy: importing this module costs nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, MutableMapping
+from types import ModuleType
+from typing import Any
+
+# --- Accelerator state ------------------------------------------------------------------------------------------
+# What ``accelerator.prepare()`` and ``register_for_checkpointing()`` collected: the lists ``save_state`` and
+# ``load_state`` iterate, in their order (index i of each is ``<kind>_<i>`` in a checkpoint). Public Accelerate
+# has no accessor for them. Returned as the live lists: callers read them, never mutate them.
+# Accelerate 1.7.0-1.15.0: plain lists set in ``Accelerator.__init__``; ``free_memory()`` rebinds the four prepared
+# ones to new empty lists (so never keep a returned list across it).
+
+
+def prepared_models(accelerator: Any) -> list[Any]:
+    """The prepared (wrapped: FSDP/DDP) models, in ``prepare()`` order."""
+    return accelerator._models
+
+
+def prepared_optimizers(accelerator: Any) -> list[Any]:
+    """The prepared optimizers (``AcceleratedOptimizer``; the torch optimizer is ``.optimizer``)."""
+    return accelerator._optimizers
+
+
+def prepared_schedulers(accelerator: Any) -> list[Any]:
+    """The prepared LR schedulers (``AcceleratedScheduler``; the torch scheduler is ``.scheduler``)."""
+    return accelerator._schedulers
+
+
+def prepared_dataloaders(accelerator: Any) -> list[Any]:
+    """The prepared data loaders."""
+    return accelerator._dataloaders
+
+
+def custom_objects(accelerator: Any) -> list[Any]:
+    """Objects registered with ``register_for_checkpointing`` (``custom_checkpoint_<i>.pkl``)."""
+    return accelerator._custom_objects
+
+
+# --- Accelerator hooks ------------------------------------------------------------------------------------------
+# ``register_save_state_pre_hook``/``register_load_state_pre_hook`` store hooks in these dicts (handle id -> hook),
+# called in order by ``save_state``/``load_state``. Returned live and mutable: ``_native.synchronized_hooks``
+# swaps entries for the duration of one call and puts them back.
+# Accelerate 1.7.0-1.15.0: ``OrderedDict`` attributes set in ``Accelerator.__init__``, keyed by
+# ``torch.utils.hooks.RemovableHandle.id`` (so a swapped entry is still removed by the user's handle).
+
+
+def save_state_pre_hooks(accelerator: Any) -> MutableMapping[Any, Callable[..., Any]]:
+    """The live save-state pre-hooks of ``accelerator``."""
+    return accelerator._save_model_state_pre_hook
+
+
+def load_state_pre_hooks(accelerator: Any) -> MutableMapping[Any, Callable[..., Any]]:
+    """The live load-state pre-hooks of ``accelerator``."""
+    return accelerator._load_model_state_pre_hook
+
+
+# --- Accelerate checkpointing module ----------------------------------------------------------------------------
+# ``Accelerator.load_state`` calls these functions through the globals of ``accelerate.accelerator`` (imported
+# there with ``from .utils import ...`` / ``from .checkpointing import ...``), so rebinding them in that module
+# (wrapt in ``_patch``, the swap below) changes what ``load_state`` calls, and rebinding them anywhere else
+# does not. Accelerate 1.7.0-1.15.0: called as ``load_fsdp_model(self.state.fsdp_plugin, self, model, input_dir,
+# i)``, ``load_fsdp_optimizer(self.state.fsdp_plugin, self, opt, self._models[i], input_dir, i)`` and
+# ``load_custom_state(obj, input_dir, index)``.
+
+LOAD_STATE_GLOBALS = ("load_fsdp_model", "load_fsdp_optimizer", "load_custom_state")
+
+
+def accelerator_module() -> ModuleType:
+    """``accelerate.accelerator``: the module whose globals ``Accelerator.load_state`` calls."""
+    import accelerate.accelerator as module
+
+    return module
+
+
+@contextlib.contextmanager
+def custom_state_loader(loader: Callable[..., None]) -> Iterator[bool]:
+    """Within the block, ``Accelerator.load_state`` restores each registered custom object with
+    ``loader(obj, path, index)`` instead of Accelerate's ``load_custom_state`` (which unpickles with
+    ``weights_only=False``). Yields False, replacing nothing, where Accelerate binds no such function. Not
+    thread-safe (a module global): one load per process at a time, as ``load_state`` itself."""
+    module = accelerator_module()
+    original = getattr(module, "load_custom_state", None)
+    if original is None:
+        yield False
+        return
+    module.load_custom_state = loader
+    try:
+        yield True
+    finally:
+        module.load_custom_state = original
+
+
+# --- FSDP1 flat parameters --------------------------------------------------------------------------------------
+# FSDP1 (``FullyShardedDataParallel``) keeps each unit's parameters in one ``FlatParameter`` owned by a
+# ``FlatParamHandle``; public torch exposes neither the handle nor the layout of the flat parameter.
+# torch 2.7.0 and 2.13.0: ``_FSDPState._handle`` / ``._use_orig_params`` (``_common_utils``), ``_inter_node_pg``
+# set only for hybrid sharding (``_init_utils``), ``FlatParameter._params`` (None without use_orig_params),
+# ``_shapes``, ``_numels_with_padding``, ``_is_padding_mask``, ``_shard_param_infos`` (``_ShardParamInfo``
+# named tuples: in_shard, offset_in_shard, numel_in_shard, intra_param_start_idx, intra_param_end_idx).
+
+
+def param_to_fqns(model: Any) -> dict[Any, list[str]]:
+    """Live parameter (flat, or original with ``use_orig_params``) -> the original parameters' full names."""
+    from torch.distributed.fsdp._common_utils import _get_param_to_fqns
+
+    return _get_param_to_fqns(model)
+
+
+def flat_param(unit: Any) -> Any | None:
+    """The ``FlatParameter`` of one FSDP unit, or None for a unit that manages no parameters."""
+    handle = unit._handle
+    return None if handle is None else handle.flat_param
+
+
+def uses_orig_params(unit: Any) -> bool:
+    """Whether the unit was built with ``use_orig_params=True`` (the optimizer sees the original parameters)."""
+    return bool(unit._use_orig_params)
+
+
+def inter_node_group(unit: Any) -> Any | None:
+    """The inter-node process group of a hybrid-sharded unit, None otherwise (the attribute is absent then)."""
+    return getattr(unit, "_inter_node_pg", None)
+
+
+def original_params(flat: Any) -> list[Any]:
+    """The original parameters of a flat parameter (``use_orig_params=True`` only), in flat order."""
+    return flat._params
+
+
+def original_shapes(flat: Any) -> list[Any]:
+    """The original (unsharded) shapes of a flat parameter's members, in flat order."""
+    return flat._shapes
+
+
+def numels_with_padding(flat: Any) -> tuple[int, ...]:
+    """Element counts of the unsharded flat parameter's segments: members and alignment padding, in order."""
+    return flat._numels_with_padding
+
+
+def padding_mask(flat: Any) -> list[bool]:
+    """For each segment of :func:`numels_with_padding`: whether it is alignment padding."""
+    return flat._is_padding_mask
+
+
+def shard_param_infos(flat: Any) -> Any:
+    """FSDP's own record of which part of each member this rank's shard holds (one per member)."""
+    return flat._shard_param_infos
+
+
+# --- DCP/ShardedTensor ------------------------------------------------------------------------------------------
+# A rank's piece of an optimizer state tensor is described to DCP as a ``ShardedTensor`` built from local shards
+# and global metadata without any collective; nested state dicts are rebuilt from DCP's flat keys; the safe load
+# planner stores a loaded bytes entry where ``DefaultLoadPlanner.load_bytes`` would.
+# torch 2.7.0 and 2.13.0: ``torch.distributed._shard`` (``ShardMetadata``, ``Shard``, ``ShardedTensor``,
+# ``ShardedTensorMetadata``, ``TensorProperties``), ``ShardedTensor._init_from_local_shards_and_global_metadata
+# (local_shards, sharded_tensor_metadata, process_group=None, ...)``, ``checkpoint._nested_dict.
+# unflatten_state_dict(state_dict, mapping)``, ``checkpoint._traverse.set_element(root, path, value)``, and
+# ``DefaultLoadPlanner`` attributes ``flatten_state_dict``, ``original_state_dict``, ``mappings``, ``state_dict``.
+
+
+def shard_metadata(offsets: list[int], sizes: list[int], placement: str) -> Any:
+    """One box of a sharded tensor: ``offsets``/``sizes`` per dimension, ``placement`` as ``"rank:<r>/cpu"``."""
+    from torch.distributed._shard.metadata import ShardMetadata
+
+    return ShardMetadata(offsets, sizes, placement)
+
+
+def local_shard(tensor: Any, metadata: Any) -> Any:
+    """This rank's data for one box (:func:`shard_metadata`)."""
+    from torch.distributed._shard.sharded_tensor import Shard
+
+    return Shard(tensor, metadata)
+
+
+def sharded_tensor(local_shards: list[Any], shards_metadata: list[Any], size: Any, dtype: Any, group: Any) -> Any:
+    """A ``ShardedTensor`` of global ``size`` from this rank's shards and every rank's box, with no collective."""
+    import torch
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    properties = TensorProperties(dtype=dtype, requires_grad=False)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards, ShardedTensorMetadata(shards_metadata, torch.Size(size), properties), process_group=group)
+
+
+def local_tensors(tensor: Any) -> list[Any]:
+    """This rank's data of ``tensor``: the local shards' tensors of a ``ShardedTensor``, else ``[tensor]``."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return [shard.tensor for shard in tensor.local_shards()] if isinstance(tensor, ShardedTensor) else [tensor]
+
+
+def unflatten_state_dict(flat: dict[str, Any], mappings: dict[str, Any]) -> dict[str, Any]:
+    """Rebuild a nested state dict from DCP's flat keys and their paths (``Metadata.planner_data``)."""
+    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict as unflatten
+
+    return unflatten(flat, mappings)
+
+
+def store_loaded_bytes(planner: Any, read_item: Any, value: Any) -> None:
+    """Put one loaded non-tensor entry where ``DefaultLoadPlanner.load_bytes`` would (for a planner that loads
+    the bytes itself, e.g. with ``weights_only=True``)."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], value)
+    else:
+        planner.state_dict[read_item.dest_index.fqn] = value
+
+
+# --- torch.optim ------------------------------------------------------------------------------------------------
+# torch 2.7.0 and 2.13.0: ``Optimizer._optimizer_load_state_dict_pre_hooks`` (an ``OrderedDict``, filled by the
+# public ``register_load_state_dict_pre_hook``).
+
+
+def has_load_state_dict_pre_hooks(optimizer: Any) -> bool:
+    """Whether ``optimizer.load_state_dict`` runs pre-hooks (which may need the state it is about to replace)."""
+    return bool(optimizer._optimizer_load_state_dict_pre_hooks)
+
+
+# --- NumPy ------------------------------------------------------------------------------------------------------
+# Accelerate's RNG files pickle NumPy arrays through ``numpy.core.multiarray._reconstruct``, which NumPy 2 moved to
+# ``numpy._core.multiarray`` (``numpy.core`` remains as a deprecated alias). Chosen by what the installed NumPy
+# provides rather than by its version number, as the import itself is the ground truth.
+
+
+def numpy_reconstruct() -> Callable[..., Any]:
+    """NumPy's array-unpickling helper, for ``torch.serialization.safe_globals``."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # NumPy < 2
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+    return _reconstruct
