@@ -8,17 +8,10 @@ dispatch off; :func:`patch_accelerate_fsdp`/:func:`unpatch_accelerate_fsdp` opt 
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from ._config import configure_checkpointing
-from ._finite import check_finite_state, check_finite_training_value
-from ._load import load_training_checkpoint
-from ._manifest import MANIFEST, PROTOCOL
-from ._patch import install, patch_accelerate_fsdp, uninstall, unpatch_accelerate_fsdp
-from ._ranks import agree, on_main
-from ._rng import register_checkpoint_state
-from ._save import save_training_checkpoint
-from ._select import latest_training_checkpoint
+from ._autopatch import install_on_import
 from .errors import (
     CheckpointConfigurationError,
     CheckpointError,
@@ -34,6 +27,50 @@ from .errors import (
 
 __version__ = "0.1.0.dev0"
 
+# The public API is loaded on first use (PEP 562): ``import accelerate_txn`` stays cheap, and the offline CLI
+# (``verify``, ``list``, ``latest``) never imports torch.
+_LAZY = {
+    "configure_checkpointing": "_config",
+    "check_finite_state": "_finite",
+    "check_finite_training_value": "_finite",
+    "load_training_checkpoint": "_load",
+    "MANIFEST": "_manifest",
+    "PROTOCOL": "_manifest",
+    "install": "_patch",
+    "uninstall": "_patch",
+    "patch_accelerate_fsdp": "_patch",
+    "unpatch_accelerate_fsdp": "_patch",
+    "register_checkpoint_state": "_rng",
+    "agree": "_ranks",
+    "on_main": "_ranks",
+    "save_training_checkpoint": "_save",
+    "latest_training_checkpoint": "_select",
+}
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from ._config import configure_checkpointing
+    from ._finite import check_finite_state, check_finite_training_value
+    from ._load import load_training_checkpoint
+    from ._manifest import MANIFEST, PROTOCOL
+    from ._patch import install, patch_accelerate_fsdp, uninstall, unpatch_accelerate_fsdp
+    from ._ranks import agree, on_main
+    from ._rng import register_checkpoint_state
+    from ._save import save_training_checkpoint
+    from ._select import latest_training_checkpoint
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 def checkpoint_source_identity(path: Any) -> Any:
     """Content identity of a frozen model source, hashed once on rank 0 and shared with every rank.
@@ -42,13 +79,15 @@ def checkpoint_source_identity(path: Any) -> Any:
     """
     import os
 
+    from ._ranks import agree, on_main
     from .weights import checkpoint_fingerprint
 
     agree(os.fspath(path), "the checkpoint source path")
     return on_main(lambda: checkpoint_fingerprint(path), f"Fingerprinting {path}")
 
 
-install()
+# Wrap Accelerator.save_state/load_state now if Accelerate is imported, else the moment it is.
+install_on_import()
 
 __all__ = [
     "MANIFEST",

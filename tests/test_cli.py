@@ -136,8 +136,6 @@ def test_python_dash_m_runs_the_cli_and_user_errors_print_no_traceback(tmp_path:
     assert version.returncode == 0 and version.stdout.strip() == f"accelerate-txn {accelerate_txn.__version__}"
 
 
-@pytest.mark.xfail(strict=True, reason="needs a torch-free `import accelerate_txn` (package __init__, _select, "
-                   "_descriptor, _config): see issue 11 item 4; remove this marker when it passes")
 def test_verify_list_and_latest_do_not_import_torch(run_dir: Path) -> None:
     probe = ("import sys\nfrom accelerate_txn.cli import main\n"
              "codes = [main(['verify', sys.argv[1]]), main(['list', sys.argv[2]]), main(['latest', sys.argv[2]])]\n"
