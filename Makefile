@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP_FLAGS ?= --quiet --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo lint bench test-accelerate clean
+.PHONY: venv test demo lint bench test-accelerate test-matrix clean
 
 venv: $(VENV)/.installed
 
@@ -42,5 +42,16 @@ test-accelerate:
 	$(ALT_VENV)/bin/python -c "import accelerate; assert accelerate.__version__ == '$(ACCELERATE_VERSION)', accelerate.__version__"
 	$(ALT_VENV)/bin/python -m pytest -q -m distributed $(PYTEST_ARGS)
 
+## The version matrix: MATRIX_TESTS on every job of accelerate_txn/validated.json (each validated torch/Accelerate
+## pair, and Python 3.10, 3.12, 3.13), one environment per (Python, torch) with Accelerate swapped inside it and
+## deleted when done. Narrow it with MATRIX_ARGS, e.g. make test-matrix MATRIX_ARGS="--python 3.13 --keep".
+## MATRIX_TESTS is the one definition of the compact distributed subset: the orig_params round trip (save,
+## fresh-optimizer restore, corruption and configuration refusal, a hook failing on one rank, no overwrite),
+## kill -9 mid-save and resume, ranks that disagree, a DCP exception on one rank, a restore failing part way.
+MATRIX_TESTS ?= tests/test_distributed.py -k "orig_params or kill_9 or ranks_with_different_configuration or silently_empty_native or dcp_checkpoint_exception or restore_failing_part_way"
+MATRIX_ARGS ?=
+test-matrix:
+	$(PYTHON) .ci/matrix.py $(MATRIX_ARGS) -- $(MATRIX_TESTS)
+
 clean:
-	rm -rf $(VENV) .venv-accelerate-* demo-output *.egg-info
+	rm -rf $(VENV) .venv-accelerate-* .venv-matrix demo-output *.egg-info

@@ -1,0 +1,187 @@
+"""The one validated-version table (accelerate_txn/validated.json) and everything that reads it: the version
+policy by minor series in accelerate_txn._versions, the README copy, constraints.txt's default pair, the CI
+matrix (.ci/matrix.py) and the matrix subset defined in the Makefile."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import accelerate
+import pytest
+import torch
+
+from accelerate_txn import _versions
+from accelerate_txn._versions import (
+    OVERRIDE_ENV,
+    TESTED,
+    describe_table,
+    is_validated,
+    is_validated_pair,
+    markdown_table,
+    unsupported_message,
+    unvalidated,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+MATRIX = REPO / ".ci" / "matrix.py"
+PYTHONS = ("3.10", "3.11", "3.12", "3.13")
+
+
+def _pins() -> dict[str, str]:
+    lines = (REPO / "constraints.txt").read_text(encoding="utf-8").splitlines()
+    return dict(line.split("==", 1) for line in lines if "==" in line and not line.startswith("#"))
+
+
+# --- the table itself ---------------------------------------------------------------------------------------
+
+def test_table_rows_are_exact_releases_with_tested_pythons_and_one_row_per_pair_of_series() -> None:
+    raw = json.loads((REPO / "accelerate_txn" / "validated.json").read_text(encoding="utf-8"))
+    assert len(raw["pairs"]) == len(TESTED)
+    for pair in TESTED:
+        assert re.fullmatch(r"\d+\.\d+\.\d+", pair.torch) and re.fullmatch(r"\d+\.\d+\.\d+", pair.accelerate), pair
+        assert pair.python and set(pair.python) <= set(PYTHONS), pair
+    series = [pair.series for pair in TESTED]
+    assert len(series) == len(set(series)), "two rows validate the same pair of minor series"
+
+
+def test_table_covers_the_promised_slice() -> None:
+    series = {pair.series for pair in TESTED}
+    assert {("2.13", f"1.{minor}") for minor in range(7, 16)} <= series  # every Accelerate minor 1.7 to 1.15
+    assert ("2.7", "1.7") in series  # the design's own pair
+    newest_torch = max((pair for pair in TESTED), key=lambda pair: tuple(map(int, pair.torch.split("."))))
+    assert newest_torch.series == ("2.15", "1.15")
+    assert {python for pair in TESTED for python in pair.python} == set(PYTHONS)
+
+
+def test_requires_python_floor_is_a_tested_python() -> None:
+    pyproject = (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    (floor,) = re.findall(r'^requires-python = ">=(\d+\.\d+)"$', pyproject, flags=re.MULTILINE)
+    assert floor in {python for pair in TESTED for python in pair.python}
+
+
+def test_default_pins_are_a_tested_pair_on_the_default_python() -> None:
+    # constraints.txt pins the environment make test builds (Python 3.11 on the CI machine).
+    pins = _pins()
+    assert any((pair.torch, pair.accelerate) == (pins["torch"], pins["accelerate"]) and "3.11" in pair.python
+               for pair in TESTED)
+
+
+def test_readme_shows_the_table_read_by_the_code() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    table = markdown_table()
+    assert table in readme, f"README's validated table differs from accelerate_txn/validated.json; it should read:\n{table}"
+    assert len(table.splitlines()) == len(TESTED) + 2
+
+
+# --- the policy: minor series, pairs ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("torch_version, accelerate_version, expected", [
+    ("2.13.0", "1.7.0", True),
+    ("2.13.1", "1.13.2", True),      # patch releases of a validated pair
+    ("2.13.0+cpu", "1.10.0", True),  # local build tag, and an earlier patch of a tested minor
+    ("2.13.0+cu130", "1.15.3", True),
+    ("2.7.0", "1.7.0", True),
+    ("2.7.1+cu126", "1.7.9", True),
+    ("2.15.0", "1.15.0", True),
+    ("2.7.0", "1.15.0", False),      # each validated, but never tested together
+    ("2.15.0", "1.7.0", False),
+    ("2.14.1", "1.15.0", False),     # torch minors between the tested ones
+    ("2.12.0", "1.15.0", False),
+    ("2.13.0", "1.6.0", False),
+    ("2.13.0", "1.16.0", False),
+    ("2.16.0", "1.15.0", False),
+])
+def test_pair_is_validated_by_minor_series(torch_version: str, accelerate_version: str, expected: bool) -> None:
+    assert is_validated_pair(torch_version, accelerate_version) is expected
+
+
+@pytest.mark.parametrize("package, version, expected", [
+    ("accelerate", "1.7.0", True), ("accelerate", "1.8.0", True), ("accelerate", "1.14.5", True),
+    ("accelerate", "1.6.2", False), ("accelerate", "1.16.0", False), ("accelerate", "2.0.0", False),
+    ("torch", "2.7.1", True), ("torch", "2.13.0+cpu", True), ("torch", "2.15.2", True),
+    ("torch", "2.8.0", False), ("torch", "2.14.1", False), ("torch", "2.16.0", False),
+])
+def test_package_is_validated_when_its_series_is_in_some_pair(package: str, version: str, expected: bool) -> None:
+    assert is_validated(package, version) is expected
+
+
+def test_describe_table_names_every_pair_by_series() -> None:
+    assert describe_table() == ("torch 2.7 with accelerate 1.7; torch 2.13 with accelerate 1.7 to 1.15; "
+                                "torch 2.15 with accelerate 1.15 (any patch release)")
+
+
+@pytest.mark.parametrize("torch_version, accelerate_version, named", [
+    ("2.13.0", "1.13.2", []),
+    ("2.13.0+cpu", "1.16.0", ["accelerate 1.16.0"]),
+    ("2.14.1", "1.15.0", ["torch 2.14.1"]),
+    ("2.7.0", "1.15.0", ["accelerate 1.15.0", "torch 2.7.0"]),  # each validated, not together: name both
+])
+def test_unvalidated_names_what_to_change_from_the_real_attributes(
+        monkeypatch: pytest.MonkeyPatch, torch_version: str, accelerate_version: str, named: list[str]) -> None:
+    monkeypatch.setattr(accelerate, "__version__", accelerate_version)
+    monkeypatch.setattr(torch, "__version__", torch_version)
+    assert unvalidated() == named
+
+
+def test_unsupported_message_names_the_pair_the_table_and_the_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(accelerate, "__version__", "1.15.0")
+    monkeypatch.setattr(torch, "__version__", "2.7.0")
+    assert unsupported_message() == (
+        "accelerate-txn has not been validated with accelerate 1.15.0 and torch 2.7.0 (validated: torch 2.7 with "
+        "accelerate 1.7; torch 2.13 with accelerate 1.7 to 1.15; torch 2.15 with accelerate 1.15 (any patch "
+        f"release)). Install a validated pair, or set {OVERRIDE_ENV}=1 to use the protected path at your own risk.")
+
+
+def test_installed_pair_decision_matches_the_policy() -> None:
+    installed = _versions.installed_versions()
+    assert _versions._installed_validated() is is_validated_pair(installed["torch"], installed["accelerate"])
+
+
+# --- CI reads the same table --------------------------------------------------------------------------------
+
+def _matrix(*args: str) -> list[str]:
+    completed = subprocess.run([sys.executable, str(MATRIX), *args], cwd=REPO, capture_output=True, text=True,
+                               timeout=60, check=True)
+    return completed.stdout.splitlines()
+
+
+def test_ci_matrix_runs_every_table_job_except_the_one_make_test_covers() -> None:
+    every = [f"Python {python}, torch {pair.torch}, accelerate {pair.accelerate}"
+             for pair in TESTED for python in pair.python]
+    assert _matrix("--list", "--include-default") == every
+    pins = _pins()
+    host = f"{sys.version_info.major}.{sys.version_info.minor}"
+    default = f"Python {host}, torch {pins['torch']}, accelerate {pins['accelerate']}"
+    assert _matrix("--list") == [job for job in every if job != default]
+    assert _matrix("--list", "--python", "3.13") == ["Python 3.13, torch 2.13.0, accelerate 1.15.0"]
+
+
+def test_matrix_subset_in_the_makefile_selects_each_promised_check() -> None:
+    makefile = (REPO / "Makefile").read_text(encoding="utf-8")
+    (line,) = re.findall(r"^MATRIX_TESTS \?= (.*)$", makefile, flags=re.MULTILINE)
+    completed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                *shlex.split(line)], cwd=REPO, capture_output=True, text=True, timeout=120,
+                               check=False)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    selected = {node.split("::", 1)[1] for node in completed.stdout.splitlines() if "::" in node}
+    promised = {  # what the matrix must cover -> the test (name, or name and parameters, up to "-") checking it
+        "save and fresh-optimizer restore":
+            "test_roundtrip_restores_params_optimizer_scheduler_rng_and_private_state_exactly[orig_params]",
+        "publish": "test_save_publishes_a_manifest_and_leaves_no_staging[orig_params]",
+        "kill mid-save": "test_kill_9_mid_save_leaves_previous_checkpoint_selected_and_next_save_unblocked",
+        "corruption refusal": "test_damaged_or_mismatched_checkpoint_is_rejected_on_every_rank_before_any_change"
+                              "[orig_params-",
+        "rank fault in a hook": "test_hook_raising_on_one_rank_makes_every_rank_raise_and_publishes_nothing[orig_params]",
+        "rank fault in DCP": "test_dcp_checkpoint_exception_on_one_rank_is_raised_on_every_rank",
+        "ranks disagree": "test_ranks_with_different_configuration_raise_the_same_explained_error",
+    }
+    missing = {check: test for check, test in promised.items()
+               if not any(node == test or (test.endswith("-") and node.startswith(test)) for node in selected)}
+    assert not missing, f"MATRIX_TESTS no longer selects: {missing}"
+    # Compact: one round-trip launch (orig_params), not the flat_params one as well.
+    assert not any("flat_params" in node for node in selected)
