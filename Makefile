@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP_FLAGS ?= --quiet --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo lint bench test-accelerate test-matrix clean
+.PHONY: venv test demo lint bench test-accelerate test-matrix crash-sweep test-gpu docs clean  # docs/ exists: docs must be phony
 
 venv: $(VENV)/.installed
 
@@ -23,6 +23,27 @@ test: venv
 ## 2-process FSDP training on CPU: checkpoint, kill -9 mid-save, resume, prove nothing was lost.
 demo: venv
 	$(PY) examples/demo.py --output demo-output
+
+## Seeded random-instant kill -9 sweep: 50 trials of a real 2-rank FSDP1 run on CPU (CRASH_SWEEP_ARGS="--trials 200 --seed 1").
+CRASH_SWEEP_ARGS ?= --trials 50
+crash-sweep: venv
+	$(PY) -m tests.crash_sweep $(CRASH_SWEEP_ARGS)
+
+## For a machine with a GPU (not CI): NCCL, one process, protected round trip on CUDA, parameter CPU offload, CUDA RNG.
+## Prints why it skipped where no GPU is visible.
+test-gpu: venv
+	$(PY) tests/gpu_check.py
+
+## The documentation site: MkDocs + Material, strict (any warning fails), into site/. Its tools live in their own
+## environment (.venv-docs, pinned by docs/requirements.txt), apart from the library's constraints.txt.
+DOCS_VENV ?= .venv-docs
+docs: $(DOCS_VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict -d site
+
+$(DOCS_VENV)/.installed: docs/requirements.txt
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/pip install $(PIP_FLAGS) -r docs/requirements.txt
+	touch $@
 
 lint: venv
 	$(PY) -m ruff check accelerate_txn tests benchmarks examples
@@ -54,4 +75,4 @@ test-matrix:
 	$(PYTHON) .ci/matrix.py $(MATRIX_ARGS) -- $(MATRIX_TESTS)
 
 clean:
-	rm -rf $(VENV) .venv-accelerate-* .venv-matrix demo-output *.egg-info
+	rm -rf $(VENV) .venv-accelerate-* .venv-matrix .venv-docs site demo-output *.egg-info
