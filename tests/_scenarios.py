@@ -375,3 +375,23 @@ def multi_cpu_explicit(root: str) -> dict[str, Any]:
     return {"backend": acc2.distributed_type.name, "manifest": (path / accelerate_txn.MANIFEST).is_file(),
             "main_only": main_only,
             "differences": _same(expected, _local_state(model2, opt2))}
+
+
+def own_files(root: str) -> dict[str, Any]:
+    """A protected save, then each rank's share of the hash-and-fsync pass over a copy of the published tree."""
+    import json
+
+    from accelerate_txn._manifest import list_tree
+    from accelerate_txn._save import _own_rows
+
+    acc, model, opt, sched = _build(0)
+    register_checkpoint_state(acc, {"noise": torch.Generator().manual_seed(1)}, {"batches": 0})
+    _train(acc, model, opt, sched, 2, seed=1)
+    path = Path(root) / "ckpt"
+    acc.save_state(str(path))
+    templates = ["random_states_{rank}.pkl", "training_state_{rank}.pt"]
+    rows = _own_rows(path, templates, "full")
+    recorded = json.loads((path / accelerate_txn.MANIFEST).read_text())["files"]
+    return {"mine": sorted(rows), "tree": sorted(list_tree(path)),
+            # the manifest adds a DCP schema to .metadata rows; size and hash must be exactly this rank's
+            "rows_match_manifest": all({k: recorded[name][k] for k in row} == row for name, row in rows.items())}
