@@ -84,20 +84,25 @@ def _open_regular(path: Path) -> int:
 
 
 def hash_file(path: Path, algorithm: str = HASH, *, flush: bool = False) -> tuple[int, str]:
-    """``(size, hex digest)`` of ``path``; with ``flush`` the file is also fsynced (its writer calls this)."""
+    """``(size, hex digest)`` of ``path``; with ``flush`` the file is also fsynced (its writer calls this), in a
+    second thread while the hash reads it from the page cache, so the pass costs about the slower of the two."""
     digest = _hasher(algorithm)
     fd = _open_regular(Path(path))
     size = 0
     buffer = bytearray(_CHUNK)
     view = memoryview(buffer)
+    flushing = ThreadPoolExecutor(max_workers=1) if flush else None
     try:
+        synced = flushing.submit(os.fsync, fd) if flushing is not None else None
         with os.fdopen(fd, "rb", buffering=0, closefd=False) as stream:
             while count := stream.readinto(view):
                 digest.update(view[:count])
                 size += count
-        if flush:
-            os.fsync(fd)
+        if synced is not None:
+            synced.result()  # an fsync failure is raised here
     finally:
+        if flushing is not None:
+            flushing.shutdown(wait=True)
         os.close(fd)
     return size, digest.hexdigest()
 
