@@ -40,6 +40,14 @@ def class_name(value: Any) -> str:
     return f"{type(value).__module__}.{type(value).__qualname__}"
 
 
+def _model_class(model: Any) -> str:
+    """The model's class; for FSDP2 the class ``fully_shard`` swapped in (``FSDP<Name>``, created in a torch-private
+    module that moves between releases) is recorded as the user's class it derives from."""
+    from ._fsdp2 import original_class
+
+    return class_name(model) if original_class(model) is None else _qualified(original_class(model))
+
+
 def backend(accelerator: Any) -> str:
     return accelerator.distributed_type.name
 
@@ -54,6 +62,23 @@ def is_fsdp1_sharded(accelerator: Any) -> bool:
         and getattr(plugin, "fsdp_version", 1) == 1
         and getattr(plugin.state_dict_type, "name", None) == "SHARDED_STATE_DICT"
     )
+
+
+def is_fsdp2_sharded(accelerator: Any) -> bool:
+    """True for FSDP2 (``fully_shard``) with ``SHARDED_STATE_DICT``."""
+    if backend(accelerator) != "FSDP":
+        return False
+    plugin = accelerator.state.fsdp_plugin
+    return (
+        plugin is not None
+        and getattr(plugin, "fsdp_version", 1) == 2
+        and getattr(plugin.state_dict_type, "name", None) == "SHARDED_STATE_DICT"
+    )
+
+
+def is_fsdp_sharded(accelerator: Any) -> bool:
+    """FSDP1 or FSDP2 with ``SHARDED_STATE_DICT``: the FSDP configurations the protected path handles."""
+    return is_fsdp1_sharded(accelerator) or is_fsdp2_sharded(accelerator)
 
 
 PROTECTED_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
@@ -73,8 +98,8 @@ def unsupported_reason(accelerator: Any) -> str | None:
                 "ProjectConfiguration(save_on_each_node=False).")
     if mode != "FSDP":
         return None
-    if not is_fsdp1_sharded(accelerator):
-        return "Protected FSDP checkpoints require FSDP1 with state_dict_type=SHARDED_STATE_DICT."
+    if not is_fsdp_sharded(accelerator):
+        return "Protected FSDP checkpoints require FSDP1 or FSDP2 with state_dict_type=SHARDED_STATE_DICT."
     if len(prepared_models(accelerator)) != len(prepared_optimizers(accelerator)):
         return (f"Protected FSDP checkpoints need one optimizer per prepared model; this Accelerator has "
                 f"{len(prepared_models(accelerator))} models and {len(prepared_optimizers(accelerator))} optimizers.")
@@ -82,6 +107,10 @@ def unsupported_reason(accelerator: Any) -> str | None:
         reason = unsupported_state(raw_optimizer(optimizer))
         if reason:
             return f"Unsupported optimizer: {reason}."
+    if is_fsdp2_sharded(accelerator):
+        from ._fsdp2 import unsupported_fsdp2
+
+        return unsupported_fsdp2(accelerator)
     return _unsupported_units(accelerator)
 
 
@@ -176,13 +205,21 @@ def describe(accelerator: Any, *, require_model_ids: bool = True) -> dict[str, A
             "configure_checkpointing(model_ids=...) must name every prepared model, and only prepared models "
             f"(unknown roles: {strangers}); pass the models returned by accelerator.prepare()."
         )
-    classes = [class_name(accelerator.unwrap_model(model, keep_torch_compile=False)) for model in prepared_models(accelerator)]
+    classes = [_model_class(accelerator.unwrap_model(model, keep_torch_compile=False)) for model in prepared_models(accelerator)]
     models, optimizers = [], []
     for index, model in enumerate(prepared_models(accelerator)):
         optimizer = (raw_optimizer(prepared_optimizers(accelerator)[index])
                      if index < len(prepared_optimizers(accelerator)) else None)
         units: list[dict[str, Any]] = []
-        if fsdp:
+        placements: dict[str, Any] = {}
+        if fsdp and is_fsdp2_sharded(accelerator):
+            from ._fsdp2 import layout, mesh_shape
+
+            groups, layouts = layout(model, optimizer)
+            shapes = {name: entry[:3] for name, entry in layouts.items()}
+            placements = {name: entry[3] for name, entry in layouts.items()}
+            units = [{"fsdp_version": 2, "mesh": mesh_shape(model)}]
+        elif fsdp:
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
             groups, shapes = parameter_layout(model, optimizer)
@@ -208,7 +245,8 @@ def describe(accelerator: Any, *, require_model_ids: bool = True) -> dict[str, A
         models.append({
             "id": role,
             "class": classes[index],
-            "parameters": {name: {"shape": list(shape), "dtype": str(dtype), "requires_grad": bool(grad)}
+            "parameters": {name: {"shape": list(shape), "dtype": str(dtype), "requires_grad": bool(grad),
+                                  **({"placements": placements[name]} if name in placements else {})}
                            for name, (shape, dtype, grad) in sorted(shapes.items())},
             "config": _safe_plain(model_config),
             "fsdp": units,
@@ -373,6 +411,7 @@ def compare_descriptor(
             f"{where} was saved for a different training configuration:\n  " + "\n  ".join(found)
             + "\nResume with the configuration it was saved with (models and roles, optimizer type and groups, "
             "schedulers, precision, accumulation, world size, dataloaders, metadata), or start a new run directory."
+            + _reshard_hint(saved, current)
         )
     if migrated and warn:
         warnings.warn(
@@ -380,6 +419,17 @@ def compare_descriptor(
             "historically; the next save records them.", RuntimeWarning, stacklevel=3,
         )
     return migrated
+
+
+def _reshard_hint(saved: dict[str, Any], current: dict[str, Any]) -> str:
+    """The world-size part of a refusal: resuming on another number of ranks is refused unless resharding is
+    opted in to (``allow_reshard``, elastic resume; not available in this version)."""
+    if saved.get("world_size") == current.get("world_size"):
+        return ""
+    return (f"\nThis checkpoint was saved on {saved.get('world_size')} ranks and this run has "
+            f"{current.get('world_size')}: a world-size change is refused before anything is restored. Resume on "
+            f"{saved.get('world_size')} ranks; loading on another world size needs the elastic-resume opt-in "
+            "configure_checkpointing(accelerator, allow_reshard=True), which this version does not provide yet.")
 
 
 def participants(owners: Any) -> dict[str, Any]:

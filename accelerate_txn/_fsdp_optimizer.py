@@ -415,7 +415,14 @@ def validate_optimizer_checkpoint(accelerator: Any, input_dir: Path) -> None:
     """Check every FSDP optimizer checkpoint of ``accelerator`` in ``input_dir`` against the live models and
     optimizers (entries, shapes, groups, completeness) without changing anything and without collectives:
     the protected load runs this on every rank before the restore touches any state, for the direct path and
-    the conversion fallback alike."""
+    the conversion fallback alike. FSDP2: :func:`._fsdp2.validate_fsdp2_optimizer_checkpoint`."""
+    from ._descriptor import is_fsdp2_sharded
+
+    if is_fsdp2_sharded(accelerator):
+        from ._fsdp2 import validate_fsdp2_optimizer_checkpoint
+
+        validate_fsdp2_optimizer_checkpoint(accelerator, input_dir)
+        return
     allow_reorder = not prepared_schedulers(accelerator)
     for index, (model, optimizer) in enumerate(zip(prepared_models(accelerator), prepared_optimizers(accelerator))):
         optimizer = raw_optimizer(optimizer)
@@ -518,7 +525,14 @@ def _load_by_conversion(accelerator: Any, optimizer: torch.optim.Optimizer, mode
 
 def verify_restored(model: Any, optimizer: Any, directory: Path) -> None:
     """After a restore, every parameter with saved state (and a non-empty local shard) has live state with
-    every key the checkpoint recorded for it."""
+    every key the checkpoint recorded for it. FSDP2 models: :func:`._fsdp2.verify_restored_fsdp2`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        from ._fsdp2 import verify_restored_fsdp2
+
+        verify_restored_fsdp2(model, optimizer, directory)
+        return
     optimizer = raw_optimizer(optimizer)
     entries = _state_entries(read_dcp_metadata(directory))
     absent: list[str] = []

@@ -214,9 +214,13 @@ def sharded_tensor(local_shards: list[Any], shards_metadata: list[Any], size: An
 
 
 def local_tensors(tensor: Any) -> list[Any]:
-    """This rank's data of ``tensor``: the local shards' tensors of a ``ShardedTensor``, else ``[tensor]``."""
+    """This rank's data of ``tensor``: the local shards' tensors of a ``ShardedTensor``, the local tensor of a
+    ``DTensor`` (FSDP2; public ``to_local``), else ``[tensor]``."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
 
+    if isinstance(tensor, DTensor):
+        return [tensor.to_local()]
     return [shard.tensor for shard in tensor.local_shards()] if isinstance(tensor, ShardedTensor) else [tensor]
 
 

@@ -1,13 +1,14 @@
 """The import-time patch (wrapt), per-instance opt-in/out, and the dispatch decision.
 
-``install()`` wraps ``Accelerator.save_state``/``load_state`` and Accelerate's FSDP1 ``load_fsdp_model`` /
-``load_fsdp_optimizer`` (as bound in ``accelerate.accelerator``) exactly once; ``uninstall()`` puts the
-originals back. The wrappers only decide and hand off.
+``install()`` wraps ``Accelerator.save_state``/``load_state`` and Accelerate's ``load_fsdp_model`` /
+``load_fsdp_optimizer`` / ``save_fsdp_optimizer`` (as bound in ``accelerate.accelerator``) exactly once;
+``uninstall()`` puts the originals back. The wrappers only decide and hand off.
 
 Protected path when all hold (and every rank agrees, else every rank raises):
 automatic dispatch is on (``VIDEOX_ACCELERATE_PATCHES`` unset or truthy) or the instance was opted in with
 :func:`patch_accelerate_fsdp`; it was not opted out with :func:`unpatch_accelerate_fsdp`; the installed
-versions are validated (or the override is set); the backend is FSDP1 with ``SHARDED_STATE_DICT``; and the
+versions are validated (or the override is set); the backend is FSDP1 or FSDP2 with ``SHARDED_STATE_DICT`` (FSDP2
+only on the versions its path was validated on, ``_fsdp2.FSDP2_VALIDATED``, else native with one warning); and the
 protected path can handle this setup (``_descriptor.unsupported_reason``: optimizer state made of
 parameter-shaped tensors and scalars, a supported sharding strategy, ...; on load also the checkpoint's
 optimizer state), decided from the live state at each call and agreed on by every rank.
@@ -32,9 +33,9 @@ from weakref import WeakSet
 
 import wrapt
 
-from ._descriptor import is_fsdp1_sharded, unsupported_reason
+from ._descriptor import is_fsdp1_sharded, is_fsdp2_sharded, is_fsdp_sharded, unsupported_reason
 from ._internals import accelerator_module, prepared_optimizers
-from ._native import _OPTED_IN, _OPTED_OUT, ORIGINALS, routed
+from ._native import _OPTED_IN, _OPTED_OUT, ORIGINALS, fsdp_routing, routed
 from ._ranks import agree, any_rank, distributed, world_size
 from ._versions import override_requested, unsupported_message, versions_ok
 from .errors import CheckpointConfigurationError, UnsupportedVersionError
@@ -44,8 +45,10 @@ notices = logging.getLogger("accelerate_txn")  # the "protection is off" line: o
 _NOTED: WeakSet = WeakSet()  # Accelerators whose native FSDP run was logged
 _WARNED: WeakSet = WeakSet()  # Accelerators warned that an unsupported setup runs native
 PATCH_ENV = "VIDEOX_ACCELERATE_PATCHES"
-_TARGETS = ("Accelerator.save_state", "Accelerator.load_state", "load_fsdp_model", "load_fsdp_optimizer")
+_TARGETS = ("Accelerator.save_state", "Accelerator.load_state", "load_fsdp_model", "load_fsdp_optimizer",
+            "save_fsdp_optimizer")
 _warned_versions = False
+_warned_fsdp2 = False
 
 
 def automatic_dispatch_requested() -> bool:
@@ -60,8 +63,12 @@ def _native_condition(accelerator: Any, enabled: bool, eligible: bool, validated
         return f"automatic dispatch is off ({PATCH_ENV}={os.environ.get(PATCH_ENV, '')!r})"
     if not eligible:
         plugin = accelerator.state.fsdp_plugin
-        if plugin is not None and getattr(plugin, "fsdp_version", 1) != 1:
-            return f"FSDP{plugin.fsdp_version} is not protected (FSDP1 only)"
+        if is_fsdp2_sharded(accelerator):
+            from ._fsdp2 import fsdp2_validated_message
+
+            return f"FSDP2 is not validated on these versions ({fsdp2_validated_message()})"
+        if plugin is not None and getattr(plugin, "fsdp_version", 1) not in (1, 2):
+            return f"FSDP{plugin.fsdp_version} is not protected (FSDP1 and FSDP2 only)"
         kind = getattr(getattr(plugin, "state_dict_type", None), "name", None)
         return f"state_dict_type is {kind} (protected: SHARDED_STATE_DICT only)"
     if not validated:
@@ -117,6 +124,21 @@ def _agreed_reason(accelerator: Any, input_dir: Any, loading: bool) -> str | Non
     return next((f"rank {r}: {text}" for r, text in enumerate(gathered) if text), None)
 
 
+def _fsdp2_eligible(warn: bool) -> bool:
+    """FSDP2 is protected only on the versions its path was validated on (or with the override); elsewhere it
+    runs native after one warning (``warn``: dispatch is on for this Accelerator, so the user expects protection)."""
+    global _warned_fsdp2
+    from ._fsdp2 import fsdp2_validated, fsdp2_validated_message
+
+    if fsdp2_validated() or override_requested():
+        return True
+    if warn and not _warned_fsdp2:
+        _warned_fsdp2 = True
+        warnings.warn(f"accelerate-txn: FSDP2 checkpoints run native Accelerate save_state/load_state, UNPROTECTED: "
+                      f"{fsdp2_validated_message()}.", RuntimeWarning, stacklevel=5)
+    return False
+
+
 def _protected(accelerator: Any, input_dir: Any = None, *, loading: bool = False) -> bool:
     """The dispatch decision; for FSDP a collective (all ranks must agree)."""
     global _warned_versions
@@ -126,7 +148,7 @@ def _protected(accelerator: Any, input_dir: Any = None, *, loading: bool = False
         return False
     opted_in = accelerator in _OPTED_IN
     enabled = (opted_in or automatic_dispatch_requested()) and accelerator not in _OPTED_OUT
-    eligible = is_fsdp1_sharded(accelerator)
+    eligible = is_fsdp1_sharded(accelerator) or (is_fsdp2_sharded(accelerator) and _fsdp2_eligible(enabled))
     validated = versions_ok()
     agree({"enabled": enabled, "eligible": eligible, "validated": validated,
            "backend": accelerator.distributed_type.name}, "whether to use the protected checkpoint path")
@@ -163,7 +185,8 @@ def _save_state(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
 def _protected_save(instance: Any, output_dir: Any = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
     from ._save import save_training_checkpoint
 
-    return save_training_checkpoint(instance, output_dir, safe_serialization=safe_serialization, **kwargs)
+    with fsdp_routing(instance):  # FSDP2 optimizer saves go through _save_fsdp_optimizer's own writer
+        return save_training_checkpoint(instance, output_dir, safe_serialization=safe_serialization, **kwargs)
 
 
 def _load_state(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -185,7 +208,7 @@ def _load_fsdp_model(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
     # (fsdp_plugin, accelerator, model, input_dir, model_index=0, ...). Accelerate 1.7-1.14 pick the DCP
     # directory by substring ("pytorch_model_fsdp" anywhere in the path); pass the exact directory instead.
     accelerator = args[1] if len(args) > 1 else kwargs.get("accelerator")
-    if accelerator is None or not routed(accelerator) or not is_fsdp1_sharded(accelerator):
+    if accelerator is None or not routed(accelerator) or not is_fsdp_sharded(accelerator):
         return wrapped(*args, **kwargs)
     args = list(args)
     index = args[4] if len(args) > 4 else kwargs.get("model_index", 0)
@@ -202,8 +225,15 @@ def _load_fsdp_optimizer(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
     bound = dict(zip(names, args))
     bound.update({key: value for key, value in kwargs.items() if key in names})
     accelerator = bound.get("accelerator")
-    if accelerator is None or not routed(accelerator) or not is_fsdp1_sharded(accelerator):
+    if accelerator is None or not routed(accelerator) or not is_fsdp_sharded(accelerator):
         return wrapped(*args, **kwargs)
+    if is_fsdp2_sharded(accelerator):
+        from ._fsdp2 import fsdp2_validated, load_fsdp2_optimizer
+
+        if not (fsdp2_validated() or override_requested()):
+            return wrapped(*args, **kwargs)
+        return load_fsdp2_optimizer(accelerator, bound["optimizer"], bound["model"], bound["input_dir"],
+                                    bound.get("optimizer_index", 0))
     from ._fsdp_optimizer import load_sharded_optimizer
 
     # No barrier here (native has one): a bare collective inside a phase could pair with another rank's phase
@@ -212,11 +242,30 @@ def _load_fsdp_optimizer(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
                                   bound.get("optimizer_index", 0))
 
 
+def _save_fsdp_optimizer(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    # (fsdp_plugin, accelerator, optimizer, model, output_dir, optimizer_index=0, use_dcp=True). FSDP2 only: the
+    # native writer calls get_optimizer_state_dict, which steps an optimizer without state once (see _fsdp2).
+    names = ("fsdp_plugin", "accelerator", "optimizer", "model", "output_dir", "optimizer_index", "use_dcp")
+    bound = dict(zip(names, args))
+    bound.update({key: value for key, value in kwargs.items() if key in names})
+    accelerator = bound.get("accelerator")
+    if (accelerator is None or not routed(accelerator) or not is_fsdp2_sharded(accelerator)
+            or not bound.get("use_dcp", True)):
+        return wrapped(*args, **kwargs)
+    from ._fsdp2 import fsdp2_validated, save_fsdp2_optimizer
+
+    if not (fsdp2_validated() or override_requested()):
+        return wrapped(*args, **kwargs)
+    return save_fsdp2_optimizer(bound["optimizer"], bound["model"], bound["output_dir"],
+                                bound.get("optimizer_index", 0))
+
+
 _WRAPPERS = {
     "Accelerator.save_state": _save_state,
     "Accelerator.load_state": _load_state,
     "load_fsdp_model": _load_fsdp_model,
     "load_fsdp_optimizer": _load_fsdp_optimizer,
+    "save_fsdp_optimizer": _save_fsdp_optimizer,
 }
 
 
@@ -252,7 +301,8 @@ def uninstall() -> None:
 def patch_accelerate_fsdp(accelerator: Any) -> Any:
     """Opt ``accelerator`` in to the protected path (also with ``VIDEOX_ACCELERATE_PATCHES=0``); returns it.
 
-    Its FSDP1 sharded optimizer loads, even through a native ``load_state``, use accelerate-txn's loader.
+    Its FSDP1 (and, on validated versions, FSDP2) sharded optimizer loads, even through a native ``load_state``,
+    use accelerate-txn's loaders.
     Raises :class:`UnsupportedVersionError` outside the validated version table unless
     ``VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1``.
     """

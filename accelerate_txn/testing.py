@@ -1,4 +1,4 @@
-"""CPU test harness: a real Accelerate FSDP1 setup on CPU with gloo, and a multi-process launcher.
+"""CPU test harness: a real Accelerate FSDP1 (or FSDP2) setup on CPU with gloo, and a multi-process launcher.
 
 Accelerate never selects FSDP on CPU by itself. :func:`fsdp_accelerator` builds ``Accelerator(cpu=True)`` in a
 gloo process group and then forces ``distributed_type``, the FSDP plugin and the device, so FSDP
@@ -58,7 +58,8 @@ def fsdp_accelerator(
     Pass either ``project_config`` (an Accelerate ``ProjectConfiguration``) or the shortcuts ``project_dir``,
     ``automatic_checkpoint_naming`` and ``total_limit``, not both. ``state_dict_type``: ``"SHARDED_STATE_DICT"``
     (what the protected path handles) or ``"LOCAL_STATE_DICT"``; ``"FULL_STATE_DICT"`` is refused because its
-    native save crashes the saving process on CPU (see :data:`UNSUPPORTED_STATE_DICT_TYPES`).
+    native save crashes the saving process on CPU (see :data:`UNSUPPORTED_STATE_DICT_TYPES`). ``fsdp_version=2``:
+    Accelerate's FSDP2 (``fully_shard``, DTensor parameters); prepare the model and its optimizer together.
     """
     from accelerate import Accelerator, FullyShardedDataParallelPlugin, PartialState
     from accelerate.utils import DistributedType, ProjectConfiguration

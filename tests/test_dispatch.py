@@ -80,7 +80,6 @@ def test_explicit_opt_in_refuses_an_unsupported_optimizer_with_the_reason(
     ("full_state_dict", "state_dict_type is FULL_STATE_DICT (protected: SHARDED_STATE_DICT only)"),
     ("opted_out", "opted out with unpatch_accelerate_fsdp()"),
     ("env_off", "automatic dispatch is off (VIDEOX_ACCELERATE_PATCHES='0')"),
-    ("fsdp2", "FSDP2 is not protected (FSDP1 only)"),
 ])
 def test_each_native_fsdp_setup_logs_one_info_line_naming_the_condition(
         fallbacks: list[dict[str, Any]], case: str, condition: str) -> None:
@@ -94,10 +93,13 @@ def test_each_native_fsdp_setup_logs_one_info_line_naming_the_condition(
     assert rank0["full_state_dict_protected"] == [False, False]
 
 
-def test_a_protected_setup_logs_no_notice(fallbacks: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("case", ["protected", "fsdp2"])
+def test_a_protected_setup_logs_no_notice(fallbacks: list[dict[str, Any]], case: str) -> None:
+    # FSDP2 SHARDED_STATE_DICT is protected on validated versions (tests/test_fsdp2.py: its native fallback on
+    # unvalidated versions logs "FSDP2 is not validated on these versions (...)").
     for obs in fallbacks:
-        assert obs["protected_manifest"] is True and obs["protected_error"] is None
-        assert _notices(obs["protected_seen"]) == [] and obs["protected_seen"]["warnings"] == []
+        assert obs[f"{case}_manifest"] is True and obs[f"{case}_error"] is None
+        assert _notices(obs[f"{case}_seen"]) == [] and obs[f"{case}_seen"]["warnings"] == []
 
 
 def test_world_size_one_no_shard_is_protected_and_restores_exactly(tmp_path: Any) -> None:
