@@ -48,7 +48,9 @@ $(DOCS_VENV)/.installed: docs/requirements.txt
 lint: venv
 	$(PY) -m ruff check accelerate_txn tests benchmarks examples
 
+## Every benchmark exactly as docs/benchmarks.md records it; writes benchmarks/results/*.json and docs/img/*.png.
 bench: venv
+	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt -e '.[bench]'
 	$(PY) benchmarks/run_all.py
 
 ## The distributed tests again on another validated Accelerate: make test-accelerate ACCELERATE_VERSION=1.13.0
