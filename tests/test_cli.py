@@ -460,3 +460,11 @@ def test_export_shard_size_default_is_the_api_default_and_units_are_explicit(cli
 def test_export_of_a_missing_checkpoint_is_a_usage_error_without_traceback(tmp_path: Path) -> None:
     result = _subprocess("export", str(tmp_path / "nope"), str(tmp_path), str(tmp_path / "out"), "--dtype", "bf16")
     assert result.returncode == 2 and "does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_inspect_summary_names_fsdp2_layouts_by_version_and_mesh() -> None:
+    from accelerate_txn.cli._describe import summarize
+
+    fsdp2 = summarize({"models": [{"parameters": {}, "fsdp": [{"fsdp_version": 2, "mesh": [2]}]}]})["models"][0]
+    fsdp1 = summarize({"models": [{"parameters": {}, "fsdp": [{"sharding": "FULL_SHARD"}]}]})["models"][0]
+    assert fsdp2["sharding"] == ["FSDP2 mesh [2]"] and fsdp1["sharding"] == ["FULL_SHARD"]

@@ -32,7 +32,9 @@ def _model(model: dict[str, Any]) -> dict[str, Any]:
         "tensors": len(rows),
         "dtypes": sorted({str(row.get("dtype")) for row in rows}),
         "fsdp_units": len(units),
-        "sharding": sorted({str(unit.get("sharding")) for unit in units}),
+        # FSDP1 units record their sharding strategy; FSDP2 records its version and device-mesh shape instead.
+        "sharding": sorted({str(unit["sharding"]) if unit.get("sharding") is not None
+                            else f"FSDP{unit.get('fsdp_version', '?')} mesh {unit.get('mesh')}" for unit in units}),
         "config": _dict(model.get("config")),
     }
 
