@@ -45,15 +45,18 @@ _LAZY = {
     "on_main": "_ranks",
     "save_training_checkpoint": "_save",
     "latest_training_checkpoint": "_select",
+    "wait_for_checkpoint": "_async",
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from ._async import wait_for_checkpoint
     from ._config import configure_checkpointing
     from ._finite import check_finite_state, check_finite_training_value
     from ._load import load_training_checkpoint
     from ._manifest import MANIFEST, PROTOCOL
     from ._patch import install, patch_accelerate_fsdp, uninstall, unpatch_accelerate_fsdp
-    from ._ranks import agree, on_main
+    from ._ranks import agree as agree  # rank helpers: importable, not in __all__
+    from ._ranks import on_main as on_main
     from ._rng import register_checkpoint_state
     from ._save import save_training_checkpoint
     from ._select import latest_training_checkpoint
@@ -115,4 +118,5 @@ __all__ = [
     "save_training_checkpoint",
     "unpatch_accelerate_fsdp",
     "uninstall",
+    "wait_for_checkpoint",
 ]

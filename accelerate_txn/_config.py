@@ -68,6 +68,7 @@ class CheckpointConfig:
     private_states: dict[str, dict[str, Any]] = field(default_factory=dict)
     validators: dict[str, Validator] = field(default_factory=dict)
     run_id: str | None = None
+    async_save: bool = False
     failed: bool = False
     step_guards: list[Any] = field(default_factory=list)
 
@@ -117,6 +118,7 @@ def configure_checkpointing(
     legacy_metadata_groups: Iterable[Iterable[str]] | None = None,
     lock_timeout: float | None = None,
     trust_custom_objects: bool | None = None,
+    async_save: bool | None = None,
 ) -> Any:
     """Configure protected checkpoints of one Accelerator; returns it.
 
@@ -141,6 +143,10 @@ def configure_checkpointing(
       with ``weights_only=False``, for objects whose state holds arbitrary Python types. Default False: they are
       read with ``weights_only=True`` in the restore preflight and restored from that state, so nothing in a
       checkpoint runs code. Only for checkpoints you trust: a crafted file then runs its code.
+    * ``async_save``: ``save_state`` returns once this rank's state is copied to host memory; writing, hashing,
+      flushing, the manifest, the atomic publish and retention run in a background thread (one save in flight;
+      the next save, ``wait_for_checkpoint`` and ``end_training`` wait for it and raise its error). Costs one
+      host copy of this rank's model and optimizer shards while the write runs. Default False.
     """
     config = checkpoint_config(accelerator)
     changes: dict[str, Any] = {}
@@ -173,6 +179,11 @@ def configure_checkpointing(
         changes["checksum"] = checksum
     if trust_custom_objects is not None:
         changes["trust_custom_objects"] = bool(trust_custom_objects)
+    if async_save is not None:
+        if not isinstance(async_save, bool):
+            raise CheckpointConfigurationError(
+                f"configure_checkpointing(async_save={async_save!r}): use True (save in the background) or False")
+        changes["async_save"] = async_save
     if lock_timeout is not None:
         changes["lock_timeout"] = _valid_lock_timeout(lock_timeout, "configure_checkpointing(lock_timeout=...)")
     for name, value in changes.items():  # everything validated: now change it

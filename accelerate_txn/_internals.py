@@ -252,6 +252,22 @@ def has_load_state_dict_pre_hooks(optimizer: Any) -> bool:
     return bool(optimizer._optimizer_load_state_dict_pre_hooks)
 
 
+# --- Python runtime ---------------------------------------------------------------------------------------------
+# threading._register_atexit (CPython 3.9+, checked on 3.10-3.13): hooks that run at interpreter exit before
+# non-daemon threads are joined and before atexit, newest first; concurrent.futures registers its own there.
+
+
+def register_thread_exit_hook(function: Callable[[], None]) -> bool:
+    """Run ``function`` at interpreter exit before ``concurrent.futures`` refuses new work; False if unavailable."""
+    import threading
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        return False
+    register(function)
+    return True
+
+
 # --- NumPy ------------------------------------------------------------------------------------------------------
 # Accelerate's RNG files pickle NumPy arrays through ``numpy.core.multiarray._reconstruct``, which NumPy 2 moved to
 # ``numpy._core.multiarray`` (``numpy.core`` remains as a deprecated alias). Chosen by what the installed NumPy

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from . import _faults
+from . import _async, _faults
 from ._config import checkpoint_config, mark_failed, raw_optimizer
 from ._descriptor import backend, compare_descriptor, describe, participants
 from ._finite import check_finite_state
@@ -189,6 +189,7 @@ def load_training_checkpoint(owners: Any, input_dir: str | Path | None = None, *
     Returns the restored checkpoint's path.
     """
     group = run_phase(lambda: participants(owners), "Checking checkpoint participants")
+    _async.settle(list(group.values()))  # an asynchronous save in flight is published (or raises) first
     run_phase(require_supported_versions, "Checking the installed versions")
     primary = next(iter(group.values()))
     candidates, automatic = on_main(lambda: _candidates(primary, group, input_dir), "Selecting the checkpoint")

@@ -17,10 +17,14 @@ Order (each step a rank phase: a failure anywhere raises the same error everywhe
 ``_faults.point`` marks the instants the crash-consistency tests kill a rank at.
 
 On failure the iteration counters are restored and staging is removed; nothing is published.
+
+With ``async_save`` (see ``_async``) steps 1-4 run in the caller (the DCP writes of step 4 staged in memory)
+and the DCP writes, then steps 5-6 (``_finish``) run in a background thread over a dedicated process group.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -28,13 +32,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _faults
+from . import _async, _faults
 from ._config import checkpoint_config, ensure_not_failed, raw_optimizer
 from ._descriptor import describe, participants
 from ._finite import check_finite_state
 from ._internals import load_state_pre_hooks, prepared_models, prepared_optimizers, save_state_pre_hooks
 from ._manifest import HASH, MANIFEST, PROTOCOL, add_schemas, hash_rows, list_tree, write_manifest, writer_rank
-from ._native import automatic_naming_off, native_method, synchronized_hooks
+from ._native import automatic_naming_off, fsdp_routing, native_method, synchronized_hooks
 from ._ranks import agree, distributed, on_main, rank, run_phase, world_size
 from ._required import check_required_files, rank_files
 from ._select import complete_run_id, numbered_checkpoints, prune
@@ -98,12 +102,12 @@ def _own_rows(staging: Path, templates: list[str], integrity: str) -> dict[str, 
                      after_first=lambda: _faults.point("save:during-flush"))
 
 
-def _gather_rows(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _gather_rows(rows: dict[str, dict[str, Any]], group: Any = None) -> dict[str, dict[str, Any]]:
     """Rank 0 receives every rank's rows (the other ranks get ``{}``)."""
     if not distributed():
         return rows
     gathered: list[Any] = [None] * world_size() if rank() == 0 else []
-    dist.gather_object(rows, gathered if rank() == 0 else None, dst=0)
+    dist.gather_object(rows, gathered if rank() == 0 else None, dst=0, group=group)
     merged: dict[str, dict[str, Any]] = {}
     for part in gathered:
         merged.update(part or {})
@@ -149,7 +153,7 @@ class _Reservation:
             raise
 
     def publish(self, owners: dict[str, Any], descriptors: dict[str, Any], run_id: str, integrity: str,
-                rows: dict[str, dict[str, Any]]) -> str:
+                rows: dict[str, dict[str, Any]], steps: dict[str, int] | None = None) -> str:
         staging = self.staged.staging
         for name, owner in owners.items():
             check_required_files(owner, staging / name, range(owner.num_processes), read_custom=False)
@@ -171,7 +175,7 @@ class _Reservation:
             "run_id": run_id,
             "transaction_id": self.staged.txid,
             "components": descriptors,
-            "steps": {name: owner.step for name, owner in owners.items()},
+            "steps": steps if steps is not None else {name: owner.step for name, owner in owners.items()},
             "versions": installed_versions(),
             "integrity": integrity,
             "hash": HASH,
@@ -188,21 +192,64 @@ class _Reservation:
             self.lock.release()
 
 
+def _on_main(function: Any, context: str, group: Any = None) -> Any:
+    """``_ranks.on_main`` over ``group`` (rank 0 of the default group is rank 0 of the background group)."""
+    value = run_phase(lambda: function() if rank() == 0 else None, context, group)
+    if distributed():
+        holder = [value]
+        dist.broadcast_object_list(holder, src=0, group=group)
+        value = holder[0]
+    return value
+
+
+def _finish(group: Any, owners: dict[str, Any], staging: Path, templates: list[str], integrity: str,
+            reservation: _Reservation | None, descriptors: dict[str, Any], run_id: str, path: Path,
+            limit: int | None, steps: dict[str, int], record: dict[str, str] | None = None) -> str:
+    """Steps 5-6 over ``group`` (None: the default group): hash and flush, publish (noted in ``record`` at once),
+    retention."""
+    for name, owner in owners.items():
+        run_phase(lambda owner=owner, target=staging / name: check_required_files(
+            owner, target, (owner.process_index,), read_custom=False), "Checking this rank's staged files", group)
+    # Every rank hashes and flushes what it wrote (on a shared filesystem only the writer's fsync is reliable).
+    rows = _gather_rows(run_phase(lambda: _own_rows(staging, templates, integrity),
+                                  "Hashing and flushing the staged checkpoint", group), group)
+    published: str = _on_main(lambda: reservation.publish(owners, descriptors, run_id, integrity,  # type: ignore[union-attr]
+                                                          rows, steps), f"Publishing {path}", group)
+    if record is not None:
+        record["published"] = published
+    _faults.point("save:after-rename")
+    if limit is not None:
+        try:
+            _on_main(lambda: [str(p) for p in prune(path.parent, run_id, limit, path)], "Retention", group)
+        except CheckpointError as exc:  # the new checkpoint is published: report, don't fail the save
+            if rank() == 0:
+                logger.warning("Checkpoint %s is published, but retention failed: %s", published, exc)
+    logger.info("Published checkpoint %s (%s)", published, MANIFEST)
+    return published
+
+
 def save_training_checkpoint(
     owners: Any,
     output_dir: str | Path | None = None,
     *,
     checkpoint_limit: int | None = None,
     safe_serialization: bool = True,
+    async_save: bool | None = None,
     **kwargs: Any,
-) -> Path:
+) -> Path | _async.AsyncCheckpoint:
     """Atomically save one Accelerator, or ``{component: Accelerator}`` as one checkpoint; returns its path.
 
     Collective: every rank calls it. Either a complete, verified checkpoint is published at the returned path
     and older complete checkpoints of the same run beyond ``checkpoint_limit`` (default: ``total_limit`` with
     automatic naming) are pruned, or every rank raises the same error and nothing is published.
+
+    ``async_save`` (default: ``configure_checkpointing(async_save=...)``): return once this rank's state is
+    staged in memory, with an ``AsyncCheckpoint`` handle (a path-like; ``.wait()``, ``.done()``); the rest of the
+    transaction runs in the background. A save in flight is always waited for first (its error raised).
     """
     group = run_phase(lambda: participants(owners), "Checking checkpoint participants")
+    _async.settle(list(group.values()))  # at most one save in flight: wait, or raise its error (on every rank)
+    background = any(checkpoint_config(o).async_save for o in group.values()) if async_save is None else async_save
     run_phase(require_supported_versions, "Checking the installed versions")
     primary = next(iter(group.values()))
     path, limit = run_phase(lambda: _resolve_destination(primary, output_dir, checkpoint_limit), "Resolving the path")
@@ -210,7 +257,8 @@ def save_training_checkpoint(
     policies = {name: {"finite": checkpoint_config(o).check_finite, "checksum": checkpoint_config(o).checksum,
                        "lock_timeout": checkpoint_config(o).lock_timeout} for name, o in group.items()}
     hooks = {name: [len(save_state_pre_hooks(o)), len(load_state_pre_hooks(o))] for name, o in group.items()}
-    agree({"path": str(path), "limit": limit, "policies": policies, "hooks": hooks}, "the checkpoint path and policies")
+    agree({"path": str(path), "limit": limit, "policies": policies, "hooks": hooks, "async": bool(background)},
+          "the checkpoint path and policies")
     agree(descriptors, "the training configuration")
     run_ids = sorted({checkpoint_config(o).run_id for o in group.values()} - {None})
     agree(run_ids, "the run id")
@@ -225,44 +273,47 @@ def save_training_checkpoint(
     reservation = run_phase(lambda: _Reservation(path, run_id, checkpoint_config(primary).lock_timeout)
                             if rank() == 0 else None, "Preparing the directory lock")
     published: str | None = None
+    handle: _async.AsyncCheckpoint | None = None
+    done: dict[str, str] = {}  # the synchronous tail notes its publish here (before retention)
     try:
         staging = Path(on_main(lambda: reservation.open(), f"Reserving {path}"))  # type: ignore[union-attr]
-        for name, owner in group.items():
-            target = staging / name
-            save = native_method(owner, "save_state")
+        steps = {name: owner.step for name, owner in group.items()}
+        comm = run_phase(_async.background_group, "Creating the background process group") if background else None
+        with _async.capture_dcp_saves(bool(background)) as writes:
+            for name, owner in group.items():
+                target = staging / name
+                save = native_method(owner, "save_state")
 
-            def native_save(owner: Any = owner, target: Path = target, save: Any = save) -> None:
-                with automatic_naming_off(owner), synchronized_hooks(owner):
-                    save(str(target), safe_serialization=safe_serialization, **kwargs)
+                def native_save(owner: Any = owner, target: Path = target, save: Any = save) -> None:
+                    # fsdp_routing: FSDP2 optimizer state is written by accelerate-txn's writer (no dummy step)
+                    with automatic_naming_off(owner), synchronized_hooks(owner), fsdp_routing(owner):
+                        save(str(target), safe_serialization=safe_serialization, **kwargs)
 
-            run_phase(native_save, f"Saving {name or 'the checkpoint'} into {staging}")
-            _faults.point("save:after-native-save")
-            run_phase(lambda owner=owner, target=target: check_required_files(
-                owner, target, (owner.process_index,), read_custom=False), "Checking this rank's staged files")
-        # Every rank hashes and flushes what it wrote (on a shared filesystem only the writer's fsync is reliable).
-        rows = _gather_rows(run_phase(lambda: _own_rows(staging, templates, integrity),
-                                      "Hashing and flushing the staged checkpoint"))
-        published = on_main(lambda: reservation.publish(group, descriptors, run_id, integrity, rows),  # type: ignore[union-attr]
-                            f"Publishing {path}")
-        _faults.point("save:after-rename")
-        for owner in group.values():
-            checkpoint_config(owner).run_id = run_id
-        if limit is not None:
-            try:
-                on_main(lambda: [str(p) for p in prune(path.parent, run_id, limit, path)], "Retention")
-            except CheckpointError as exc:  # the new checkpoint is published: report, don't fail the save
-                if rank() == 0:
-                    logger.warning("Checkpoint %s is published, but retention failed: %s", published, exc)
+                run_phase(native_save, f"Saving {name or 'the checkpoint'} into {staging}")
+                _faults.point("save:after-native-save")
+        finish = functools.partial(_finish, owners=group, staging=staging, templates=templates, integrity=integrity,
+                                   reservation=reservation, descriptors=descriptors, run_id=run_id, path=path,
+                                   limit=limit, steps=steps)
+        if background:
+            _async.install_exit_handling()
+            handle = _async.AsyncCheckpoint(path, list(group.values()), iterations)
+            handle.start(writes, finish, reservation.close if reservation is not None else lambda: None, comm)
+        else:
+            published = finish(None, record=done)
     except BaseException:
-        if published is None:
+        if done:  # published, then interrupted during retention: the checkpoint stands, and so does its run id
+            for owner in group.values():
+                checkpoint_config(owner).run_id = run_id
+        elif handle is None:
             for owner, iteration in iterations.values():
                 owner.project_configuration.iteration = iteration
         raise
     finally:
-        if reservation is not None:
+        if reservation is not None and handle is None:
             reservation.close()
+    for owner in group.values():
+        checkpoint_config(owner).run_id = run_id
     # Native save_state advanced each iteration counter once per call: keep exactly one advance.
     for owner, iteration in iterations.values():
         owner.project_configuration.iteration = iteration + 1
-    logger.info("Published checkpoint %s (%s)", published, MANIFEST)
-    return Path(published)
+    return handle if handle is not None else Path(published)  # type: ignore[arg-type]

@@ -134,6 +134,20 @@ def test_optimizer_load_state_dict_pre_hooks_are_seen() -> None:
     assert _internals.has_load_state_dict_pre_hooks(optimizer) is False
 
 
+def test_thread_exit_hook_runs_before_concurrent_futures_shuts_down() -> None:
+    import subprocess
+    import sys
+
+    code = ("from concurrent.futures import ThreadPoolExecutor\n"  # registers its own exit hook first
+            "import accelerate_txn._internals as _internals\n"
+            "def hook():\n"
+            "    with ThreadPoolExecutor(1) as pool:\n"
+            "        print('pool ok', pool.submit(lambda: 42).result(), flush=True)\n"
+            "assert _internals.register_thread_exit_hook(hook)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "pool ok 42" in done.stdout, done.stderr
+
+
 def test_numpy_reconstruct_is_what_numpy_arrays_pickle_through() -> None:
     assert np.arange(3).__reduce__()[0] is _internals.numpy_reconstruct()
 

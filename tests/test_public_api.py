@@ -38,6 +38,7 @@ _ORIGINS: dict[str, str | None] = {
     "save_training_checkpoint": "_save",
     "unpatch_accelerate_fsdp": "_patch",
     "uninstall": "_patch",
+    "wait_for_checkpoint": "_async",
     **dict.fromkeys(errors.__all__, "errors"),
 }
 

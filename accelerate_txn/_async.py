@@ -1,0 +1,308 @@
+"""Asynchronous protected save: training waits for a memory copy, not for the disk.
+
+With ``async_save`` the protected save runs native ``save_state`` into staging as usual, except that the DCP
+writes of the FSDP sharded model and optimizer state dicts are *captured*: the state dict Accelerate built is
+copied to host memory (:func:`staged_copy`) and written later, with the same ``FileSystemWriter`` and planner
+Accelerate passed, so the files are the ones native ``save_state`` writes (the capture is a wrapt wrapper on
+``torch.distributed.checkpoint.save``, installed once and active only in the saving thread). The small files
+(scheduler, RNG, sampler, custom and private state) are written synchronously. Then ``save_state`` returns an
+:class:`AsyncCheckpoint` handle and one background thread per process:
+
+1. writes the captured state dicts with DCP over a dedicated gloo process group (:func:`background_group`), so
+   background collectives never interleave with training collectives;
+2. runs the rest of the transaction unchanged (``_save._finish``: required files, per-rank hash + fsync, rows
+   gathered to rank 0, manifest, atomic rename, retention), every step a rank phase on that group, so a failure
+   on any rank becomes the same error on every rank;
+3. releases the staged copy and the directory lock.
+
+The thread runs at a lower CPU priority (:data:`BACKGROUND_NICENESS`) so that training keeps the CPU. What still
+blocks: FSDP1 builds its sharded state dicts in the caller (it unshards each parameter and gathers the optimizer
+state over the training process group, so it cannot move to another thread), plus the host copy.
+
+At most one save is in flight per Accelerator: :func:`settle` (called by the next save and by
+:func:`wait_for_checkpoint`) waits for it and raises its error once. ``Accelerator.end_training`` waits before
+destroying the process group; at interpreter exit the save in flight is waited for and an error nobody waited for
+is logged. ``ACCELERATE_TXN_ASYNC_FAIL_AT=R`` makes rank ``R`` raise inside its background write (``R#K1,K2``:
+only in this process's K1-th, K2-th asynchronous saves): for the tests only, like ``_faults``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import copy
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from weakref import WeakKeyDictionary
+
+import torch
+
+from ._ranks import distributed, run_phase
+from .errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+FAIL_ENV = "ACCELERATE_TXN_ASYNC_FAIL_AT"
+#: Niceness added to the background thread (Linux): the write yields the CPU to training when both compete.
+BACKGROUND_NICENESS = 10
+
+_IN_FLIGHT: WeakKeyDictionary = WeakKeyDictionary()  # Accelerator -> its newest unsettled AsyncCheckpoint
+_HANDLES: list[AsyncCheckpoint] = []  # for the exit report (strong: a handle lives until settled or exit)
+_GROUP: list[Any] = []  # the background process group, created once per process
+_saves_started = [0]
+
+
+@dataclass
+class _Write:
+    """A DCP save Accelerate asked for, with its state dict copied to host memory."""
+
+    state_dict: dict[str, Any]
+    storage_writer: Any
+    planner: Any
+
+
+# --------------------------------------------------------------------------------------------------- staging
+def _copy_tensor(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    source = tensor.detach()
+    target = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=pin and source.is_cuda)
+    target.copy_(source, non_blocking=pin and source.is_cuda)
+    return target
+
+
+def staged_copy(value: Any, pin: bool = True) -> Any:
+    """A host-memory copy of a DCP state dict: tensors copied (plain tensors into fresh dense, with CUDA pinned,
+    memory; ``ShardedTensor``/``DTensor`` by their own deep copy, which keeps their sharding metadata),
+    containers rebuilt, everything else shared (ints, floats, strings are immutable)."""
+    if isinstance(value, torch.Tensor):
+        if type(value) is torch.Tensor:
+            return _copy_tensor(value, pin)
+        if value.device.type == "cpu":
+            return copy.deepcopy(value)
+        return value.to(device="cpu")  # a copy whose placements say CPU (as torch's own async staging does)
+    if isinstance(value, dict):
+        return type(value)((key, staged_copy(item, pin)) for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(staged_copy(item, pin) for item in value)
+    return value
+
+
+_capturing = threading.local()  # .writes: the list a native save in this thread stages into
+
+
+def _dcp_save(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    writes = getattr(_capturing, "writes", None)
+    if writes is None:
+        return wrapped(*args, **kwargs)
+    state_dict = args[0] if args else kwargs.get("state_dict")
+    if state_dict is None or kwargs.get("storage_writer") is None or kwargs.get("checkpoint_id") is not None:
+        raise CheckpointError("Asynchronous save expected Accelerate's dcp.save(state_dict, storage_writer=...) "
+                              "call; this Accelerate version saves differently: save synchronously (async_save=False).")
+    writes.append(_Write(staged_copy(state_dict), kwargs["storage_writer"], kwargs.get("planner")))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the pinned copies are complete before training mutates the sources
+    return None
+
+
+@contextlib.contextmanager
+def capture_dcp_saves(active: bool) -> Iterator[list[_Write]]:
+    """While active, ``torch.distributed.checkpoint.save`` called from this thread (as Accelerate calls it) stages
+    the state dict in memory instead of writing. The wrapper is installed once (wrapt) and passes every other
+    call (other threads, the background write itself) through unchanged."""
+    writes: list[_Write] = []
+    if not active:
+        yield writes
+        return
+    if not _installed_capture:
+        import torch.distributed.checkpoint as dcp
+        import wrapt
+
+        wrapt.wrap_function_wrapper(dcp, "save", _dcp_save)
+        _installed_capture.append(True)
+    _capturing.writes = writes
+    try:
+        yield writes
+    finally:
+        _capturing.writes = None
+
+
+_installed_capture: list[bool] = []
+
+
+def background_group() -> Any:
+    """The process group of the background writes (gloo), created collectively on first use; None alone."""
+    if not distributed():
+        return None
+    if not _GROUP:
+        import torch.distributed as dist
+
+        _GROUP.append(dist.new_group(backend="gloo"))
+    return _GROUP[0]
+
+
+# ------------------------------------------------------------------------------------------------ the handle
+def _injected_failure() -> None:
+    wanted = os.environ.get(FAIL_ENV)
+    if not wanted:
+        return
+    rank, _, counts = wanted.partition("#")
+    if rank == os.environ.get("RANK", "0") and (not counts or str(_saves_started[0]) in counts.split(",")):
+        raise OSError(f"injected background write failure on rank {rank} ({FAIL_ENV}={wanted})")
+
+
+def _yield_cpu() -> None:
+    """Lower this (background) thread's priority so training keeps the CPU when they compete; threads it starts
+    (the hashing pool) inherit it. Linux: a thread id is a valid ``PRIO_PROCESS`` target; elsewhere a no-op."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICENESS)
+
+
+class AsyncCheckpoint(os.PathLike):
+    """A protected save still being written in the background; ``os.fspath``/``str`` give its final path.
+
+    :meth:`wait` blocks until it is published (returns the path) or raises the error every rank got.
+    """
+
+    def __init__(self, path: Path, owners: list[Any], iterations: dict[int, tuple[Any, int]]) -> None:
+        self.path = path
+        self._owners = owners
+        self._iterations = iterations
+        self._error: BaseException | None = None
+        self._reported = False
+        self._thread: threading.Thread | None = None
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def __repr__(self) -> str:
+        state = "in flight" if not self.done() else ("failed" if self._error else "published")
+        return f"<AsyncCheckpoint {self.path} {state}>"
+
+    def start(self, writes: list[_Write], finish: Callable[[Any], str], close: Callable[[], None], group: Any) -> None:
+        self._thread = threading.Thread(target=self._run, args=(writes, finish, close, group),
+                                        name=f"accelerate-txn async save {self.path.name}", daemon=False)
+        for owner in self._owners:
+            _IN_FLIGHT[owner] = self
+        _HANDLES.append(self)
+        self._thread.start()
+
+    def _run(self, writes: list[_Write], finish: Callable[[Any], str], close: Callable[[], None], group: Any) -> None:
+        from torch.distributed.checkpoint.state_dict_saver import save
+
+        _yield_cpu()
+        try:
+            _saves_started[0] += 1
+            while writes:
+                write = writes.pop(0)  # dropped after its write: the staged copy is released step by step
+
+                def dcp_write(write: _Write = write) -> None:
+                    save(write.state_dict, storage_writer=write.storage_writer, planner=write.planner,
+                         process_group=group)
+
+                run_phase(dcp_write, f"Writing {write.storage_writer.path} in the background", group)
+                del write, dcp_write  # release this staged state dict now, before the next write and the hashing
+            if os.environ.get(FAIL_ENV):  # tests only (set alike on every rank)
+                run_phase(_injected_failure, "Writing the checkpoint in the background", group)
+            finish(group)
+        except BaseException as exc:  # kept for the next save/wait on every rank (each got the same error)
+            self._error = exc
+        finally:
+            writes.clear()
+            try:
+                close()
+            except BaseException as exc:  # never lose it in the thread's excepthook
+                self._error = self._error or exc
+
+    def done(self) -> bool:
+        return self._thread is not None and not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> Path:
+        """Wait until published; raise the background error (once: a settled handle is forgotten)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise CheckpointError(f"The asynchronous save of {self.path} is still running after {timeout} s.")
+        self._settle()
+        if self._error is not None:
+            raise self._error
+        return self.path
+
+    def _settle(self) -> None:
+        for owner in self._owners:
+            if _IN_FLIGHT.get(owner) is self:
+                del _IN_FLIGHT[owner]
+        if self in _HANDLES:
+            _HANDLES.remove(self)
+        if self._error is not None and not self._reported:
+            self._reported = True
+            # Not published: give the reserved checkpoint number back (as a failed synchronous save does).
+            for owner, iteration in self._iterations.values():
+                if owner.project_configuration.iteration == iteration + 1:
+                    owner.project_configuration.iteration = iteration
+
+
+def settle(owners: Any) -> None:
+    """Wait for the in-flight save of any of ``owners`` (an Accelerator or several) and raise its error.
+
+    Local (no collective): every rank's background ran the same rank phases, so every rank raises the same
+    error here."""
+    for owner in owners if isinstance(owners, (list, tuple)) else [owners]:
+        handle = _IN_FLIGHT.get(owner)
+        if handle is not None:
+            handle.wait()
+
+
+def in_flight(owner: Any) -> AsyncCheckpoint | None:
+    return _IN_FLIGHT.get(owner)
+
+
+def wait_for_checkpoint(accelerator: Any, timeout: float | None = None) -> Path | None:
+    """Wait for ``accelerator``'s asynchronous save to be published; returns its path (None if none in flight).
+
+    Raises the save's error, the same on every rank, if it failed on any rank. Local: no collective."""
+    handle = _IN_FLIGHT.get(accelerator)
+    return None if handle is None else handle.wait(timeout)
+
+
+# ---------------------------------------------------------------------------------------------- exit handling
+_installed = [False]
+
+
+def install_exit_handling() -> None:
+    """Once: ``Accelerator.end_training`` waits for the in-flight save before destroying the process group,
+    and interpreter exit reports a background error nobody waited for."""
+    if _installed[0]:
+        return
+    _installed[0] = True
+    import wrapt
+
+    from ._internals import accelerator_module, register_thread_exit_hook
+
+    def end_training(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        if instance is not None:
+            settle(instance)
+        return wrapped(*args, **kwargs)
+
+    wrapt.wrap_function_wrapper(accelerator_module(), "Accelerator.end_training", end_training)
+    # At interpreter exit the background must finish before concurrent.futures refuses new work (it hashes in a
+    # thread pool). threading's exit hooks run newest first, before non-daemon threads are joined and before
+    # atexit: registered after concurrent.futures' own, ours waits first. (Private API; atexit as a fallback.)
+    if not register_thread_exit_hook(_finish_at_exit):  # pragma: no cover - CPython has had it since 3.9
+        atexit.register(_finish_at_exit)
+
+
+def _finish_at_exit() -> None:
+    """Wait for every save in flight; log the error of any that failed and was never waited for."""
+    for handle in list(_HANDLES):
+        with contextlib.suppress(BaseException):
+            handle.wait()
+            continue
+        logger.error("accelerate-txn: the asynchronous save of %s failed and was never waited for: %s "
+                     "(it was not published; the previous checkpoint is the newest complete one)",
+                     handle.path, handle._error)
