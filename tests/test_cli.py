@@ -468,3 +468,39 @@ def test_inspect_summary_names_fsdp2_layouts_by_version_and_mesh() -> None:
     fsdp2 = summarize({"models": [{"parameters": {}, "fsdp": [{"fsdp_version": 2, "mesh": [2]}]}]})["models"][0]
     fsdp1 = summarize({"models": [{"parameters": {}, "fsdp": [{"sharding": "FULL_SHARD"}]}]})["models"][0]
     assert fsdp2["sharding"] == ["FSDP2 mesh [2]"] and fsdp1["sharding"] == ["FULL_SHARD"]
+
+
+def test_verify_full_shows_a_progress_bar_on_a_terminal_only(tmp_path: Path) -> None:
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    from accelerate_txn._manifest import PROTOCOL, build_inventory, write_manifest
+
+    root = tmp_path / "checkpoint_0"
+    (root / "pytorch_model_fsdp_0").mkdir(parents=True)
+    with (root / "pytorch_model_fsdp_0" / "__0_0.distcp").open("wb") as stream:
+        stream.truncate(300 * 2**20)  # sparse: hashing reads zeros fast
+    write_manifest(root, {"protocol": PROTOCOL, "status": "complete", "run_id": "a" * 32, "transaction_id": "b" * 32,
+                          "integrity": "full", "components": {}, "files": build_inventory(root, "full")})
+    command = [sys.executable, "-m", "accelerate_txn", "verify", "--full", str(root)]
+    leader, follower = pty.openpty()
+    try:
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=follower, timeout=120)
+        os.close(follower)
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO once the terminal's other end is closed and drained
+                break
+            if not chunk:
+                break
+            seen += chunk
+    finally:
+        os.close(leader)
+    assert done.returncode == 0 and b"valid" in done.stdout
+    assert b"re-hashing" in seen  # the bar, drawn on the terminal (stderr)
+    piped = subprocess.run(command, capture_output=True, timeout=120)
+    assert piped.returncode == 0 and b"re-hashing" not in piped.stderr + piped.stdout  # no bar into a pipe

@@ -7,8 +7,10 @@ checkpoint, no checkpoint, configurations differ), 2 a usage error (raised as :c
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +121,36 @@ def list_command(directory: Path, as_json: bool) -> int:
 # --------------------------------------------------------------------------------------------- verify
 
 
+@contextlib.contextmanager
+def _hash_progress(manifest: dict[str, Any], full: bool, *, enabled: bool) -> Iterator[Any]:
+    """A progress bar on stderr over the bytes to re-hash, only on a terminal and for more than 256 MiB."""
+    from .._manifest import hashed_names
+
+    try:
+        files = manifest["files"]
+        total = sum(files[name]["size"] for name in hashed_names(manifest, full=full))
+    except (KeyError, TypeError, AttributeError):  # a malformed manifest: verify reports it, no bar
+        total = 0
+    if not enabled or total < 256 * 2**20 or not sys.stderr.isatty():
+        yield None
+        return
+    import threading
+
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    lock = threading.Lock()
+    with Progress("re-hashing", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("hash", total=total)
+
+        def advance(nbytes: int) -> None:  # called from the hashing threads
+            with lock:
+                bar.update(task, advance=nbytes)
+
+        yield advance
+
+
 @click.command("verify", short_help="Check a checkpoint against its manifest (exit 0 valid, 1 invalid).")
 @click.argument("checkpoint", type=_EXISTING_DIR)
 @click.option("--full", is_flag=True, help="Re-hash every file that has a recorded hash, large payloads included.")
@@ -138,7 +170,8 @@ def verify_command(checkpoint: Path, full: bool, dcp: bool, as_json: bool) -> in
             out.emit_json({"path": str(checkpoint), "valid": False, "error": str(exc)})
         out.say(f"{checkpoint}: NOT a valid checkpoint: {exc}", err=True)
         return 1
-    result = verify_checkpoint(checkpoint, manifest, full=full, dcp=dcp)
+    with _hash_progress(manifest, full, enabled=not as_json) as progress:
+        result = verify_checkpoint(checkpoint, manifest, full=full, dcp=dcp, progress=progress)
     if as_json:
         out.emit_json(result.as_json())
     if not result.valid:

@@ -4,7 +4,6 @@ what a verification checked. File work only: no torch at import, no process grou
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
 import stat
@@ -163,28 +162,18 @@ class Verification:
         }
 
 
-def _fallback_report(manifest: dict[str, Any], full: bool) -> dict[str, Any]:
-    """What a ``verify_manifest`` that returns no report (before the manifest rework) checked: every size, and
-    the recorded hashes of control files and small payloads (of every file with ``full``)."""
-    files = manifest["files"]
-    hashed = sum(1 for name, row in files.items()
-                 if _hash_algorithm(row) and (full or not _is_large_payload(name, row["size"])))
-    algorithm = next((_hash_algorithm(row) for row in files.values() if _hash_algorithm(row)), None)
-    return {"files": len(files), "hashed": hashed, "size_only": len(files) - hashed, "algorithm": algorithm,
-            "extra": None, "integrity": manifest.get("integrity")}
-
-
-def verify_checkpoint(path: Path, manifest: dict[str, Any], *, full: bool, dcp: bool = False) -> Verification:
-    """Verify ``path`` against ``manifest``; never raises for an invalid checkpoint (see ``.error``)."""
+def verify_checkpoint(path: Path, manifest: dict[str, Any], *, full: bool, dcp: bool = False,
+                      progress: Any = None) -> Verification:
+    """Verify ``path`` against ``manifest``; never raises for an invalid checkpoint (see ``.error``).
+    ``progress(nbytes)`` is called as files are re-hashed."""
     result = Verification(path, manifest, full, dcp)
-    wanted = {"dcp": dcp, "private_patterns": private_patterns(manifest)}
-    accepted = inspect.signature(verify_manifest).parameters
     try:
-        report = verify_manifest(path, manifest, full=full, **{k: v for k, v in wanted.items() if k in accepted})
+        report = verify_manifest(path, manifest, full=full, dcp=dcp, private_patterns=private_patterns(manifest),
+                                 progress=progress)
     except CheckpointIntegrityError as exc:
         result.error = str(exc)
         return result
-    result.report = dict(report) if isinstance(report, dict) else _fallback_report(manifest, full)
+    result.report = dict(report)
     result.report.setdefault("integrity", manifest.get("integrity"))
     return result
 
