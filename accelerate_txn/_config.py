@@ -89,11 +89,10 @@ def checkpoint_config(accelerator: Any) -> CheckpointConfig:
 
 def _valid_lock_timeout(value: Any, where: str) -> float:
     """``value`` as seconds to wait for the directory lock: a finite number >= 0, else a configuration error."""
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = math.nan
-    if isinstance(value, bool) or not math.isfinite(seconds) or seconds < 0:
+    from ._staging import wait_seconds
+
+    seconds = wait_seconds(value)
+    if seconds is None:
         raise CheckpointConfigurationError(
             f"{where} is {value!r}: the directory-lock wait must be a finite number of seconds >= 0 (0 = fail at "
             f"once if another writer holds the lock; default {DEFAULT_LOCK_TIMEOUT:g})."

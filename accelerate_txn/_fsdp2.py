@@ -206,7 +206,7 @@ def load_fsdp2_optimizer(accelerator: Any, optimizer: Any, model: Any, input_dir
     """Restore optimizer ``index`` of ``accelerator`` from ``input_dir/optimizer_<index>`` (FSDP2): validate, read
     each rank's local shards into a template built from the checkpoint metadata, load by parameter name.
     Collective; the same error on every rank; nothing changes before every entry was validated."""
-    from ._fsdp_optimizer import _read
+    from ._fsdp_optimizer import _read, numbered_groups
 
     optimizer = raw_optimizer(optimizer)
     directory = Path(input_dir) / f"optimizer_{index}"
@@ -219,15 +219,8 @@ def load_fsdp2_optimizer(accelerator: Any, optimizer: Any, model: Any, input_dir
     state = run_phase(lambda: _template(metadata, parameters), "Allocating this rank's optimizer state")
     _read(state, directory, None, "Reading this rank's optimizer state")
     loaded = state.get("optimizer", {}).get("state", {})
-    ids: dict[int, int] = {}
-    groups = []
     by_id = {id(parameter): name for name, parameter in parameters.items()}
-    for live, aligned in zip(optimizer.param_groups, saved["param_groups"]):
-        params = []
-        for parameter in live["params"]:
-            ids.setdefault(id(parameter), len(ids))
-            params.append(ids[id(parameter)])
-        groups.append({**{k: v for k, v in aligned.items() if k != "params"}, "params": params})
+    ids, groups = numbered_groups(optimizer, saved["param_groups"])
     per_parameter = {ids[pid]: dict(loaded[name]) for pid, name in by_id.items() if name in loaded and pid in ids}
     run_phase(lambda: optimizer.load_state_dict({"state": per_parameter, "param_groups": groups}),
               "Loading the FSDP2 optimizer state")

@@ -481,14 +481,7 @@ def load_sharded_optimizer(accelerator: Any, optimizer: Any, model: Any, input_d
     per_owner = run_phase(lambda: _assemble(state.get("optimizer", {}), local, owners, entries),
                           "Assembling the optimizer state", group)
     per_owner = {**kept, **per_owner}
-    ids: dict[int, int] = {}
-    groups = []
-    for live, aligned in zip(optimizer.param_groups, saved["param_groups"]):
-        params = []
-        for parameter in live["params"]:
-            ids.setdefault(id(parameter), len(ids))
-            params.append(ids[id(parameter)])
-        groups.append({**{k: v for k, v in aligned.items() if k != "params"}, "params": params})
+    ids, groups = numbered_groups(optimizer, saved["param_groups"])
     state_dict = {"state": {ids[key]: value for key, value in per_owner.items() if key in ids},
                   "param_groups": groups}
     run_phase(lambda: optimizer.load_state_dict(state_dict), "Loading the FSDP optimizer state", group)
@@ -521,6 +514,21 @@ def _load_by_conversion(accelerator: Any, optimizer: torch.optim.Optimizer, mode
                           "Converting the FSDP optimizer state", group)
         saved.clear()
         run_phase(lambda: optimizer.load_state_dict(local), "Loading the FSDP optimizer state", group)
+
+
+def numbered_groups(optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, Any]]
+                    ) -> tuple[dict[int, int], list[dict[str, Any]]]:
+    """``optimizer.load_state_dict``'s numbering: id(live parameter) -> index, and the saved groups' options with
+    the live groups' parameters (saved groups already aligned to live ones by parameter names)."""
+    ids: dict[int, int] = {}
+    groups = []
+    for live, aligned in zip(optimizer.param_groups, saved_groups):
+        params = []
+        for parameter in live["params"]:
+            ids.setdefault(id(parameter), len(ids))
+            params.append(ids[id(parameter)])
+        groups.append({**{k: v for k, v in aligned.items() if k != "params"}, "params": params})
+    return ids, groups
 
 
 def verify_restored(model: Any, optimizer: Any, directory: Path) -> None:

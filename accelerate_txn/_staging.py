@@ -155,14 +155,11 @@ class DirectoryLock:
             os.close(fd)
 
     def _checked_timeout(self) -> float:
-        value: Any = self._timeout
-        try:
-            seconds = float(value)
-        except (TypeError, ValueError):
-            seconds = math.nan
-        if isinstance(value, bool) or not math.isfinite(seconds) or seconds < 0:
+        seconds = wait_seconds(self._timeout)
+        if seconds is None:
             raise CheckpointConfigurationError(
-                f"DirectoryLock({self._parent}, timeout={value!r}): the wait must be a finite number of seconds >= 0"
+                f"DirectoryLock({self._parent}, timeout={self._timeout!r}): the wait must be a finite number of "
+                "seconds >= 0"
             )
         return seconds
 
@@ -182,6 +179,15 @@ class DirectoryLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def wait_seconds(value: Any) -> float | None:
+    """``value`` as a lock wait in seconds (a finite number >= 0, not a bool), or ``None`` if it is not one."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if isinstance(value, bool) or not math.isfinite(seconds) or seconds < 0 else seconds
 
 
 def _open_lock_file(path: Path) -> int:
