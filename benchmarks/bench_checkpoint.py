@@ -1,13 +1,15 @@
-"""Protected vs native Accelerate checkpoint save/load on the same FSDP1 model, in one invocation.
+"""Protected vs native Accelerate checkpoint save/load on the same FSDP model, in one invocation.
 
 2 ranks, gloo, CPU. For each model size: native ``save_state`` (instance opted out) and the protected one,
 then native ``load_state`` and the protected one into an optimizer that has already stepped (a resume native
 can do), then the protected one into an optimizer with no state (the real resume; native restores nothing
 there). Reports per-phase wall-time medians, the ratio protected/native, and each rank's peak resident-memory
-growth during ``load_state`` next to its own optimizer-shard bytes.
+growth during ``load_state`` next to its own optimizer-shard bytes. ``--fsdp-version 2`` runs the same on
+Accelerate's FSDP2 (``fully_shard`` per ``Linear``, DTensor parameters; model and optimizer prepared together).
 
     .venv/bin/python benchmarks/bench_checkpoint.py --sizes 50 --repeats 3
     MALLOC_MMAP_THRESHOLD_=65536 .venv/bin/python benchmarks/bench_checkpoint.py --sizes 50 --repeats 3
+    .venv/bin/python benchmarks/bench_checkpoint.py --sizes 50 --repeats 3 --fsdp-version 2
 """
 
 from __future__ import annotations
@@ -70,20 +72,31 @@ OPTIMIZERS = {
 }
 
 
-def worker(root: str, million: int, repeats: int, optimizer_name: str = "adamw") -> dict[str, Any]:
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``value``: the local tensor of an FSDP2 DTensor, the tensor itself otherwise."""
+    return value.to_local() if hasattr(value, "to_local") else value
+
+
+def worker(root: str, million: int, repeats: int, optimizer_name: str = "adamw",
+           fsdp_version: int = 1) -> dict[str, Any]:
     import accelerate_txn
     from accelerate_txn.testing import fsdp_accelerator
 
-    accelerator = fsdp_accelerator()
+    accelerator = fsdp_accelerator(fsdp_version=fsdp_version)
     torch.manual_seed(0)
-    model = accelerator.prepare(_model(million))
-    optimizer = accelerator.prepare(OPTIMIZERS[optimizer_name](model.parameters()))
+    if fsdp_version == 1:
+        model = accelerator.prepare(_model(million))
+        optimizer = accelerator.prepare(OPTIMIZERS[optimizer_name](model.parameters()))
+    else:  # FSDP2: model and optimizer are prepared together (Accelerate swaps the optimizer's parameters)
+        raw_model = _model(million)
+        model, optimizer = accelerator.prepare(raw_model, OPTIMIZERS[optimizer_name](raw_model.parameters()))
     model(torch.randn(2, 2048)).sum().backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     raw = optimizer.optimizer
-    shard_bytes = sum(v.numel() * v.element_size() for s in raw.state.values() for v in s.values() if torch.is_tensor(v))
-    parameters = sum(p.numel() for p in model.parameters()) * accelerator.num_processes
+    shard_bytes = sum(_local(v).numel() * v.element_size() for s in raw.state.values() for v in s.values()
+                      if torch.is_tensor(v))
+    parameters = sum(_local(p).numel() for p in model.parameters()) * accelerator.num_processes
     times: dict[str, list[float]] = {key: [] for key in ("save_native", "save_protected", "load_native", "load_protected")}
     growth: dict[str, list[int]] = {"load_native": [], "load_protected": [], "load_fresh_protected": []}
     for repeat in range(repeats):
@@ -120,7 +133,8 @@ def worker(root: str, million: int, repeats: int, optimizer_name: str = "adamw")
                 shutil.rmtree(path)
     ratios = {phase: statistics.median(p / n for p, n in zip(times[f"{phase}_protected"], times[f"{phase}_native"]))
               for phase in ("save", "load")}
-    return {"parameters": parameters, "shard_bytes": shard_bytes, "optimizer": optimizer_name, "ratios": ratios,
+    return {"parameters": parameters, "shard_bytes": shard_bytes, "optimizer": optimizer_name,
+            "fsdp_version": fsdp_version, "ratios": ratios,
             "times": {key: statistics.median(values) for key, values in times.items()},
             "growth": {key: max(values) for key, values in growth.items()}}
 
@@ -130,6 +144,8 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[50], help="model sizes in millions of parameters")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
+    parser.add_argument("--fsdp-version", type=int, choices=(1, 2), default=1,
+                        help="Accelerate FSDP version of the benchmarked model (2: fully_shard, DTensor)")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     args = parser.parse_args()
     import sys
@@ -141,9 +157,10 @@ def main() -> None:
     for million in args.sizes:
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as root:
             results = launch("benchmarks.bench_checkpoint:worker", 2,
-                             args=(root, million, args.repeats, args.optimizer), timeout=1800)
+                             args=(root, million, args.repeats, args.optimizer, args.fsdp_version), timeout=1800)
         rows.append({"million": million, "ranks": results})
-    print(f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}; optimizer {args.optimizer}")
+    print(f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}; optimizer {args.optimizer}; "
+          f"FSDP{args.fsdp_version}")
     print("| model | phase | native s | protected s | median of pair ratios |")
     print("| --- | --- | --- | --- | --- |")
     for row in rows:

@@ -55,7 +55,7 @@ class JobResult:
 class Job:
     """One launched 2-rank job: ``WORLD`` real processes in one gloo process group."""
 
-    def __init__(self, spec: dict[str, Any], directory: Path, name: str) -> None:
+    def __init__(self, spec: dict[str, Any], directory: Path, name: str, entry: str = "tests._crash_scenarios") -> None:
         self.directory = Path(directory)
         self.name = name
         self.obs_dir = self.directory / "obs" / name
@@ -65,7 +65,7 @@ class Job:
         port = free_port()
         self.log_paths = [self.directory / "logs" / f"{name}.rank{rank}.log" for rank in range(WORLD)]
         self.log_paths[0].parent.mkdir(parents=True, exist_ok=True)
-        code = f"from tests._crash_scenarios import main; main({str(spec_path)!r})"
+        code = f"from {entry} import main; main({str(spec_path)!r})"  # entry: the ranks' module (FSDP1 default)
         env = {key: value for key, value in os.environ.items() if key != "ACCELERATE_TXN_KILL_AT"}
         self.started = time.monotonic()
         self.deadline = self.started + LAUNCH_TIMEOUT
@@ -138,20 +138,22 @@ class Job:
         return JobResult([p.poll() for p in self.processes], obs, logs, time.monotonic() - self.started)
 
 
-def run_to_completion(spec: dict[str, Any], directory: Path, name: str) -> JobResult:
+def run_to_completion(spec: dict[str, Any], directory: Path, name: str,
+                      entry: str = "tests._crash_scenarios") -> JobResult:
     """A job that must finish normally on every rank."""
-    job = Job(spec, directory, name)
+    job = Job(spec, directory, name, entry)
     job.wait_all()
     result = job.result()
     assert result.returncodes == [0] * WORLD, f"job {name} failed\n{result.describe()}"
     return result
 
 
-def run_until_crash_point(spec: dict[str, Any], directory: Path, name: str, whole_job: bool) -> JobResult:
+def run_until_crash_point(spec: dict[str, Any], directory: Path, name: str, whole_job: bool,
+                          entry: str = "tests._crash_scenarios") -> JobResult:
     """A job with a crash point armed: wait for the first rank to die; then, like torchrun, SIGKILL the rest
     (``whole_job``), or give the surviving ranks :data:`SURVIVOR_TIMEOUT` to fail on their own (every rank must
     raise, none may hang) and SIGKILL whichever did not."""
-    job = Job(spec, directory, name)
+    job = Job(spec, directory, name, entry)
     first = job.wait_first_exit()
     survivors_exited: dict[int, int] = {}
     if whole_job:
