@@ -52,33 +52,29 @@ def backend(accelerator: Any) -> str:
     return accelerator.distributed_type.name
 
 
+def _sharded_fsdp_version(accelerator: Any) -> int | None:
+    """The FSDP version (1 or 2) when ``accelerator`` uses FSDP with ``SHARDED_STATE_DICT``, else ``None``."""
+    if backend(accelerator) != "FSDP":
+        return None
+    plugin = accelerator.state.fsdp_plugin
+    if plugin is None or getattr(plugin.state_dict_type, "name", None) != "SHARDED_STATE_DICT":
+        return None
+    return getattr(plugin, "fsdp_version", 1)
+
+
 def is_fsdp1_sharded(accelerator: Any) -> bool:
     """True for FSDP1 with ``SHARDED_STATE_DICT``: the configuration the protected path is built for."""
-    if backend(accelerator) != "FSDP":
-        return False
-    plugin = accelerator.state.fsdp_plugin
-    return (
-        plugin is not None
-        and getattr(plugin, "fsdp_version", 1) == 1
-        and getattr(plugin.state_dict_type, "name", None) == "SHARDED_STATE_DICT"
-    )
+    return _sharded_fsdp_version(accelerator) == 1
 
 
 def is_fsdp2_sharded(accelerator: Any) -> bool:
     """True for FSDP2 (``fully_shard``) with ``SHARDED_STATE_DICT``."""
-    if backend(accelerator) != "FSDP":
-        return False
-    plugin = accelerator.state.fsdp_plugin
-    return (
-        plugin is not None
-        and getattr(plugin, "fsdp_version", 1) == 2
-        and getattr(plugin.state_dict_type, "name", None) == "SHARDED_STATE_DICT"
-    )
+    return _sharded_fsdp_version(accelerator) == 2
 
 
 def is_fsdp_sharded(accelerator: Any) -> bool:
     """FSDP1 or FSDP2 with ``SHARDED_STATE_DICT``: the FSDP configurations the protected path handles."""
-    return is_fsdp1_sharded(accelerator) or is_fsdp2_sharded(accelerator)
+    return _sharded_fsdp_version(accelerator) in (1, 2)
 
 
 PROTECTED_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")

@@ -129,6 +129,21 @@ class TinyModel(torch.nn.Module):
         return self.head(self.body(x))
 
 
+def start_ranks(code: str, world_size: int = 2, *, env: dict[str, str] | None = None) -> list[Any]:
+    """Start ``world_size`` separate interpreters running ``python -c code`` with torchrun's environment (one
+    rendezvous port, ``RANK``/``WORLD_SIZE``/...), for tests that kill a job: unlike :func:`launch`, a rank that
+    dies is the point, so the caller owns the ``subprocess.Popen`` objects (and must kill and wait for them)."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(), **(env or {})}
+    return [subprocess.Popen([sys.executable, "-c", code], cwd=os.getcwd(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+            for rank in range(world_size)]
+
+
 def _entry(target: str, rank: int, world_size: int, port: int, args: Sequence[Any], env: dict[str, str],
            results: Any) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),

@@ -157,24 +157,13 @@ def test_staged_copy_is_independent_of_the_live_tensors() -> None:
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_whole_job_killed_at_a_random_instant_of_the_background_write(tmp_path: Path, seed: int) -> None:
-    import os
     import random
-    import subprocess
-    import sys
     import time
 
-    from accelerate_txn.testing import free_port
+    from accelerate_txn.testing import start_ranks
 
-    port = free_port()
     code = f"from tests._async_scenarios import async_train_until_killed; async_train_until_killed({str(tmp_path)!r})"
-    processes = [
-        subprocess.Popen([sys.executable, "-c", code], cwd=os.getcwd(), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL,
-                         env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                              "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-                              "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()})
-        for rank in range(2)
-    ]
+    processes = start_ranks(code)
     marker = tmp_path / "third-save-returned"
     deadline = time.monotonic() + TIMEOUT
     try:

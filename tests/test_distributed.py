@@ -138,24 +138,13 @@ def test_env_toggle_off_runs_native_unless_opted_in(tmp_path: Any) -> None:
 
 
 def test_kill_9_mid_save_leaves_previous_checkpoint_selected_and_next_save_unblocked(tmp_path: Any) -> None:
-    import os
     import signal
-    import subprocess
-    import sys
     import time
 
-    from accelerate_txn.testing import free_port
+    from accelerate_txn.testing import start_ranks
 
-    port = free_port()
     code = f"from tests._scenarios import killable_save; killable_save({str(tmp_path)!r}, 3)"
-    processes = [
-        subprocess.Popen([sys.executable, "-c", code], cwd=os.getcwd(), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL,
-                         env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                              "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-                              "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()})
-        for rank in range(2)
-    ]
+    processes = start_ranks(code)
     marker = tmp_path / "blocked-in-save"
     deadline = time.monotonic() + TIMEOUT
     try:
