@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from accelerate import Accelerator
 
 from accelerate_txn import MANIFEST, _faults, latest_training_checkpoint, save_training_checkpoint
 from accelerate_txn._select import complete_run_id, numbered_checkpoints, prune
 from accelerate_txn._staging import retire, retired_leftovers
+from tests.test_save_single import _accelerator as _stepped_accelerator
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,14 +33,7 @@ print("pruned", flush=True)
 
 
 def _accelerator() -> Accelerator:
-    accelerator = Accelerator(cpu=True)
-    model = torch.nn.Linear(4, 3)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    model(torch.randn(2, 4)).sum().backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return accelerator
+    return _stepped_accelerator()[0]  # one stepped single-process Accelerator, as the single-process save tests use
 
 
 def _published(root: Path, count: int) -> tuple[Accelerator, str]:
