@@ -69,6 +69,12 @@ class CheckpointConfig:
     validators: dict[str, Validator] = field(default_factory=dict)
     run_id: str | None = None
     async_save: bool = False
+    allow_reshard: bool = False
+    reshard_rank_map: dict[int, int] | None = None
+    # During a restore: where this run's per-rank state comes from (``_reshard.RankPlan``); after an elastic
+    # resume, what the next save records as ``resharded_from`` (then cleared).
+    rank_plan: Any = None
+    resharded_from: dict[str, Any] | None = None
     failed: bool = False
     step_guards: list[Any] = field(default_factory=list)
 
@@ -118,6 +124,8 @@ def configure_checkpointing(
     lock_timeout: float | None = None,
     trust_custom_objects: bool | None = None,
     async_save: bool | None = None,
+    allow_reshard: bool | None = None,
+    reshard_rank_map: Mapping[int, int] | None = None,
 ) -> Any:
     """Configure protected checkpoints of one Accelerator; returns it.
 
@@ -146,6 +154,13 @@ def configure_checkpointing(
       flushing, the manifest, the atomic publish and retention run in a background thread (one save in flight;
       the next save, ``wait_for_checkpoint`` and ``end_training`` wait for it and raise its error). Costs one
       host copy of this rank's model and optimizer shards while the write runs. Default False.
+    * ``allow_reshard``: elastic resume. A checkpoint saved on N ranks may load on M ranks: model and optimizer
+      are resharded, every other check still applies, and per-rank state (RNG, data-loader position, private
+      state) follows the policy of ``accelerate_txn._reshard`` (ranks in both runs keep theirs; new ranks take
+      saved rank ``r % N``'s progress with derived random generators; the state of ranks that are gone is
+      dropped, with a warning). Default False: a world-size change is refused before anything is restored.
+    * ``reshard_rank_map``: ``{this run's rank: saved rank}`` for an elastic resume: the named ranks take that
+      saved rank's per-rank state exactly (random generators included) instead of the default policy.
     """
     config = checkpoint_config(accelerator)
     changes: dict[str, Any] = {}
@@ -183,6 +198,15 @@ def configure_checkpointing(
             raise CheckpointConfigurationError(
                 f"configure_checkpointing(async_save={async_save!r}): use True (save in the background) or False")
         changes["async_save"] = async_save
+    if allow_reshard is not None:
+        if not isinstance(allow_reshard, bool):
+            raise CheckpointConfigurationError(
+                f"configure_checkpointing(allow_reshard={allow_reshard!r}): use True (elastic resume) or False")
+        changes["allow_reshard"] = allow_reshard
+    if reshard_rank_map is not None:
+        from ._reshard import check_rank_map
+
+        changes["reshard_rank_map"] = check_rank_map(reshard_rank_map)
     if lock_timeout is not None:
         changes["lock_timeout"] = _valid_lock_timeout(lock_timeout, "configure_checkpointing(lock_timeout=...)")
     for name, value in changes.items():  # everything validated: now change it

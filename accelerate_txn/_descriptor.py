@@ -380,6 +380,7 @@ def compare_descriptor(
     legacy_metadata_groups: tuple[tuple[str, ...], ...] = (),
     where: str = "checkpoint",
     warn: bool = True,
+    allow_reshard: bool = False,
 ) -> list[str]:
     """Raise :class:`CheckpointConfigurationError` unless ``saved`` matches ``current``.
 
@@ -389,6 +390,8 @@ def compare_descriptor(
     reorder = (saved.get("backend") == current.get("backend") == "FSDP"
                and not saved.get("schedulers") and not current.get("schedulers"))
     saved, current = _normalise(saved, reorder), _normalise(current, reorder)
+    if allow_reshard:
+        _without_world_size(saved, current)
     training = saved.setdefault("training", {})
     migrated: list[str] = []
     for group in (legacy_metadata_keys, *legacy_metadata_groups):
@@ -417,15 +420,30 @@ def compare_descriptor(
     return migrated
 
 
+def _without_world_size(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Elastic resume: drop what only records the number of ranks (both sides normalised in place). The world
+    size itself; an FSDP2 1-D mesh's length (protected FSDP2 shards over one 1-D mesh of all ranks); and an FSDP1
+    unit's sharding strategy when either run has one rank (FSDP1 then runs every unit as NO_SHARD)."""
+    worlds = (saved.pop("world_size", None), current.pop("world_size", None))
+    for old, new in zip(saved.get("models", []), current.get("models", [])):
+        for old_unit, new_unit in zip(old.get("fsdp", []), new.get("fsdp", [])):
+            if isinstance(old_unit.get("mesh"), list) and isinstance(new_unit.get("mesh"), list) \
+                    and len(old_unit["mesh"]) == len(new_unit["mesh"]) == 1:
+                old_unit["mesh"] = new_unit["mesh"]
+            if 1 in worlds and "sharding" in old_unit and "sharding" in new_unit:
+                old_unit.pop("sharding")
+                new_unit.pop("sharding")
+
+
 def _reshard_hint(saved: dict[str, Any], current: dict[str, Any]) -> str:
-    """The world-size part of a refusal: resuming on another number of ranks is refused unless resharding is
-    opted in to (``allow_reshard``, elastic resume; not available in this version)."""
+    """The world-size part of a refusal: resuming on another number of ranks needs the elastic-resume opt-in."""
     if saved.get("world_size") == current.get("world_size"):
         return ""
     return (f"\nThis checkpoint was saved on {saved.get('world_size')} ranks and this run has "
             f"{current.get('world_size')}: a world-size change is refused before anything is restored. Resume on "
-            f"{saved.get('world_size')} ranks; loading on another world size needs the elastic-resume opt-in "
-            "configure_checkpointing(accelerator, allow_reshard=True), which this version does not provide yet.")
+            f"{saved.get('world_size')} ranks, or opt in to elastic resume with "
+            "configure_checkpointing(accelerator, allow_reshard=True) (model and optimizer are resharded; per-rank "
+            "RNG, data-loader and private state follow the documented policy: docs/elastic.md).")
 
 
 def participants(owners: Any) -> dict[str, Any]:

@@ -34,11 +34,13 @@ from ._internals import (
     prepared_optimizers,
     save_state_pre_hooks,
 )
+from ._loader_state import apply_loader_states
 from ._manifest import check_dcp_inventory, check_hashes, check_structure, hashed_names, read_manifest, writer_rank
 from ._native import fsdp_routing, native_method, synchronized_hooks
 from ._ranks import agree, digest, on_main, rank, run_phase, world_size
 from ._required import Preflight, check_inventory_covers, check_required_files, private_patterns, rank_files
-from ._rng import apply_rng
+from ._reshard import derive_rng, plan_ranks
+from ._rng import RNG_FILE, apply_rng
 from ._select import CHECKPOINT_NAME, checkpoint_candidates, numbered_checkpoints, refuse_transient
 from ._staging import new_id
 from ._versions import checkpoint_compatibility, require_supported_versions
@@ -120,12 +122,22 @@ def _check_live(path: Path, manifest: dict[str, Any] | None, group: dict[str, An
                 manifest["components"][name], current,
                 legacy_metadata_keys=config.legacy_metadata_keys if config.allow_legacy else (),
                 legacy_metadata_groups=config.legacy_metadata_groups if config.allow_legacy else (),
-                where=str(path / name), warn=rank() == 0,
+                where=str(path / name), warn=rank() == 0, allow_reshard=config.allow_reshard,
             )
-    everyone = rank() == 0  # rank 0 checks every rank's files; each rank also reads its own
-    states = {name: check_required_files(owner, path / name,
-                                         range(owner.num_processes) if everyone else (owner.process_index,))
-              for name, owner in group.items()}
+    states = {}
+    for name, owner in group.items():
+        config = checkpoint_config(owner)
+        if manifest is not None:
+            saved_world = manifest["components"][name].get("world_size")
+        else:  # legacy: as many ranks as consecutive RNG files (opt-in only; else every current rank needs one)
+            saved_world = _legacy_world(path / name) if config.allow_reshard else owner.num_processes
+        if not isinstance(saved_world, int) or isinstance(saved_world, bool) or saved_world < 1:
+            raise CheckpointIntegrityError(f"{path} records an invalid world size {saved_world!r}")
+        plan = plan_ranks(saved_world, owner.num_processes, config.reshard_rank_map)
+        # Rank 0 checks every saved rank's files; each rank also reads those of the saved rank it restores from.
+        ranks = range(plan.saved_world) if rank() == 0 else (plan.source(owner.process_index),)
+        states[name] = check_required_files(owner, path / name, ranks)
+        states[name].plan = plan
     if manifest is not None:
         for name, state in states.items():
             check_inventory_covers(path, manifest, {f"{name}/{file}" if name else file for file in state.names})
@@ -133,6 +145,16 @@ def _check_live(path: Path, manifest: dict[str, Any] | None, group: dict[str, An
         if backend(owner) == "FSDP":
             validate_optimizer_checkpoint(owner, path / name)
     return states
+
+
+def _legacy_world(directory: Path) -> int:
+    """The world size of a manifest-less checkpoint: its consecutive ``random_states_<rank>.pkl`` files."""
+    count = 0
+    while (directory / RNG_FILE.format(rank=count)).is_file():
+        count += 1
+    if count == 0:
+        raise CheckpointIntegrityError(f"Missing RNG state: {directory / RNG_FILE.format(rank=0)}")
+    return count
 
 
 @contextlib.contextmanager
@@ -150,10 +172,18 @@ def _custom_objects_from(states: dict[int, Any], owner: Any) -> Iterator[None]:
         yield
 
 
+def _own_rng(owner: Any, found: Preflight) -> dict[str, Any]:
+    """This rank's RNG state under the per-rank plan: its source rank's, or derived from it (a new rank)."""
+    me = owner.process_index
+    state = found.rng[found.plan.source(me)]
+    return derive_rng(state, me) if me in found.plan.derived else state
+
+
 def _restore(path: Path, group: dict[str, Any], found: dict[str, Preflight], kwargs: dict[str, Any]) -> None:
     for name, owner in group.items():
         directory = path / name
         load = native_method(owner, "load_state")
+        checkpoint_config(owner).rank_plan = found[name].plan  # private per-rank state hooks read it
 
         def native_load(owner: Any = owner, directory: Path = directory, load: Any = load,
                         custom: dict[int, Any] = found[name].custom) -> None:
@@ -162,7 +192,9 @@ def _restore(path: Path, group: dict[str, Any], found: dict[str, Preflight], kwa
 
         run_phase(native_load, f"Restoring {directory}")
         _faults.point("load:during-restore")
-        state = found[name].rng[owner.process_index]
+        run_phase(lambda owner=owner, state=found[name]: apply_loader_states(
+            owner, state.loaders[state.plan.source(owner.process_index)]), "Restoring per-rank data-loader state")
+        state = _own_rng(owner, found[name])
         owner.step = state["step"]
         if backend(owner) == "FSDP":
             run_phase(lambda owner=owner, directory=directory: [
@@ -176,8 +208,8 @@ def _restore(path: Path, group: dict[str, Any], found: dict[str, Preflight], kwa
             ), "Finite check")
     # Native Accelerate swallows RNG errors: apply the pre-validated state ourselves (the last component's,
     # as native sequential loads would leave it) and let a failure raise.
-    last = next(reversed(found.values())).rng
-    run_phase(lambda: apply_rng(last[next(iter(group.values())).process_index]), "Restoring RNG state")
+    last = next(reversed(found.values()))
+    run_phase(lambda: apply_rng(_own_rng(next(iter(group.values())), last)), "Restoring RNG state")
 
 
 def load_training_checkpoint(owners: Any, input_dir: str | Path | None = None, **kwargs: Any) -> Path:
@@ -217,6 +249,17 @@ def load_training_checkpoint(owners: Any, input_dir: str | Path | None = None, *
         for owner in group.values():
             mark_failed(owner, True)
         raise
+    finally:
+        for owner in group.values():
+            checkpoint_config(owner).rank_plan = None
+    plans = {name: state.plan for name, state in found.items()}
+    for name, owner in group.items():
+        checkpoint_config(owner).resharded_from = (
+            {"checkpoint": str(path), **plans[name].record()} if plans[name].resharded else None)
+    if rank() == 0:
+        for name, plan in plans.items():
+            if plan.resharded:
+                logger.warning("Elastic resume of %s: %s", path / name if name else path, plan.describe())
     run_id = manifest["run_id"] if manifest else on_main(new_id, "Choosing a run id")
     match = CHECKPOINT_NAME.fullmatch(path.name)
     # Past every existing checkpoint_N, not just the restored one: a newer sibling that was skipped (corrupt) must
@@ -241,7 +284,8 @@ def _verify(path: Path, group: dict[str, Any], templates: list[str]) -> tuple[di
                                      for name, o in group.items()}, "Describing the live training configuration")
     hooks = {name: [len(save_state_pre_hooks(o)), len(load_state_pre_hooks(o))] for name, o in group.items()}
     policies = {name: [checkpoint_config(o).allow_legacy, checkpoint_config(o).check_finite,
-                       checkpoint_config(o).trust_custom_objects] for name, o in group.items()}
+                       checkpoint_config(o).trust_custom_objects, checkpoint_config(o).allow_reshard,
+                       sorted((checkpoint_config(o).reshard_rank_map or {}).items())] for name, o in group.items()}
     agree({"path": str(path), "manifest": digest(manifest).hex(), "hooks": hooks, "policies": policies},
           "the checkpoint to load")
     agree(descriptors, "the training configuration")

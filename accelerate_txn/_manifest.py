@@ -52,7 +52,8 @@ _LOADER_NAME = re.compile(
     r"|\.metadata\Z|.*\.(?:distcp|pkl|pt|pth|bin|safetensors|npy|npz|ckpt)\Z|.*\.index\.json\Z"
 )
 _DCP_PAYLOAD = re.compile(r"__(\d+)_\d+\.distcp\Z")
-RANK_FILES = ("random_states_{rank}.pkl",)  # Accelerate's per-rank files (plus registered private states)
+LOADER_FILE = "dataloader_states_{rank}.pt"  # per-rank stateful data-loader state (``_loader_state``)
+RANK_FILES = ("random_states_{rank}.pkl", LOADER_FILE)  # per-rank files (plus registered private states)
 
 
 # --- hashing -------------------------------------------------------------------------------------------------

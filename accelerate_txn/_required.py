@@ -18,7 +18,8 @@ from typing import Any
 from ._config import checkpoint_config
 from ._descriptor import backend
 from ._internals import custom_objects, prepared_dataloaders, prepared_models, prepared_optimizers, prepared_schedulers
-from ._manifest import RANK_FILES, check_dcp_payloads, dcp_payload_names, rank_file_pattern
+from ._loader_state import read_loader_states
+from ._manifest import LOADER_FILE, RANK_FILES, check_dcp_payloads, dcp_payload_names, rank_file_pattern
 from ._rng import RNG_FILE, load_weights_only, read_rng_file
 from .errors import CheckpointIntegrityError
 
@@ -35,6 +36,8 @@ class Preflight:
     rng: dict[int, dict[str, Any]] = field(default_factory=dict)
     custom: dict[int, Any] = field(default_factory=dict)
     names: set[str] = field(default_factory=set)
+    loaders: dict[int, dict[int, Any] | None] = field(default_factory=dict)  # saved rank -> per-rank loader states
+    plan: Any = None  # the per-rank state plan (``_reshard.RankPlan``), set by the restore preflight
 
 
 def _need(directory: Path, name: str, what: str, found: Preflight) -> Path:
@@ -63,7 +66,7 @@ def rank_files(accelerator: Any) -> tuple[str, ...]:
 
 def check_required_files(accelerator: Any, directory: Path, ranks: range | tuple[int, ...], *,
                          read_custom: bool = True) -> Preflight:
-    """Check and safely read the files of ``accelerator``'s state in ``directory`` for ``ranks``.
+    """Check and safely read the files of ``accelerator``'s state in ``directory`` for ``ranks`` (saved ranks).
 
     ``read_custom``: read custom-object states for this process (the restore applies them). Per-rank files are
     read for every rank in ``ranks``; shared files once.
@@ -119,6 +122,9 @@ def check_required_files(accelerator: Any, directory: Path, ranks: range | tuple
             found.names.add(template.format(rank=rank))
         found.rng[rank] = read_rng_file(directory, rank)
         found.names.add(RNG_FILE.format(rank=rank))
+        found.loaders[rank] = read_loader_states(accelerator, directory, rank)
+        if found.loaders[rank] is not None:
+            found.names.add(LOADER_FILE.format(rank=rank))
     return found
 
 

@@ -108,8 +108,10 @@ def register_checkpoint_state(
     """Save private per-rank generators and consumed-batch progress with every checkpoint.
 
     Each rank writes ``filename.format(rank=...)`` (tensors and plain values only, read back with
-    ``weights_only=True``). The schema (generator names and devices, progress keys) is part of the
-    training-configuration descriptor; on load every rank's file is validated before anything is restored.
+    ``weights_only=True``). On an elastic resume (``allow_reshard``) a rank restores the state of the saved rank
+    the policy of ``_reshard`` assigns it (a new rank: progress copied, generators derived). The schema
+    (generator names and devices, progress keys) is part of the training-configuration descriptor; on load every
+    rank's file is validated before anything is restored.
     Returns the save and load hook handles (``handle.remove()`` unregisters).
     """
     if "{rank}" not in filename:
@@ -160,9 +162,18 @@ def register_checkpoint_state(
                     "progress": {key: progress[key] for key in keys}}, path)
 
     def load_hook(models: Any, input_dir: str) -> None:
-        state = read_state(Path(input_dir), accelerator.process_index)
+        # Elastic resume (``_reshard``): the saved rank this rank takes its state from; a new rank derives its
+        # generators from that rank's instead of replaying its streams.
+        me, plan = accelerator.process_index, checkpoint_config(accelerator).rank_plan
+        source = plan.source(me) if plan is not None else me
+        state = read_state(Path(input_dir), source)
         for name, generator in generators.items():
-            generator.set_state(state["generators"][name])
+            if plan is not None and me in plan.derived:
+                from ._reshard import derived_seed
+
+                generator.manual_seed(derived_seed(state["generators"][name], me, name))
+            else:
+                generator.set_state(state["generators"][name])
         progress.update(state["progress"])
 
     return accelerator.register_save_state_pre_hook(save_hook), accelerator.register_load_state_pre_hook(load_hook)

@@ -37,10 +37,12 @@ from ._config import checkpoint_config, ensure_not_failed, raw_optimizer
 from ._descriptor import describe, participants
 from ._finite import check_finite_state
 from ._internals import load_state_pre_hooks, prepared_models, prepared_optimizers, save_state_pre_hooks
+from ._loader_state import write_loader_states
 from ._manifest import HASH, MANIFEST, PROTOCOL, add_schemas, hash_rows, list_tree, write_manifest, writer_rank
 from ._native import automatic_naming_off, fsdp_routing, native_method, synchronized_hooks
 from ._ranks import agree, distributed, on_main, rank, run_phase, world_size
 from ._required import check_required_files, rank_files
+from ._reshard import POLICY as RESHARD_POLICY
 from ._select import complete_run_id, numbered_checkpoints, prune
 from ._staging import DirectoryLock, StagedDirectory, fsync_path, new_id, remove_leftovers, staging_leftovers
 from ._versions import installed_versions, require_supported_versions
@@ -153,7 +155,8 @@ class _Reservation:
             raise
 
     def publish(self, owners: dict[str, Any], descriptors: dict[str, Any], run_id: str, integrity: str,
-                rows: dict[str, dict[str, Any]], steps: dict[str, int] | None = None) -> str:
+                rows: dict[str, dict[str, Any]], steps: dict[str, int] | None = None,
+                lineage: dict[str, Any] | None = None) -> str:
         staging = self.staged.staging
         for name, owner in owners.items():
             check_required_files(owner, staging / name, range(owner.num_processes), read_custom=False)
@@ -180,7 +183,12 @@ class _Reservation:
             "integrity": integrity,
             "hash": HASH,
             "files": dict(sorted(rows.items())),
+            # How per-rank state maps onto another world size on an elastic resume (``_reshard``).
+            "rank_state": {"policy": RESHARD_POLICY,
+                           "files": sorted({t for owner in owners.values() for t in rank_files(owner)})},
         }
+        if lineage:
+            manifest["resharded_from"] = lineage
         write_manifest(staging, manifest)
         _faults.point("save:after-manifest")
         return str(self.staged.publish(synced=True))  # every file and directory was fsynced above
@@ -204,7 +212,8 @@ def _on_main(function: Any, context: str, group: Any = None) -> Any:
 
 def _finish(group: Any, owners: dict[str, Any], staging: Path, templates: list[str], integrity: str,
             reservation: _Reservation | None, descriptors: dict[str, Any], run_id: str, path: Path,
-            limit: int | None, steps: dict[str, int], record: dict[str, str] | None = None) -> str:
+            limit: int | None, steps: dict[str, int], record: dict[str, str] | None = None,
+            lineage: dict[str, Any] | None = None) -> str:
     """Steps 5-6 over ``group`` (None: the default group): hash and flush, publish (noted in ``record`` at once),
     retention."""
     for name, owner in owners.items():
@@ -214,7 +223,7 @@ def _finish(group: Any, owners: dict[str, Any], staging: Path, templates: list[s
     rows = _gather_rows(run_phase(lambda: _own_rows(staging, templates, integrity),
                                   "Hashing and flushing the staged checkpoint", group), group)
     published: str = _on_main(lambda: reservation.publish(owners, descriptors, run_id, integrity,  # type: ignore[union-attr]
-                                                          rows, steps), f"Publishing {path}", group)
+                                                          rows, steps, lineage), f"Publishing {path}", group)
     if record is not None:
         record["published"] = published
     _faults.point("save:after-rename")
@@ -290,10 +299,16 @@ def save_training_checkpoint(
                         save(str(target), safe_serialization=safe_serialization, **kwargs)
 
                 run_phase(native_save, f"Saving {name or 'the checkpoint'} into {staging}")
+                # After every rank's native save returned: per-rank data-loader state (native writes one file
+                # from every rank, last writer wins).
+                run_phase(lambda owner=owner, target=target: write_loader_states(owner, target),
+                          "Saving per-rank data-loader state")
                 _faults.point("save:after-native-save")
         finish = functools.partial(_finish, owners=group, staging=staging, templates=templates, integrity=integrity,
                                    reservation=reservation, descriptors=descriptors, run_id=run_id, path=path,
-                                   limit=limit, steps=steps)
+                                   limit=limit, steps=steps, lineage={
+                                       name: checkpoint_config(o).resharded_from for name, o in group.items()
+                                       if checkpoint_config(o).resharded_from} or None)
         if background:
             _async.install_exit_handling()
             handle = _async.AsyncCheckpoint(path, list(group.values()), iterations)
@@ -313,6 +328,7 @@ def save_training_checkpoint(
             reservation.close()
     for owner in group.values():
         checkpoint_config(owner).run_id = run_id
+        checkpoint_config(owner).resharded_from = None  # recorded by this save (or the one in flight)
     # Native save_state advanced each iteration counter once per call: keep exactly one advance.
     for owner, iteration in iterations.values():
         owner.project_configuration.iteration = iteration + 1

@@ -18,7 +18,6 @@ from .._staging import _RETIRED, _STAGING, retired_leftovers, staging_leftovers
 from ..errors import CheckpointError, CheckpointIntegrityError
 
 COMPLETE, STAGING, RETIRED, LEGACY, CORRUPT = "complete", "staging leftover", "retired leftover", "legacy", "corrupt"
-_RANK_FILES = ("random_states_{rank}.pkl",)  # Accelerate's per-rank file, besides registered private states
 _PAYLOAD_SUFFIXES = (".distcp", ".safetensors", ".bin")
 _SMALL = 16 * 1024 * 1024  # payloads above this are size-checked only by a quick verification
 _CHECKPOINT_NAME = re.compile(r"checkpoint[-_](\d+)\Z")  # as accelerate_txn._select (imported lazily: torch)
@@ -92,7 +91,7 @@ def checkpoint_manifest(path: Path, command: str) -> dict[str, Any]:
 
 def private_patterns(manifest: dict[str, Any]) -> list[re.Pattern[str]]:
     """Name patterns of the per-rank files the manifest's components declare (for the extra-file check)."""
-    templates = set(_RANK_FILES)
+    templates = set(_manifest.RANK_FILES)
     components = manifest.get("components")
     for descriptor in components.values() if isinstance(components, dict) else ():
         states = descriptor.get("private_states") if isinstance(descriptor, dict) else None

@@ -1,0 +1,141 @@
+"""Elastic resume (issue 9): a checkpoint saved on N ranks resumes on M ranks with ``allow_reshard=True``.
+
+Chain per FSDP version (real gloo process groups of 1, 2 and 3 ranks): save A on 2 ranks; resume A on 1 rank
+(first without the opt-in: refused before anything changes) and re-save B1; resume A on 3 ranks, re-save B3;
+resume B1 (saved on 1 rank) on 2 ranks, re-save B2. Each re-save is the restored live state, so the consolidated
+model and optimizer state of B1, B3 and B2 must equal A's exactly. Per-rank state follows the recorded policy
+(``accelerate_txn._reshard``): kept, derived for new ranks, dropped with a warning for ranks that are gone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from accelerate_txn._reshard import POLICY, derive_rng, derived_seed
+from accelerate_txn.testing import launch
+
+TIMEOUT = 240
+
+
+def _consolidated(checkpoint: Path) -> dict[str, Any]:
+    """Every DCP entry of the model and optimizer directories as full tensors (offline, no process group)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    result: dict[str, Any] = {}
+    for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
+        target = checkpoint.parent / f"{checkpoint.name}.{folder}.pt"
+        dcp_to_torch_save(checkpoint / folder, target)
+        result[folder] = torch.load(target, weights_only=False)
+    return result
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _flatten(item, f"{prefix}{key}.").items()}
+    if isinstance(value, (list, tuple)) and not prefix.endswith("params."):
+        return {k: v for i, item in enumerate(value) for k, v in _flatten(item, f"{prefix}{i}.").items()}
+    return {prefix.rstrip("."): value}
+
+
+def _same_state(a: Path, b: Path) -> list[str]:
+    left, right = _flatten(_consolidated(a)), _flatten(_consolidated(b))
+    problems = [f"keys differ: {sorted(set(left) ^ set(right))[:5]}"] if set(left) != set(right) else []
+    for key in sorted(set(left) & set(right)):
+        x, y = left[key], right[key]
+        same = (torch.is_tensor(x) and torch.is_tensor(y) and x.dtype == y.dtype and torch.equal(x, y)) \
+            if torch.is_tensor(x) or torch.is_tensor(y) else x == y
+        if not same:
+            problems.append(key)
+    return problems
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["fsdp1", "fsdp2"])
+def chain(request: Any, tmp_path_factory: Any) -> dict[str, Any]:
+    version = request.param
+    root = tmp_path_factory.mktemp(f"elastic_fsdp{version}")
+    a, b1, b3, b2 = (str(root / name) for name in ("A", "B1", "B3", "B2"))
+    saved = launch("tests._elastic_scenarios:save", 2, args=(version, a), timeout=TIMEOUT)
+    on1 = launch("tests._elastic_scenarios:resume", 1, args=(version, a, b1, True), timeout=TIMEOUT)
+    # rank 2 of 3 is mapped to saved rank 1 (reshard_rank_map); the 1 -> 2 resume below derives a new rank
+    on3 = launch("tests._elastic_scenarios:resume", 3, args=(version, a, b3, False, {2: 1}), timeout=TIMEOUT)
+    on2 = launch("tests._elastic_scenarios:resume", 2, args=(version, b1, b2, False), timeout=TIMEOUT)
+    same = launch("tests._elastic_scenarios:resume", 2, args=(version, a, str(root / "S"), False), timeout=TIMEOUT)
+    return {"version": version, "paths": {"A": Path(a), "B1": Path(b1), "B3": Path(b3), "B2": Path(b2)},
+            "saved": saved, "on1": on1, "on3": on3, "on2": on2, "same": same}
+
+
+def test_without_the_opt_in_a_world_size_change_is_refused_before_anything_changes(chain: dict[str, Any]) -> None:
+    (rank0,) = chain["on1"]
+    name, message = rank0["refusal"]["type"], rank0["refusal"]["message"]
+    assert name == "CheckpointConfigurationError"
+    assert "saved on 2 ranks" in message and "allow_reshard=True" in message
+    assert rank0["untouched"] and rank0["progress_untouched"]
+
+
+@pytest.mark.parametrize("resharded", ["B1", "B3", "B2"])
+def test_consolidated_model_and_optimizer_equal_the_saved_ones(chain: dict[str, Any], resharded: str) -> None:
+    paths = chain["paths"]
+    assert _same_state(paths["A"], paths[resharded]) == []
+
+
+def test_shared_state_step_and_schedule_are_restored_on_every_world_size(chain: dict[str, Any]) -> None:
+    step, lr = chain["saved"][0]["step"], chain["saved"][0]["lr"]
+    for rank in chain["on1"] + chain["on3"] + chain["on2"]:
+        assert rank["step"] == step and rank["lr"] == lr
+        assert rank["finite_after_step"]
+
+
+def test_ranks_present_in_both_runs_keep_their_rng_and_private_state(chain: dict[str, Any]) -> None:
+    saved = {r["rank"]: r for r in chain["saved"]}
+    for rank in chain["on1"] + chain["on3"][:2]:
+        own = saved[rank["rank"]]
+        assert torch.equal(rank["rng"], own["rng"])
+        assert torch.equal(rank["noise"], own["noise"])
+        assert rank["progress"] == own["progress"]
+
+
+def test_a_new_rank_derives_its_generators_and_takes_its_source_ranks_progress(chain: dict[str, Any]) -> None:
+    # B1 was saved on 1 rank (the resume on 1 rank seeds torch with 0 before re-saving); resumed on 2 ranks,
+    # rank 1 is new: progress copied from saved rank 0, generators derived (not a copy of rank 0's streams)
+    rank0, rank1 = chain["on2"]
+    saved_rng = torch.manual_seed(0).get_state()
+    assert torch.equal(rank0["rng"], saved_rng)
+    expected = derive_rng({"torch_manual_seed": saved_rng, "step": 0}, 1)["torch_manual_seed"]
+    assert torch.equal(rank1["rng"], expected) and not torch.equal(rank1["rng"], saved_rng)
+    assert rank1["progress"] == rank0["progress"] == chain["saved"][0]["progress"]
+    noise = torch.Generator().manual_seed(derived_seed(rank0["noise"], 1, "noise"))
+    assert torch.equal(rank1["noise"], noise.get_state()) and not torch.equal(rank1["noise"], rank0["noise"])
+
+
+def test_a_rank_map_gives_a_new_rank_a_saved_ranks_state_exactly(chain: dict[str, Any]) -> None:
+    mapped, source = chain["on3"][2], chain["saved"][1]
+    assert torch.equal(mapped["rng"], source["rng"]) and torch.equal(mapped["noise"], source["noise"])
+    assert mapped["progress"] == source["progress"]
+
+
+def test_the_policy_and_the_resharding_are_recorded_in_the_next_manifest(chain: dict[str, Any]) -> None:
+    (rank0,) = chain["on1"]
+    assert rank0["rank_state"]["policy"] == POLICY
+    assert "dataloader_states_{rank}.pt" in rank0["rank_state"]["files"]
+    record = rank0["resharded_from"][""]
+    assert record["checkpoint"] == str(chain["paths"]["A"])
+    assert (record["saved_world_size"], record["world_size"], record["dropped"]) == (2, 1, [1])
+    three = chain["on3"][0]["resharded_from"][""]
+    assert (three["sources"], three["derived"], three["dropped"]) == ([0, 1, 1], [], [])
+    two = chain["on2"][0]["resharded_from"][""]
+    assert (two["saved_world_size"], two["sources"], two["derived"]) == (1, [0, 0], [1])
+
+
+def test_per_rank_data_loader_state_is_saved_per_rank_not_by_the_last_writer(chain: dict[str, Any]) -> None:
+    paths = chain["paths"]
+    files = sorted(p.name for p in paths["A"].glob("dataloader_states_*.pt"))
+    assert files == ["dataloader_states_0.pt", "dataloader_states_1.pt"]
+    states = [torch.load(paths["A"] / name, weights_only=True)["loaders"][0] for name in files]
+    assert states[0] != states[1]  # rank 1 consumed one more batch than rank 0
+    # resumed on the same 2 ranks, each rank's loader goes on exactly where that rank's stopped
+    for saved, resumed in zip(chain["saved"], chain["same"]):
+        assert resumed["next_batch"] == saved["next_batch"]
+        assert resumed["resharded_from"] is None
