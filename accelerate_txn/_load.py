@@ -129,8 +129,22 @@ def _check_live(path: Path, manifest: dict[str, Any] | None, group: dict[str, An
         config = checkpoint_config(owner)
         if manifest is not None:
             saved_world = manifest["components"][name].get("world_size")
-        else:  # legacy: as many ranks as consecutive RNG files (opt-in only; else every current rank needs one)
-            saved_world = _legacy_world(path / name) if config.allow_reshard else owner.num_processes
+        else:  # legacy: as many ranks as consecutive RNG files
+            saved_world = _legacy_world(path / name)
+            if saved_world < owner.num_processes and not config.allow_reshard:
+                raise CheckpointIntegrityError(
+                    f"Missing RNG state: {path / name / RNG_FILE.format(rank=saved_world)} (this checkpoint has no "
+                    "manifest, so a deleted file cannot be told from a smaller world size). If it was saved on "
+                    f"{saved_world} ranks, opt in to elastic resume with "
+                    "configure_checkpointing(accelerator, allow_reshard=True) (docs/elastic.md)."
+                )
+            if saved_world > owner.num_processes and not config.allow_reshard:
+                raise CheckpointConfigurationError(
+                    f"{path / name} (no manifest) holds RNG state for {saved_world} ranks and this run has "
+                    f"{owner.num_processes}: a world-size change is refused before anything is restored. Resume on "
+                    f"{saved_world} ranks, or opt in to elastic resume with "
+                    "configure_checkpointing(accelerator, allow_reshard=True) (docs/elastic.md)."
+                )
         if not isinstance(saved_world, int) or isinstance(saved_world, bool) or saved_world < 1:
             raise CheckpointIntegrityError(f"{path} records an invalid world size {saved_world!r}")
         plan = plan_ranks(saved_world, owner.num_processes, config.reshard_rank_map)

@@ -50,8 +50,10 @@ def _next_batch(iterator: Any) -> list[float]:
     return next(iterator)[0].flatten().tolist()
 
 
-def save(fsdp_version: int, out_dir: str) -> dict[str, Any]:
+def save(fsdp_version: int, out_dir: str, native: bool = False) -> dict[str, Any]:
     accelerator, model, optimizer, scheduler, loader, noise, progress = _build(fsdp_version, seed=1)
+    if native:  # a legacy checkpoint: native Accelerate, no manifest
+        accelerate_txn.unpatch_accelerate_fsdp(accelerator)
     me = accelerator.process_index
     iterator = iter(loader)
     for _ in range(3):

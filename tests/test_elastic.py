@@ -139,3 +139,38 @@ def test_per_rank_data_loader_state_is_saved_per_rank_not_by_the_last_writer(cha
     for saved, resumed in zip(chain["saved"], chain["same"]):
         assert resumed["next_batch"] == saved["next_batch"]
         assert resumed["resharded_from"] is None
+
+
+def test_a_legacy_native_checkpoint_resumes_elastically_with_its_world_size_from_its_rng_files(
+        tmp_path: Path) -> None:
+    native, resumed = tmp_path / "native", tmp_path / "resumed"
+    saved = launch("tests._elastic_scenarios:save", 2, args=(1, str(native), True), timeout=TIMEOUT)
+    assert not (native / "checkpoint_manifest.json").exists() and (native / "random_states_1.pkl").exists()
+    (rank0,) = launch("tests._elastic_scenarios:resume", 1, args=(1, str(native), str(resumed), True),
+                      timeout=TIMEOUT)
+    # without the opt-in the world-size change is refused, though native Accelerate would load it silently
+    assert rank0["refusal"]["type"] == "CheckpointConfigurationError" and rank0["untouched"]
+    assert "RNG state for 2 ranks" in rank0["refusal"]["message"] and "allow_reshard=True" in rank0["refusal"]["message"]
+    assert torch.equal(rank0["rng"], saved[0]["rng"]) and rank0["progress"] == saved[0]["progress"]
+    assert rank0["resharded_from"][""]["saved_world_size"] == 2
+    assert _same_state(native, resumed) == []
+
+
+def test_cli_inspect_shows_the_lineage_and_diff_allows_the_world_size_change_only_when_asked(
+        chain: dict[str, Any]) -> None:
+    import subprocess
+    import sys
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "accelerate_txn", *args], capture_output=True, text=True,
+                              timeout=120)
+
+    paths = chain["paths"]
+    shown = cli("inspect", str(paths["B1"]))
+    assert shown.returncode == 0, shown.stderr
+    assert f"resumed elastically from {paths['A']}: 2 -> 1 ranks" in shown.stdout
+    assert POLICY in shown.stdout
+    refused = cli("diff", str(paths["A"]), str(paths["B3"]))
+    assert refused.returncode == 1 and "world_size: 2 (saved) vs 3 (live)" in refused.stdout
+    allowed = cli("diff", "--allow-reshard", str(paths["A"]), str(paths["B3"]))
+    assert allowed.returncode == 0, allowed.stdout

@@ -250,7 +250,8 @@ def inspect_command(checkpoint: Path, as_json: bool) -> int:
     if as_json:
         out.emit_json({"path": str(checkpoint), "run_id": manifest.get("run_id"), "protocol": manifest.get("protocol"),
                        "integrity": manifest.get("integrity"), "versions": manifest.get("versions"),
-                       "steps": component_steps(manifest), "components": summaries})
+                       "steps": component_steps(manifest), "components": summaries,
+                       "rank_state": manifest.get("rank_state"), "resharded_from": manifest.get("resharded_from")})
         return 0
     versions = manifest.get("versions") if isinstance(manifest.get("versions"), dict) else {}
     out.say(f"{checkpoint} (run {manifest.get('run_id')}, protocol {manifest.get('protocol')}, integrity "
@@ -262,7 +263,26 @@ def inspect_command(checkpoint: Path, as_json: bool) -> int:
     for name, summary in summaries.items():
         for line in _inspect_lines(name, summary):
             out.say(line)
+    for line in _rank_lines(manifest):
+        out.say(line)
     return 0
+
+
+def _rank_lines(manifest: dict[str, Any]) -> list[str]:
+    """The per-rank state policy (elastic resume) and, after one, where this checkpoint's run was resharded from."""
+    lines = []
+    rank_state = manifest.get("rank_state")
+    if isinstance(rank_state, dict):
+        files = rank_state.get("files") if isinstance(rank_state.get("files"), list) else []
+        lines.append(f"per-rank state policy {rank_state.get('policy')} (files {', '.join(map(str, files)) or '-'})")
+    lineage = manifest.get("resharded_from")
+    for name, record in sorted(lineage.items()) if isinstance(lineage, dict) else ():
+        if isinstance(record, dict):
+            lines.append(f"{'component ' + repr(name) + ' ' if name else ''}resumed elastically from "
+                         f"{record.get('checkpoint')}: {record.get('saved_world_size')} -> {record.get('world_size')} "
+                         f"ranks, state sources {record.get('sources')}, derived {record.get('derived')}, dropped "
+                         f"{record.get('dropped')}")
+    return lines
 
 
 # --------------------------------------------------------------------------------------------- diff
@@ -271,8 +291,10 @@ def inspect_command(checkpoint: Path, as_json: bool) -> int:
 @click.command("diff", short_help="Explain why a run configured like B could not resume from A.")
 @click.argument("saved", metavar="A", type=_EXISTING_DIR)
 @click.argument("other", metavar="B", type=_EXISTING_DIR)
+@click.option("--allow-reshard", is_flag=True,
+              help="Compare as a run with configure_checkpointing(allow_reshard=True): a world-size change is allowed.")
 @_json_option
-def diff_command(saved: Path, other: Path, as_json: bool) -> int:
+def diff_command(saved: Path, other: Path, allow_reshard: bool, as_json: bool) -> int:
     """Explain why a run configured like B could not resume from A: exit 0 if it could, 1 if not.
 
     Compares the training configurations both manifests record, as load_state() compares a checkpoint's saved
@@ -281,7 +303,7 @@ def diff_command(saved: Path, other: Path, as_json: bool) -> int:
     from ._describe import resume_blockers
 
     first, second = _checkpoint(saved, "diff"), _checkpoint(other, "diff")
-    blockers = resume_blockers(first, second)
+    blockers = resume_blockers(first, second, allow_reshard=allow_reshard)
     versions = [first.get("versions"), second.get("versions")]
     same_run = first.get("run_id") == second.get("run_id")
     if as_json:

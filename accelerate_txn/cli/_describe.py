@@ -72,7 +72,8 @@ def summarize(descriptor: Any) -> dict[str, Any]:
     }
 
 
-def resume_blockers(saved: dict[str, Any], other: dict[str, Any]) -> list[dict[str, Any]]:
+def resume_blockers(saved: dict[str, Any], other: dict[str, Any], *, allow_reshard: bool = False
+                    ) -> list[dict[str, Any]]:
     """Why a run configured as ``other`` was saved would be refused when resuming ``saved``, per component, in the
     library's own words (the same comparison load_state() runs). Empty when it would resume."""
     from .._descriptor import compare_descriptor
@@ -87,7 +88,8 @@ def resume_blockers(saved: dict[str, Any], other: dict[str, Any]) -> list[dict[s
     for name in sorted(set(saved_parts) & set(other_parts)):
         where = f"component {name!r}" if name else "the checkpoint"
         try:
-            compare_descriptor(saved_parts[name], other_parts[name], where=where, warn=False)
+            compare_descriptor(saved_parts[name], other_parts[name], where=where, warn=False,
+                               allow_reshard=allow_reshard)
         except CheckpointConfigurationError as exc:
             message = str(exc)
             lines = [line.strip() for line in message.splitlines()[1:] if line.startswith("  ")]
