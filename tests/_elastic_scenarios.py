@@ -22,16 +22,23 @@ from accelerate_txn.testing import TinyModel, fsdp_accelerator
 from tests._scenarios import _error, warmup_lambda
 
 
-def _build(fsdp_version: int, seed: int) -> tuple[Any, ...]:
-    accelerator = fsdp_accelerator(fsdp_version=fsdp_version,
+def _build(fsdp_version: int, seed: int, variant: str = "adamw") -> tuple[Any, ...]:
+    """``variant``: "adamw", or "rmsprop-flat" (RMSprop with momentum, centered; FSDP1 flat parameters)."""
+    accelerator = fsdp_accelerator(fsdp_version=fsdp_version, use_orig_params=variant == "adamw",
                                    dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
     torch.manual_seed(seed)
     raw = TinyModel(width=16)
-    optimizer = torch.optim.AdamW(raw.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(warmup_lambda, warmup=3))
     data = torch.utils.data.TensorDataset(torch.arange(96, dtype=torch.float32).view(96, 1))
     loader = torch.utils.data.DataLoader(data, batch_size=2, shuffle=False)
-    model, optimizer, scheduler, loader = accelerator.prepare(raw, optimizer, scheduler, loader)
+    if variant == "adamw":  # FSDP2 (and FSDP1 with original parameters): prepared together
+        optimizer = torch.optim.AdamW(raw.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(warmup_lambda, warmup=3))
+        model, optimizer, scheduler, loader = accelerator.prepare(raw, optimizer, scheduler, loader)
+    else:  # FSDP1 flat parameters: the optimizer is built on the wrapped model
+        model = accelerator.prepare(raw)
+        optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-3, momentum=0.9, centered=True)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(warmup_lambda, warmup=3))
+        optimizer, scheduler, loader = accelerator.prepare(optimizer, scheduler, loader)
     noise = torch.Generator().manual_seed(1000 + seed + accelerator.process_index)
     progress = {"samples": 0}
     accelerate_txn.register_checkpoint_state(accelerator, {"noise": noise}, progress)
@@ -50,8 +57,8 @@ def _next_batch(iterator: Any) -> list[float]:
     return next(iterator)[0].flatten().tolist()
 
 
-def save(fsdp_version: int, out_dir: str, native: bool = False) -> dict[str, Any]:
-    accelerator, model, optimizer, scheduler, loader, noise, progress = _build(fsdp_version, seed=1)
+def save(fsdp_version: int, out_dir: str, native: bool = False, variant: str = "adamw") -> dict[str, Any]:
+    accelerator, model, optimizer, scheduler, loader, noise, progress = _build(fsdp_version, seed=1, variant=variant)
     if native:  # a legacy checkpoint: native Accelerate, no manifest
         accelerate_txn.unpatch_accelerate_fsdp(accelerator)
     me = accelerator.process_index
@@ -72,8 +79,8 @@ def save(fsdp_version: int, out_dir: str, native: bool = False) -> dict[str, Any
 
 
 def resume(fsdp_version: int, source: str, out_dir: str, refuse_first: bool,
-           rank_map: dict[int, int] | None = None) -> dict[str, Any]:
-    accelerator, model, optimizer, scheduler, loader, noise, progress = _build(fsdp_version, seed=7)
+           rank_map: dict[int, int] | None = None, variant: str = "adamw") -> dict[str, Any]:
+    accelerator, model, optimizer, scheduler, loader, noise, progress = _build(fsdp_version, seed=7, variant=variant)
     me = accelerator.process_index
     observed: dict[str, Any] = {"rank": me}
     if refuse_first:

@@ -174,3 +174,14 @@ def test_cli_inspect_shows_the_lineage_and_diff_allows_the_world_size_change_onl
     assert refused.returncode == 1 and "world_size: 2 (saved) vs 3 (live)" in refused.stdout
     allowed = cli("diff", "--allow-reshard", str(paths["A"]), str(paths["B3"]))
     assert allowed.returncode == 0, allowed.stdout
+
+
+def test_fsdp1_flat_parameters_and_another_optimizer_reshard_exactly_2_to_3(tmp_path: Path) -> None:
+    saved, resumed = tmp_path / "saved", tmp_path / "resumed"
+    launch("tests._elastic_scenarios:save", 2, args=(1, str(saved), False, "rmsprop-flat"), timeout=TIMEOUT)
+    ranks = launch("tests._elastic_scenarios:resume", 3, args=(1, str(saved), str(resumed), False, None,
+                                                               "rmsprop-flat"), timeout=TIMEOUT)
+    assert all(rank["finite_after_step"] for rank in ranks)
+    flat = _flatten(_consolidated(saved))
+    assert any(key.endswith("square_avg") for key in flat) and any(key.endswith("grad_avg") for key in flat)
+    assert _same_state(saved, resumed) == []
