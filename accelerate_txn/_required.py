@@ -65,16 +65,34 @@ def rank_files(accelerator: Any) -> tuple[str, ...]:
 
 
 def check_required_files(accelerator: Any, directory: Path, ranks: range | tuple[int, ...], *,
-                         read_custom: bool = True) -> Preflight:
+                         read_custom: bool = True, shared: bool = True) -> Preflight:
     """Check and safely read the files of ``accelerator``'s state in ``directory`` for ``ranks`` (saved ranks).
 
     ``read_custom``: read custom-object states for this process (the restore applies them). Per-rank files are
-    read for every rank in ``ranks``; shared files once.
+    read for every rank in ``ranks``; shared files once, or not at all with ``shared=False`` (a save's per-rank
+    check: rank 0 checks every file before publishing).
     """
     directory = Path(directory)
     if directory.is_symlink() or not directory.is_dir():
         raise CheckpointIntegrityError(f"Checkpoint directory {directory} does not exist")
     found = Preflight()
+    config = checkpoint_config(accelerator)
+    if shared:
+        _check_shared_files(accelerator, directory, found, read_custom)
+    for rank in ranks:
+        for template, validator in config.validators.items():
+            validator(directory, rank)
+            found.names.add(template.format(rank=rank))
+        found.rng[rank] = read_rng_file(directory, rank)
+        found.names.add(RNG_FILE.format(rank=rank))
+        found.loaders[rank] = read_loader_states(accelerator, directory, rank)
+        if found.loaders[rank] is not None:
+            found.names.add(LOADER_FILE.format(rank=rank))
+    return found
+
+
+def _check_shared_files(accelerator: Any, directory: Path, found: Preflight, read_custom: bool) -> None:
+    """Model and optimizer payloads, scheduler, sampler, data-loader, scaler and custom-object files."""
     config = checkpoint_config(accelerator)
     if backend(accelerator) == "FSDP":
         for index in range(len(prepared_models(accelerator))):
@@ -116,16 +134,6 @@ def check_required_files(accelerator: Any, directory: Path, ranks: range | tuple
             f"{directory} holds {stray[0]}, but this Accelerator registered {len(custom_objects(accelerator))} custom "
             "object(s): Accelerate would refuse it mid-restore. Register the same objects as when it was saved."
         )
-    for rank in ranks:
-        for template, validator in config.validators.items():
-            validator(directory, rank)
-            found.names.add(template.format(rank=rank))
-        found.rng[rank] = read_rng_file(directory, rank)
-        found.names.add(RNG_FILE.format(rank=rank))
-        found.loaders[rank] = read_loader_states(accelerator, directory, rank)
-        if found.loaders[rank] is not None:
-            found.names.add(LOADER_FILE.format(rank=rank))
-    return found
 
 
 def _reads_sampler(loader: Any) -> bool:

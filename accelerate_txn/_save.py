@@ -217,8 +217,10 @@ def _finish(group: Any, owners: dict[str, Any], staging: Path, templates: list[s
     """Steps 5-6 over ``group`` (None: the default group): hash and flush, publish (noted in ``record`` at once),
     retention."""
     for name, owner in owners.items():
+        # This rank's own files only: rank 0 checks every file (shared ones included) before publishing.
         run_phase(lambda owner=owner, target=staging / name: check_required_files(
-            owner, target, (owner.process_index,), read_custom=False), "Checking this rank's staged files", group)
+            owner, target, (owner.process_index,), read_custom=False, shared=False),
+            "Checking this rank's staged files", group)
     # Every rank hashes and flushes what it wrote (on a shared filesystem only the writer's fsync is reliable).
     rows = _gather_rows(run_phase(lambda: _own_rows(staging, templates, integrity),
                                   "Hashing and flushing the staged checkpoint", group), group)
