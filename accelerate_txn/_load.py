@@ -38,7 +38,14 @@ from ._loader_state import apply_loader_states
 from ._manifest import check_dcp_inventory, check_hashes, check_structure, hashed_names, read_manifest, writer_rank
 from ._native import fsdp_routing, native_method, synchronized_hooks
 from ._ranks import agree, digest, on_main, rank, run_phase, world_size
-from ._required import Preflight, check_inventory_covers, check_required_files, private_patterns, rank_files
+from ._required import (
+    Preflight,
+    check_inventory_covers,
+    check_required_files,
+    private_patterns,
+    rank_files,
+    saved_world_size,
+)
 from ._reshard import derive_rng, plan_ranks
 from ._rng import RNG_FILE, apply_rng
 from ._select import CHECKPOINT_NAME, checkpoint_candidates, numbered_checkpoints, refuse_transient
@@ -127,10 +134,8 @@ def _check_live(path: Path, manifest: dict[str, Any] | None, group: dict[str, An
     states = {}
     for name, owner in group.items():
         config = checkpoint_config(owner)
-        if manifest is not None:
-            saved_world = manifest["components"][name].get("world_size")
-        else:  # legacy: as many ranks as consecutive RNG files
-            saved_world = _legacy_world(path / name)
+        saved_world = saved_world_size(manifest, name, path / name)
+        if manifest is None:  # legacy: as many ranks as consecutive RNG files
             if saved_world < owner.num_processes and not config.allow_reshard:
                 raise CheckpointIntegrityError(
                     f"Missing RNG state: {path / name / RNG_FILE.format(rank=saved_world)} (this checkpoint has no "
@@ -145,8 +150,6 @@ def _check_live(path: Path, manifest: dict[str, Any] | None, group: dict[str, An
                     f"{saved_world} ranks, or opt in to elastic resume with "
                     "configure_checkpointing(accelerator, allow_reshard=True) (docs/elastic.md)."
                 )
-        if not isinstance(saved_world, int) or isinstance(saved_world, bool) or saved_world < 1:
-            raise CheckpointIntegrityError(f"{path} records an invalid world size {saved_world!r}")
         plan = plan_ranks(saved_world, owner.num_processes, config.reshard_rank_map)
         # Rank 0 checks every saved rank's files; each rank also reads those of the saved rank it restores from.
         ranks = range(plan.saved_world) if rank() == 0 else (plan.source(owner.process_index),)
@@ -159,16 +162,6 @@ def _check_live(path: Path, manifest: dict[str, Any] | None, group: dict[str, An
         if backend(owner) == "FSDP":
             validate_optimizer_checkpoint(owner, path / name)
     return states
-
-
-def _legacy_world(directory: Path) -> int:
-    """The world size of a manifest-less checkpoint: its consecutive ``random_states_<rank>.pkl`` files."""
-    count = 0
-    while (directory / RNG_FILE.format(rank=count)).is_file():
-        count += 1
-    if count == 0:
-        raise CheckpointIntegrityError(f"Missing RNG state: {directory / RNG_FILE.format(rank=0)}")
-    return count
 
 
 @contextlib.contextmanager

@@ -136,6 +136,27 @@ def _check_shared_files(accelerator: Any, directory: Path, found: Preflight, rea
         )
 
 
+def legacy_world_size(directory: Path) -> int:
+    """The world size of a manifest-less checkpoint: its consecutive ``random_states_<rank>.pkl`` files."""
+    count = 0
+    while (Path(directory) / RNG_FILE.format(rank=count)).is_file():
+        count += 1
+    if count == 0:
+        raise CheckpointIntegrityError(f"Missing RNG state: {Path(directory) / RNG_FILE.format(rank=0)}")
+    return count
+
+
+def saved_world_size(manifest: dict[str, Any] | None, component: str, directory: Path) -> int:
+    """How many ranks saved ``component``: the manifest's descriptor, or a legacy checkpoint's RNG files."""
+    if manifest is None:
+        return legacy_world_size(directory)
+    descriptor = manifest.get("components", {}).get(component)
+    world = descriptor.get("world_size") if isinstance(descriptor, dict) else None
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise CheckpointIntegrityError(f"{directory}: the manifest records an invalid world size {world!r}")
+    return world
+
+
 def _reads_sampler(loader: Any) -> bool:
     """Whether native ``load_state`` reads ``sampler.bin`` for this data loader (as Accelerate decides it)."""
     try:

@@ -83,7 +83,7 @@ def check_candidate(path: Path, group: dict[str, Any] | None) -> dict[str, Any] 
     manifest = read_manifest(path)
     if group is not None:  # torch-heavy: only with live Accelerators (the CLI passes none)
         from ._config import checkpoint_config
-        from ._required import check_required_files, private_patterns
+        from ._required import check_required_files, private_patterns, saved_world_size
     patterns = [pattern for owner in (group or {}).values() for pattern in private_patterns(owner)]
     if manifest is not None:
         verify_manifest(path, manifest, full=False, dcp=False, private_patterns=patterns)
@@ -94,8 +94,9 @@ def check_candidate(path: Path, group: dict[str, Any] | None) -> dict[str, Any] 
     elif group is None or not all(checkpoint_config(owner).allow_legacy for owner in group.values()):
         raise CheckpointIntegrityError("it has no completion manifest")
     if group is not None:
-        for name, owner in group.items():
-            check_required_files(owner, path / name, range(owner.num_processes), read_custom=False)
+        for name, owner in group.items():  # every saved rank's files (the world size may have changed)
+            check_required_files(owner, path / name, range(saved_world_size(manifest, name, path / name)),
+                                 read_custom=False)
     return manifest
 
 

@@ -105,3 +105,29 @@ def resume(fsdp_version: int, source: str, out_dir: str, refuse_first: bool,
     observed["finite_after_step"] = all(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()
                                         for p in model.parameters())
     return observed
+
+
+def resume_automatic(fsdp_version: int, project: str) -> dict[str, Any]:
+    """Automatic naming: ``load_state()`` selects the newest checkpoint saved on another world size; the next
+    ``save_state()`` numbers past it and records the lineage."""
+    from accelerate_txn.testing import fsdp_accelerator as build
+
+    accelerator = build(fsdp_version=fsdp_version, project_dir=project, automatic_checkpoint_naming=True,
+                        dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+    torch.manual_seed(7)
+    raw = TinyModel(width=16)
+    optimizer = torch.optim.AdamW(raw.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(warmup_lambda, warmup=3))
+    data = torch.utils.data.TensorDataset(torch.arange(96, dtype=torch.float32).view(96, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=2, shuffle=False)
+    model, optimizer, scheduler, loader = accelerator.prepare(raw, optimizer, scheduler, loader)
+    accelerate_txn.register_checkpoint_state(accelerator, {"noise": torch.Generator()}, {"samples": 0})
+    observed: dict[str, Any] = {"refusal": _error(lambda: accelerator.load_state())}
+    accelerate_txn.configure_checkpointing(accelerator, allow_reshard=True)
+    accelerator.load_state()
+    _step(accelerator, model, optimizer, scheduler)
+    accelerator.save_state()
+    newest = sorted((Path(project) / "checkpoints").iterdir())[-1]
+    observed["saved_to"] = newest.name
+    observed["resharded_from"] = json.loads((newest / accelerate_txn.MANIFEST).read_text()).get("resharded_from")
+    return observed

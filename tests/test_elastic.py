@@ -185,3 +185,18 @@ def test_fsdp1_flat_parameters_and_another_optimizer_reshard_exactly_2_to_3(tmp_
     flat = _flatten(_consolidated(saved))
     assert any(key.endswith("square_avg") for key in flat) and any(key.endswith("grad_avg") for key in flat)
     assert _same_state(saved, resumed) == []
+
+
+@pytest.mark.parametrize("chain", [1], indirect=True, ids=["fsdp1"])  # selection reads no model state
+def test_automatic_selection_resumes_a_checkpoint_of_another_world_size_only_with_the_opt_in(
+        chain: dict[str, Any], tmp_path: Path) -> None:
+    import shutil
+
+    project = tmp_path / "project"
+    shutil.copytree(chain["paths"]["A"], project / "checkpoints" / "checkpoint_0")
+    ranks = launch("tests._elastic_scenarios:resume_automatic", 3, args=(1, str(project)), timeout=TIMEOUT)
+    for rank in ranks:  # the candidate is not skipped as incomplete (no RNG file for rank 2): it is refused
+        assert rank["refusal"]["type"] == "CheckpointConfigurationError"
+        assert "allow_reshard=True" in rank["refusal"]["message"]
+        assert rank["saved_to"] == "checkpoint_1"
+    assert ranks[0]["resharded_from"][""]["checkpoint"] == str(project / "checkpoints" / "checkpoint_0")
