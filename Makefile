@@ -70,8 +70,9 @@ test-accelerate:
 ## deleted when done. Narrow it with MATRIX_ARGS, e.g. make test-matrix MATRIX_ARGS="--python 3.13 --keep".
 ## MATRIX_TESTS is the one definition of the compact distributed subset: the orig_params round trip (save,
 ## fresh-optimizer restore, corruption and configuration refusal, a hook failing on one rank, no overwrite),
-## kill -9 mid-save and resume, ranks that disagree, a DCP exception on one rank, a restore failing part way.
-MATRIX_TESTS ?= tests/test_distributed.py -k "orig_params or kill_9 or ranks_with_different_configuration or silently_empty_native or dcp_checkpoint_exception or restore_failing_part_way"
+## kill -9 mid-save and resume, ranks that disagree, a DCP exception on one rank, a restore failing part way,
+## and an elastic resume (FSDP1 flat parameters, 2 -> 3 ranks, exact).
+MATRIX_TESTS ?= tests/test_distributed.py tests/test_elastic.py -k "orig_params or kill_9 or ranks_with_different_configuration or silently_empty_native or dcp_checkpoint_exception or restore_failing_part_way or flat_parameters_and_another_optimizer"
 MATRIX_ARGS ?=
 test-matrix:
 	$(PYTHON) .ci/matrix.py $(MATRIX_ARGS) -- $(MATRIX_TESTS)
