@@ -29,8 +29,8 @@ Accelerate's FSDP2 ``SHARDED_STATE_DICT`` checkpoints are DCP directories like F
   :func:`verify_restored_fsdp2` checks the result.
 
 Validated versions: the FSDP2 path is taken only on the (torch, Accelerate) minor series listed in
-:data:`FSDP2_VALIDATED` (tested with real 2-process gloo runs, tests/test_fsdp2.py); elsewhere FSDP2 runs native
-Accelerate with a warning.
+:data:`FSDP2_VALIDATED` (each one passed tests/test_fsdp2.py and tests/test_crash_fsdp2.py, real 2-process gloo
+runs, with that pair installed); elsewhere FSDP2 runs native Accelerate with a warning.
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ from ._manifest import read_dcp_metadata
 from ._ranks import run_phase
 from .errors import CheckpointConfigurationError, CheckpointIntegrityError
 
-#: (torch minor series, Accelerate minor series) on which the protected FSDP2 path was validated.
-FSDP2_VALIDATED: frozenset[tuple[str, str]] = frozenset({("2.13", "1.15")})
+#: (torch minor series, Accelerate minor series) on which the protected FSDP2 path was validated (torch 2.13.0
+#: with Accelerate 1.13.0, 1.14.0 and 1.15.0).
+FSDP2_VALIDATED: frozenset[tuple[str, str]] = frozenset({("2.13", "1.13"), ("2.13", "1.14"), ("2.13", "1.15")})
 
 # Wrapper prefixes that ``get_model_state_dict``/``get_optimizer_state_dict`` leave out of parameter names.
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod")

@@ -252,6 +252,20 @@ def has_load_state_dict_pre_hooks(optimizer: Any) -> bool:
     return bool(optimizer._optimizer_load_state_dict_pre_hooks)
 
 
+# --- torch.amp.GradScaler ---------------------------------------------------------------------------------------
+# ``_scale`` / ``_growth_tracker`` (torch 2.7-2.13: None until the first ``scale()`` or ``load_state_dict`` +
+# ``_lazy_init_scale_growth_tracker``). Accelerate's FSDP2 ``load_state`` (1.9-1.15) loads ``scaler.pt`` and then
+# calls ``_lazy_init_scale_growth_tracker``, which asserts the tracker is not initialised yet: it fails for a
+# scaler that already scaled a loss (every fp16 step) or was loaded before in the same process.
+
+
+def uninitialise_grad_scaler(scaler: Any) -> None:
+    """Drop a ``GradScaler``'s live ``_scale``/``_growth_tracker`` so the next ``load_state_dict`` and lazy init
+    rebuild them from the loaded state."""
+    scaler._scale = None
+    scaler._growth_tracker = None
+
+
 # --- Python runtime ---------------------------------------------------------------------------------------------
 # threading._register_atexit (CPython 3.9+, checked on 3.10-3.13): hooks that run at interpreter exit before
 # non-daemon threads are joined and before atexit, newest first; concurrent.futures registers its own there.

@@ -23,7 +23,7 @@ from typing import Any
 
 from . import _async, _faults
 from ._config import checkpoint_config, mark_failed, raw_optimizer
-from ._descriptor import backend, compare_descriptor, describe, participants
+from ._descriptor import backend, compare_descriptor, describe, is_fsdp2_sharded, participants
 from ._finite import check_finite_state
 from ._fsdp_optimizer import validate_optimizer_checkpoint, verify_restored
 from ._internals import (
@@ -33,6 +33,7 @@ from ._internals import (
     prepared_models,
     prepared_optimizers,
     save_state_pre_hooks,
+    uninitialise_grad_scaler,
 )
 from ._loader_state import apply_loader_states
 from ._manifest import check_dcp_inventory, check_hashes, check_structure, hashed_names, read_manifest, writer_rank
@@ -195,6 +196,10 @@ def _restore(path: Path, group: dict[str, Any], found: dict[str, Preflight], kwa
         def native_load(owner: Any = owner, directory: Path = directory, load: Any = load,
                         custom: dict[int, Any] = found[name].custom) -> None:
             with fsdp_routing(owner), synchronized_hooks(owner), _custom_objects_from(custom, owner):
+                if owner.scaler is not None and is_fsdp2_sharded(owner):
+                    # Accelerate's FSDP2 load re-initialises the scaler from scaler.pt and asserts it was not
+                    # initialised: after any fp16 step, or an earlier load in this process, it would fail part way.
+                    uninitialise_grad_scaler(owner.scaler)
                 load(str(directory), **kwargs)
 
         run_phase(native_load, f"Restoring {directory}")

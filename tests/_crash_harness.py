@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from accelerate_txn.testing import free_port
-from tests._crash_scenarios import directory_report, ref_path, write_json
+from tests._crash_scenarios import asynchronous, directory_report, ref_path, write_json
 
 WORLD = 2
 LAUNCH_TIMEOUT = 240.0
@@ -181,14 +181,23 @@ def returned_save(root: Path) -> int | None:
 
 def crash_invariants(root: Path) -> tuple[dict[str, Any], list[str]]:
     """File-level checks right after a kill: every ``checkpoint_N`` present verifies completely (every hash),
-    no checkpoint whose save returned and that retention keeps is lost, automatic selection names the newest
-    complete one, and every complete one has its reference state. Returns the report and the violations."""
+    no checkpoint whose save returned (asynchronous saves: that was published) and that retention keeps is lost,
+    automatic selection names the newest complete one, and every complete one has its reference state. Returns
+    the report and the violations."""
     report = directory_report(Path(root) / "checkpoints")
     complete = report["complete"]
     problems = [f"{name} is present but not a complete checkpoint: {why}" for name, why in report["broken"].items()]
     returned = returned_save(root)
     newest = max(complete) if complete else None
-    if returned is not None:
+    if returned is not None and asynchronous():
+        # An asynchronous save returns once staged: its return proves the previous one published (every save
+        # waits for the one in flight first), not itself. Retention runs only after a publish.
+        if returned >= 1 and returned - 1 not in complete:
+            problems.append(f"checkpoint_{returned - 1} (published before save {returned} returned) is lost: "
+                            f"complete {complete}")
+        if newest is not None and newest not in (returned - 1, returned, returned + 1):
+            problems.append(f"newest complete checkpoint_{newest}, but the last returned save was {returned}")
+    elif returned is not None:
         if returned not in complete:
             problems.append(f"checkpoint_{returned} (its save returned) is lost: complete {complete}")
         if newest is not None and newest not in (returned, returned + 1):

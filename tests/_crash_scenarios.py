@@ -161,8 +161,21 @@ def _save(accelerator: Any, model: Any, optimizer: Any, scheduler: Any, root: Pa
     return number
 
 
+#: ``1``: every save of the run is asynchronous (``async_save=True``); the sweep's ``--async`` sets it.
+ASYNC_ENV = "ACCELERATE_TXN_SWEEP_ASYNC"
+
+
+def asynchronous() -> bool:
+    return os.environ.get(ASYNC_ENV) == "1"
+
+
 def _auto(root: Path, seed: int) -> tuple:
-    return _build(seed, project_dir=str(root), automatic_checkpoint_naming=True, total_limit=TOTAL_LIMIT)
+    built = _build(seed, project_dir=str(root), automatic_checkpoint_naming=True, total_limit=TOTAL_LIMIT)
+    if asynchronous():
+        import accelerate_txn
+
+        accelerate_txn.configure_checkpointing(built[0], async_save=True)
+    return built
 
 
 def _resume(root: Path, kill_load: str | None) -> tuple[dict[str, Any], tuple]:
@@ -184,6 +197,10 @@ def _resume(root: Path, kill_load: str | None) -> tuple[dict[str, Any], tuple]:
         os.environ.pop(KILL_ENV, None)
     started = time.monotonic()
     obs["next_save"] = f"checkpoint_{_save(*built, root, None)}"
+    if asynchronous():  # the restart's next save must be published before the directory is reported
+        import accelerate_txn
+
+        accelerate_txn.wait_for_checkpoint(accelerator)
     obs["next_save_seconds"] = time.monotonic() - started
     accelerator.wait_for_everyone()
     if _rank() == 0:

@@ -1,10 +1,14 @@
-"""Seeded random-instant crash sweep: ``python -m tests.crash_sweep --trials 50 [--seed S] [--dir D]``.
+"""Seeded random-instant crash sweep: ``python -m tests.crash_sweep --trials 50 [--seed S] [--dir D] [--fsdp-version 2]``.
 
-Each trial trains a fresh 2-rank FSDP1 run on CPU (automatic naming, ``total_limit=2``, a save every step),
+Each trial trains a fresh 2-rank FSDP run on CPU (automatic naming, ``total_limit=2``, a save every step),
 SIGKILLs every rank at an instant drawn from ``(seed, trial)`` over several saves, checks the checkpoint
 directory, and restarts: the newest complete checkpoint must be selected and restored exactly, the next save
 published, leftovers removed, no published checkpoint lost or corrupt (see tests/_crash_harness.py). Prints
 one line per trial and a summary; exits 1 if any trial failed. ``make crash-sweep`` runs it with 50 trials.
+
+``--fsdp-version 1`` (the default) runs the ranks of tests/_crash_scenarios.py (FSDP1); ``--fsdp-version 2``
+those of tests/_crash_fsdp2.py (Accelerate's FSDP2: ``fully_shard``, DTensor parameters; the restart compares
+each rank's local shards).
 """
 
 from __future__ import annotations
@@ -15,7 +19,23 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests import _crash_harness
 from tests._crash_harness import summary, sweep
+
+#: The module whose ``main`` each rank runs, per FSDP version (``_crash_harness.Job``'s ``entry``).
+ENTRIES = {1: "tests._crash_scenarios", 2: "tests._crash_fsdp2"}
+
+
+def _launch_ranks_from(entry: str) -> None:
+    """Make every job :func:`sweep` starts in this process run ``entry``'s ranks (``sweep`` builds its jobs with
+    ``_crash_harness.Job``'s default entry; this command-line process runs nothing else)."""
+    base = _crash_harness.Job
+
+    class _Job(base):  # type: ignore[misc,valid-type]
+        def __init__(self, spec: dict, directory: Path, name: str, entry: str = entry) -> None:
+            super().__init__(spec, directory, name, entry)
+
+    _crash_harness.Job = _Job  # type: ignore[misc]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,12 +43,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=50)
     parser.add_argument("--seed", type=int, default=20261130)
     parser.add_argument("--dir", type=Path, default=None, help="keep the run directories here (default: temporary)")
+    parser.add_argument("--fsdp-version", type=int, choices=sorted(ENTRIES), default=1,
+                        help="1: FSDP1 (FullyShardedDataParallel); 2: FSDP2 (fully_shard, DTensor parameters)")
     args = parser.parse_args(argv)
+    if args.fsdp_version != 1:
+        _launch_ranks_from(ENTRIES[args.fsdp_version])
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="crash-sweep-") as scratch:
         directory = args.dir or Path(scratch)
         directory.mkdir(parents=True, exist_ok=True)
-        print(f"crash sweep: {args.trials} trials, seed {args.seed}, in {directory}", flush=True)
+        print(f"crash sweep: FSDP{args.fsdp_version}, {args.trials} trials, seed {args.seed}, in {directory}",
+              flush=True)
         trials = sweep(directory, args.trials, args.seed, log=lambda line: print(line, flush=True))
     print(summary(trials))
     print(f"wall time {time.monotonic() - started:.0f}s")

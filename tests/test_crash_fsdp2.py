@@ -1,36 +1,42 @@
-"""Crash consistency on FSDP2: real ``kill -9`` at two named points of a protected save, then restart.
+"""Crash consistency on FSDP2: a real ``kill -9`` at every named point, of one rank and of the whole job, then restart.
 
-The FSDP1 suite (tests/test_crash.py) kills at every named point; FSDP2 shares the same transaction code
-(staging, per-rank hash and fsync, manifest, rename, retention), so this short chain covers its two kill modes
-on an FSDP2 model (``fsdp_version=2``, DTensor parameters; ranks: tests/_crash_fsdp2.py), with the same harness
-and invariants:
+The FSDP1 suite (tests/test_crash.py) kills once per named point of ``accelerate_txn._faults.POINTS``; here every
+point is killed twice on an FSDP2 model (``fsdp_version=2``, ``fully_shard``, DTensor parameters; ranks:
+tests/_crash_fsdp2.py): once **one rank** dies by itself (``NAME@R``: the others must fail on their own, none may
+hang; the harness SIGKILLs only what is left after 60 s) and once the **whole job** dies (every rank that reaches
+the point kills itself, and the harness kills the rest at once, as torchrun does). Points only rank 0 reaches
+(``save:after-manifest``, ``save:during-retention``) kill rank 0 in both modes; the modes differ in what the
+survivor does.
 
-* ``save:during-flush`` -- the whole job, every rank after hashing its first file (the harness kills what is
-  left, as torchrun does) while saving ``checkpoint_2`` of a fresh run;
-* ``save:after-manifest@0`` -- only rank 0, between the manifest and the rename of ``checkpoint_3``; rank 1 must
-  fail on its own, without hanging; the staged directory, manifest included, is never selected.
+After each kill the checkpoint directory is checked at file level (every ``checkpoint_N`` present verifies with
+every hash, no checkpoint that retention keeps is lost, automatic selection names the newest complete one, i.e.
+the previous complete checkpoint stays selected unless the kill came after the rename); then a fresh 2-rank job
+restarts: it must select that checkpoint, restore it exactly -- this rank's local shards of every parameter and
+of the AdamW state, param groups, scheduler, Python/NumPy/torch RNG and ``accelerator.step``, bitwise against the
+reference each rank recorded before that save -- publish the next save and leave no staging or retired leftover.
 
-After each kill every ``checkpoint_N`` present verifies with every hash and automatic selection names the
-newest complete one; the next job restores it exactly (parameter and optimizer shards, param groups,
-scheduler, RNG, ``accelerator.step``, against the reference recorded before that save), publishes the next
-save, and leaves no staging leftover. Three launches; each has the harness's hard deadline
-(``LAUNCH_TIMEOUT``, which kills the ranks of a hung job), the module a backstop pytest timeout. About 12-20 s
-on 2 shared CPU cores.
+Amortised start-up (CI budget): the restart after one kill is the run killed at the next point, so the twelve
+kills and their restarts take thirteen launches (:data:`CHAIN`). Each launch has the harness's hard deadline
+(``LAUNCH_TIMEOUT``: a hung job is killed after its ranks dumped their stacks), the module a backstop pytest
+timeout. About 47 s on 2 CPU cores (about 2 minutes while other jobs load them). The random-instant sweep on FSDP2:
+``python -m tests.crash_sweep --fsdp-version 2``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from accelerate_txn._faults import POINTS
 from accelerate_txn._manifest import read_manifest
 from tests._crash_fsdp2 import ENTRY
 from tests._crash_harness import (
     KILLED,
+    LAUNCH_TIMEOUT,
     JobResult,
     crash_invariants,
     restart_problems,
@@ -39,85 +45,193 @@ from tests._crash_harness import (
 )
 from tests._crash_scenarios import ref_path
 
-# Each launch's own deadline (LAUNCH_TIMEOUT, 240 s) kills its ranks after dumping their stacks; the pytest
-# timeout is only a backstop above three of them, so it never interrupts the harness before it cleans up.
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(3 * 240 + 60)]
 
-# (kill spec, whole job, spec, complete checkpoints right after the kill)
-CHAIN: tuple[tuple[str, bool, dict[str, Any], list[int]], ...] = (
-    # A fresh run saves checkpoint_0 and _1; every rank dies in the save of checkpoint_2.
-    ("save:during-flush", True, {"fresh": True, "seed": 0, "saves": 3, "kill_save": 3}, [0, 1]),
-    # The restart restores checkpoint_1, saves checkpoint_2 (retention keeps 1 and 2); rank 0 dies in the
-    # save of checkpoint_3 after writing its manifest.
-    ("save:after-manifest@0", False, {"continue": True, "saves": 1, "kill_save": 1}, [1, 2]),
+@dataclass(frozen=True)
+class Link:
+    """One kill in the chain: where, how, and which checkpoints are complete right after it."""
+
+    kill_spec: str
+    whole_job: bool
+    complete_after: list[int]
+    spec: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def point(self) -> str:
+        return self.kill_spec.split("@")[0]
+
+    @property
+    def killed_rank(self) -> int | None:
+        return int(self.kill_spec.split("@")[1]) if "@" in self.kill_spec else None
+
+    @property
+    def id(self) -> str:
+        return f"{self.point}-{'whole-job' if self.whole_job else f'rank{self.killed_rank}'}"
+
+
+_NEXT = {"continue": True, "saves": 1, "kill_save": 1}  # restart, save once, be killed in the save after that
+# Each restart restores the newest complete checkpoint and publishes the next (retention keeps two); the
+# numbers below follow from that and from where each kill lands (``total_limit=2``).
+CHAIN: tuple[Link, ...] = (
+    # A fresh run saves checkpoint_0 and _1; rank 1 dies in the save of checkpoint_2 after its native save.
+    Link("save:after-native-save@1", False, [0, 1], {"fresh": True, "saves": 3, "kill_save": 3}),
+    Link("save:after-native-save", True, [1, 2], _NEXT),      # saves 2, killed in 3
+    Link("save:during-flush@0", False, [2, 3], _NEXT),         # rank 0 (holding the lock) dies hashing
+    Link("save:during-flush", True, [3, 4], _NEXT),
+    Link("save:after-manifest@0", False, [4, 5], _NEXT),       # manifest staged, never renamed
+    Link("save:after-manifest", True, [5, 6], _NEXT),
+    # Rank 1 dies after checkpoint_8 is published; rank 0 still runs retention (checkpoint_6 goes), then fails.
+    Link("save:after-rename@1", False, [7, 8], _NEXT),
+    Link("save:after-rename", True, [8, 9, 10], _NEXT),        # published, retention not yet run
+    # Restart: restores 10, saves 11 (retention removes 8 and 9); rank 0 dies after retiring checkpoint_10.
+    Link("save:during-retention@0", False, [11, 12], _NEXT),
+    Link("save:during-retention", True, [13, 14], _NEXT),      # retires checkpoint_12
+    Link("load:during-restore@0", False, [13, 14]),            # a killed restore changes nothing on disk
+    Link("load:during-restore", True, [13, 14]),
 )
+# The kill at each point before the rename leaves that save unpublished.
+UNPUBLISHED_POINTS = ("save:after-native-save", "save:during-flush", "save:after-manifest")
+
+# Thirteen launches, each with its own deadline (LAUNCH_TIMEOUT kills a hung job's ranks after dumping their
+# stacks); the pytest timeout is only a backstop above them, so it never interrupts the harness's cleanup.
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(int((len(CHAIN) + 1) * LAUNCH_TIMEOUT) + 60)]
 
 
 @dataclass
-class Link:
-    kill: JobResult          # the job killed at the armed point
-    report: dict[str, Any]   # the checkpoint directory right after the kill (tests/_crash_scenarios.directory_report)
-    problems: list[str]      # crash_invariants' violations
-    restart: JobResult       # the next job, which restarts from this kill
+class Outcome:
+    link: Link
+    kill: JobResult
+    report: dict[str, Any]             # the checkpoint directory right after the kill (directory_report)
+    problems: list[str]                # crash_invariants' violations
+    restart: JobResult | None = None   # the job that restarts from this kill (a killed restore is no restart)
+
+
+def _spec(link: Link, root: Path) -> dict[str, Any]:
+    spec = {key: value for key, value in link.spec.items() if key != "fresh"}
+    spec["kill_spec"] = link.kill_spec
+    if link.point.startswith("load:"):
+        spec.update(resume=str(root), kill_load=link.kill_spec)
+    elif link.spec.get("fresh"):
+        spec.update(fresh=str(root), seed=0)
+    else:
+        spec["resume"] = str(root)
+    return spec
 
 
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory: Any) -> tuple[Path, list[Link]]:
-    """Run both kills and the final restart once (three launches); the run directory and each link's outcome."""
+def chain(tmp_path_factory: Any) -> tuple[Path, dict[str, Outcome | BaseException]]:
+    """Run every kill and restart once (thirteen launches); each test asserts on its link's outcome."""
     directory = tmp_path_factory.mktemp("crash_fsdp2")
     root = directory / "run"
-    kills = []
-    for index, (kill_spec, whole_job, link_spec, _complete) in enumerate(CHAIN):
-        spec = {key: value for key, value in link_spec.items() if key != "fresh"}
-        spec["kill_spec"] = kill_spec
-        spec["fresh" if link_spec.get("fresh") else "resume"] = str(root)
-        kill = run_until_crash_point(spec, directory, f"link{index}", whole_job, entry=ENTRY)
-        kills.append((kill, *crash_invariants(root)))
-    final = run_to_completion({"resume": str(root)}, directory, "final", entry=ENTRY)
-    restarts = [kill for kill, _report, _problems in kills[1:]] + [final]
-    return root, [Link(*kill, restart) for kill, restart in zip(kills, restarts)]
+    outcomes: dict[str, Outcome | BaseException] = {}
+    waiting: list[Outcome] = []  # kills whose restart has not run yet
+    try:
+        for index, link in enumerate(CHAIN):
+            kill = run_until_crash_point(_spec(link, root), directory, f"link{index}", link.whole_job, entry=ENTRY)
+            if not link.point.startswith("load:"):
+                for outcome in waiting:
+                    outcome.restart = kill
+                waiting.clear()
+            report, problems = crash_invariants(root)
+            waiting.append(Outcome(link, kill, report, problems))
+            outcomes[link.id] = waiting[-1]
+        final = run_to_completion({"resume": str(root)}, directory, "final", entry=ENTRY)
+        for outcome in waiting:
+            outcome.restart = final
+    except AssertionError as exc:  # a job that hung or failed: every link not yet checked reports it
+        for link in CHAIN:
+            outcomes.setdefault(link.id, exc)
+    return root, outcomes
 
 
-@pytest.mark.parametrize("index", range(len(CHAIN)), ids=[link[0] for link in CHAIN])
-def test_fsdp2_kill_9_then_restart_restores_newest_complete_exactly(chain: tuple[Path, list[Link]],
-                                                                    index: int) -> None:
-    kill_spec, whole_job, _spec, complete_after = CHAIN[index]
-    link = chain[1][index]
-    kill, report = link.kill, link.report
-    # The kill happened where it was meant to: the rank died by SIGKILL at the armed point.
+def _outcome(chain: tuple[Path, dict[str, Outcome | BaseException]], link_id: str) -> Outcome:
+    outcome = chain[1][link_id]
+    if isinstance(outcome, BaseException):
+        pytest.fail(f"the FSDP2 crash chain stopped before {link_id} was checked: {outcome}")
+    return outcome
+
+
+def test_every_named_point_is_killed_on_one_rank_and_on_the_whole_job() -> None:
+    assert sorted((link.point, link.whole_job) for link in CHAIN) == sorted(
+        (point, whole) for point in POINTS for whole in (False, True))
+    assert len({link.id for link in CHAIN}) == len(CHAIN)
+
+
+@pytest.mark.parametrize("link_id", [link.id for link in CHAIN])
+def test_fsdp2_kill_9_then_restart_restores_newest_complete_exactly(
+        chain: tuple[Path, dict[str, Outcome | BaseException]], link_id: str) -> None:
+    outcome = _outcome(chain, link_id)
+    link, kill = outcome.link, outcome.kill
+    # The kill happened where it was meant to: a rank died by SIGKILL at the armed point.
     assert kill.first_dead is not None and kill.returncodes[kill.first_dead] == KILLED, kill.describe()
-    if not whole_job:
-        assert kill.first_dead == int(kill_spec.split("@")[1]), kill.describe()
+    if link.killed_rank is not None:
+        assert kill.first_dead == link.killed_rank, kill.describe()
         # No rank hangs: the survivor fails on its own (the harness kills only what is left after 60 s).
         assert not kill.survivors_killed, f"rank(s) {kill.survivors_killed} hung\n{kill.describe()}"
-        assert all(code != 0 for code in kill.survivors_exited.values()), kill.describe()
+        assert kill.survivors_exited and all(code != 0 for code in kill.survivors_exited.values()), kill.describe()
     # Right after the kill: nothing published is damaged or lost, selection names the newest complete one.
-    assert link.problems == [], f"{link.problems}\n{kill.describe()}"
-    assert report["complete"] == complete_after, report
-    newest = f"checkpoint_{complete_after[-1]}"
-    assert report["selected"] == newest, report
-    unpublished = complete_after[-1] + 1
-    assert f"checkpoint_{unpublished}" not in report["broken"], report
-    if kill_spec.startswith("save:after-manifest"):  # a complete-looking manifest, yet only the rename publishes
-        assert any(n.startswith(f".checkpoint_{unpublished}.staging-") for n in report["staged_manifests"]), report
+    assert outcome.problems == [], f"{outcome.problems}\n{kill.describe()}"
+    assert outcome.report["complete"] == link.complete_after, outcome.report
+    newest = f"checkpoint_{link.complete_after[-1]}"
+    assert outcome.report["selected"] == newest, outcome.report
     # The restart selects it, restores it exactly, publishes the next save and removes every leftover.
-    assert restart_problems(link.restart.obs, newest) == [], link.restart.describe()
-    after = link.restart.obs[0]["resume"]["after_next_save"]
-    assert after["complete"] == [complete_after[-1], unpublished] and after["leftovers"] == [], after
+    assert outcome.restart is not None
+    assert restart_problems(outcome.restart.obs, newest) == [], outcome.restart.describe()
+    after = outcome.restart.obs[0]["resume"]["after_next_save"]
+    assert after["complete"] == [link.complete_after[-1], link.complete_after[-1] + 1], after
+    assert after["leftovers"] == [], after
 
 
-def test_fsdp2_exactness_compared_local_shards_with_optimizer_state(chain: tuple[Path, list[Link]]) -> None:
+@pytest.mark.parametrize("link_id", [link.id for link in CHAIN if link.point in UNPUBLISHED_POINTS])
+def test_fsdp2_save_killed_before_the_rename_is_never_published(
+        chain: tuple[Path, dict[str, Outcome | BaseException]], link_id: str) -> None:
+    outcome = _outcome(chain, link_id)
+    unpublished = outcome.link.complete_after[-1] + 1
+    assert unpublished not in outcome.report["complete"], outcome.report
+    assert f"checkpoint_{unpublished}" not in outcome.report["broken"], outcome.report
+    assert not (chain[0] / "checkpoints" / f"checkpoint_{unpublished}").exists()
+    if outcome.link.point == "save:after-manifest":  # a complete-looking manifest, yet only the rename publishes
+        staged = [n for n in outcome.report["staged_manifests"] if n.startswith(f".checkpoint_{unpublished}.staging-")]
+        assert staged, outcome.report
+
+
+def test_fsdp2_kill_mid_retention_leaves_a_retired_leftover_that_the_next_save_removes(
+        chain: tuple[Path, dict[str, Outcome | BaseException]]) -> None:
+    for link_id, retired in (("save:during-retention-rank0", 10), ("save:during-retention-whole-job", 12)):
+        outcome = _outcome(chain, link_id)
+        assert [n for n in outcome.report["leftovers"] if n.startswith(f".checkpoint_{retired}.deleting-")], \
+            outcome.report
+        assert f"checkpoint_{retired}" not in outcome.report["broken"]  # never a manifest-less checkpoint_N
+    # The two killed restores saved nothing (the leftover is still there); the final restart's save removed it.
+    for link_id in ("load:during-restore-rank0", "load:during-restore-whole-job"):
+        outcome = _outcome(chain, link_id)
+        assert [n for n in outcome.report["leftovers"] if ".deleting-" in n], outcome.report
+        assert outcome.restart is not None and outcome.restart.obs[0]["resume"]["after_next_save"]["leftovers"] == []
+
+
+def test_fsdp2_killed_restore_leaves_the_checkpoint_intact_and_restorable(
+        chain: tuple[Path, dict[str, Outcome | BaseException]]) -> None:
+    for link_id in ("load:during-restore-rank0", "load:during-restore-whole-job"):
+        outcome = _outcome(chain, link_id)
+        assert outcome.report["complete"] == [13, 14] and outcome.report["broken"] == {}  # every hash matches
+        assert all(obs.get("resume") is None for obs in outcome.kill.obs)  # no rank completed its restore
+        assert outcome.restart is not None
+        for obs in outcome.restart.obs:
+            assert obs["resume"]["selected"] == "checkpoint_14" and obs["resume"]["differences"] == []
+
+
+def test_fsdp2_exactness_compared_local_shards_with_optimizer_state(
+        chain: tuple[Path, dict[str, Outcome | BaseException]]) -> None:
     """The restarts compared something real: each reference holds this rank's plain local shards of every
     parameter (not DTensors) and AdamW state for each, and the restored state matched them on both ranks."""
-    root, links = chain
+    root, _outcomes = chain
+    final = _outcome(chain, CHAIN[-1].id).restart
+    assert final is not None and [obs["resume"]["differences"] for obs in final.obs] == [[], []]
     # The run was FSDP2 and protected: the published checkpoint's manifest describes an FSDP2 model on a 2-rank mesh.
-    manifest = read_manifest(root / "checkpoints" / "checkpoint_3")
+    manifest = read_manifest(root / "checkpoints" / "checkpoint_14")
     assert manifest is not None
     assert [m["fsdp"] for m in manifest["components"][""]["models"]] == [[{"fsdp_version": 2, "mesh": [2]}]]
-    for link in links:
-        assert [obs["resume"]["differences"] for obs in link.restart.obs] == [[], []]
     for rank in (0, 1):
-        reference = torch.load(ref_path(root, 2, rank), weights_only=False)  # our own test file
+        reference = torch.load(ref_path(root, 14, rank), weights_only=False)  # our own test file
         params, optim = reference["local"]["params"], reference["local"]["optim"]
         assert params and all(type(t) is torch.Tensor and t.numel() > 0 for t in params.values()), params.keys()
         assert set(optim) == set(params) and all({"exp_avg", "exp_avg_sq", "step"} <= set(s) for s in optim.values())

@@ -148,6 +148,18 @@ def test_thread_exit_hook_runs_before_concurrent_futures_shuts_down() -> None:
     assert done.returncode == 0 and "pool ok 42" in done.stdout, done.stderr
 
 
+def test_uninitialise_grad_scaler_lets_a_load_and_lazy_init_rebuild_the_scale() -> None:
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    saved = {**scaler.state_dict(), "scale": 4.0, "_growth_tracker": 3}
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))  # initialised, as after an fp16 step
+    with pytest.raises(AssertionError):  # what Accelerate's FSDP2 load_state runs into
+        scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    _internals.uninitialise_grad_scaler(scaler)
+    scaler.load_state_dict(saved)
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    assert scaler.get_scale() == 4.0 and scaler._get_growth_tracker() == 3
+
+
 def test_numpy_reconstruct_is_what_numpy_arrays_pickle_through() -> None:
     assert np.arange(3).__reduce__()[0] is _internals.numpy_reconstruct()
 
