@@ -24,7 +24,8 @@ test: venv
 demo: venv
 	$(PY) examples/demo.py --output demo-output
 
-## Seeded random-instant kill -9 sweep: 50 trials of a real 2-rank FSDP1 run on CPU (CRASH_SWEEP_ARGS="--trials 200 --seed 1").
+## Seeded random-instant kill -9 sweep: 50 trials of a real 2-rank FSDP1 run on CPU (CRASH_SWEEP_ARGS="--trials 200 --seed 1";
+## add --fsdp-version 2 for FSDP2, --async for asynchronous saves).
 CRASH_SWEEP_ARGS ?= --trials 50
 crash-sweep: venv
 	$(PY) -m tests.crash_sweep $(CRASH_SWEEP_ARGS)

@@ -270,7 +270,8 @@ def trial_rng(seed: int, index: int) -> random.Random:
     return random.Random(f"crash-sweep:{seed}:{index}")
 
 
-def sweep(directory: Path, trials: int, seed: int, log: Callable[[str], None] = print) -> list[Trial]:
+def sweep(directory: Path, trials: int, seed: int, log: Callable[[str], None] = print,
+          entry: str = "tests._crash_scenarios") -> list[Trial]:
     """``trials`` random-instant whole-job kills, each in a fresh run directory, each verified by a restart.
 
     Job ``j`` restarts trial ``j - 1`` (selection, exact restore, next save, leftovers) and then trains trial
@@ -289,7 +290,7 @@ def sweep(directory: Path, trials: int, seed: int, log: Callable[[str], None] = 
             spec["resume"] = str(directory / f"trial{job_index - 1}")
         if job_index < trials:
             spec.update(fresh=str(directory / f"trial{job_index}"), seed=seed + job_index, saves=SWEEP_SAVES)
-        job = Job(spec, directory, f"job{job_index}")
+        job = Job(spec, directory, f"job{job_index}", entry)
         root = directory / f"trial{job_index}"
         try:
             if job_index < trials:

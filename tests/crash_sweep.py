@@ -1,4 +1,4 @@
-"""Seeded random-instant crash sweep: ``python -m tests.crash_sweep --trials 50 [--seed S] [--dir D] [--fsdp-version 2]``.
+"""Seeded random-instant crash sweep: ``python -m tests.crash_sweep --trials 50 [--fsdp-version 2] [--async]``.
 
 Each trial trains a fresh 2-rank FSDP run on CPU (automatic naming, ``total_limit=2``, a save every step),
 SIGKILLs every rank at an instant drawn from ``(seed, trial)`` over several saves, checks the checkpoint
@@ -8,34 +8,25 @@ one line per trial and a summary; exits 1 if any trial failed. ``make crash-swee
 
 ``--fsdp-version 1`` (the default) runs the ranks of tests/_crash_scenarios.py (FSDP1); ``--fsdp-version 2``
 those of tests/_crash_fsdp2.py (Accelerate's FSDP2: ``fully_shard``, DTensor parameters; the restart compares
-each rank's local shards).
+each rank's local shards). ``--async``: every save is asynchronous (``async_save=True``), so kills land in the
+background write, hash, publish and retention as well; a returned save then proves only the previous one
+published. ``--seed S`` and ``--dir D`` (keep the run directories) as usual.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from tests import _crash_harness
 from tests._crash_harness import summary, sweep
+from tests._crash_scenarios import ASYNC_ENV
 
 #: The module whose ``main`` each rank runs, per FSDP version (``_crash_harness.Job``'s ``entry``).
 ENTRIES = {1: "tests._crash_scenarios", 2: "tests._crash_fsdp2"}
-
-
-def _launch_ranks_from(entry: str) -> None:
-    """Make every job :func:`sweep` starts in this process run ``entry``'s ranks (``sweep`` builds its jobs with
-    ``_crash_harness.Job``'s default entry; this command-line process runs nothing else)."""
-    base = _crash_harness.Job
-
-    class _Job(base):  # type: ignore[misc,valid-type]
-        def __init__(self, spec: dict, directory: Path, name: str, entry: str = entry) -> None:
-            super().__init__(spec, directory, name, entry)
-
-    _crash_harness.Job = _Job  # type: ignore[misc]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,16 +36,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=None, help="keep the run directories here (default: temporary)")
     parser.add_argument("--fsdp-version", type=int, choices=sorted(ENTRIES), default=1,
                         help="1: FSDP1 (FullyShardedDataParallel); 2: FSDP2 (fully_shard, DTensor parameters)")
+    parser.add_argument("--async", dest="asynchronous", action="store_true",
+                        help="every save asynchronous (async_save=True): kills land in background writes (FSDP1)")
     args = parser.parse_args(argv)
-    if args.fsdp_version != 1:
-        _launch_ranks_from(ENTRIES[args.fsdp_version])
+    if args.asynchronous:
+        if args.fsdp_version != 1:
+            parser.error("--async runs the FSDP1 ranks")
+        os.environ[ASYNC_ENV] = "1"  # read by the ranks (inherited) and by this process's crash invariants
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="crash-sweep-") as scratch:
         directory = args.dir or Path(scratch)
         directory.mkdir(parents=True, exist_ok=True)
-        print(f"crash sweep: FSDP{args.fsdp_version}, {args.trials} trials, seed {args.seed}, in {directory}",
+        mode = ", asynchronous saves" if args.asynchronous else ""
+        print(f"crash sweep: FSDP{args.fsdp_version}{mode}, {args.trials} trials, seed {args.seed}, in {directory}",
               flush=True)
-        trials = sweep(directory, args.trials, args.seed, log=lambda line: print(line, flush=True))
+        trials = sweep(directory, args.trials, args.seed, log=lambda line: print(line, flush=True),
+                       entry=ENTRIES[args.fsdp_version])
     print(summary(trials))
     print(f"wall time {time.monotonic() - started:.0f}s")
     return 1 if any(t.problems for t in trials) else 0

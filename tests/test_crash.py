@@ -48,6 +48,7 @@ from tests._crash_harness import (
     summary,
     sweep,
 )
+from tests._crash_scenarios import ASYNC_ENV
 
 pytestmark = pytest.mark.distributed
 
@@ -201,5 +202,16 @@ SWEEP_TRIALS = int(os.environ.get("CRASH_SWEEP_TRIALS", "3"))
 @pytest.mark.parametrize("seed", [20261130])
 def test_kill_9_of_the_whole_job_at_random_instants(tmp_path: Path, seed: int) -> None:
     trials = sweep(tmp_path, SWEEP_TRIALS, seed)  # one line per trial: shown if the test fails
+    assert len(trials) == SWEEP_TRIALS
+    assert [t for t in trials if t.problems] == [], summary(trials)
+
+
+def test_kill_9_of_the_whole_job_at_random_instants_with_asynchronous_saves(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every save asynchronous: kills land in background writes, hashes, publishes and retention too. The newest
+    complete checkpoint is still selected and restored exactly; a returned save proves the previous one
+    published (crash_invariants), and nothing published is lost."""
+    monkeypatch.setenv(ASYNC_ENV, "1")  # the ranks inherit it; the invariants of this process read it
+    trials = sweep(tmp_path, SWEEP_TRIALS, 20261201)
     assert len(trials) == SWEEP_TRIALS
     assert [t for t in trials if t.problems] == [], summary(trials)
