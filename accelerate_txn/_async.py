@@ -4,7 +4,9 @@ With ``async_save`` the protected save runs native ``save_state`` into staging a
 writes of the FSDP sharded model and optimizer state dicts are *captured*: the state dict Accelerate built is
 copied to host memory (:func:`staged_copy`) and written later, with the same ``FileSystemWriter`` and planner
 Accelerate passed, so the files are the ones native ``save_state`` writes (the capture is a wrapt wrapper on
-``torch.distributed.checkpoint.save``, installed once and active only in the saving thread). The small files
+``torch.distributed.checkpoint.save``, installed once and active only in the saving thread). FSDP1's state dicts
+are not built in the caller at all: ``_async_capture`` stages the local shards and builds the same DCP entries
+(keys, global shapes, dtypes; each rank's own boxes instead of dim-0 chunks) in the background. The small files
 (scheduler, RNG, sampler, custom and private state) are written synchronously. Then ``save_state`` returns an
 :class:`AsyncCheckpoint` handle and one background thread per process:
 
@@ -15,9 +17,13 @@ Accelerate passed, so the files are the ones native ``save_state`` writes (the c
    on any rank becomes the same error on every rank;
 3. releases the staged copy and the directory lock.
 
-The thread runs at a lower CPU priority (:data:`BACKGROUND_NICENESS`) so that training keeps the CPU. What still
-blocks: FSDP1 builds its sharded state dicts in the caller (it unshards each parameter and gathers the optimizer
-state over the training process group, so it cannot move to another thread), plus the host copy.
+The thread runs at a lower CPU priority (:data:`BACKGROUND_NICENESS`) so that training keeps the CPU. What blocks
+is the host copy of this rank's local state: FSDP2 state dicts are local DTensor views; for FSDP1, whose native
+sharded state dicts are built with collectives over the training group (every parameter unsharded, the optimizer
+state gathered), ``_async_capture`` copies the local flat-parameter and optimizer shards instead and builds the
+same DCP entries in the background (setups it cannot reproduce exactly keep native FSDP1's collective build in
+the caller). The captured ``FileSystemWriter`` skips DCP's own per-file fsync: the background's hash pass fsyncs
+every file, as in a synchronous protected save, so it would be the second.
 
 At most one save is in flight per Accelerator: :func:`settle` (called by the next save and by
 :func:`wait_for_checkpoint`) waits for it and raises its error once. ``Accelerator.end_training`` waits before
@@ -42,6 +48,7 @@ from weakref import WeakKeyDictionary
 
 import torch
 
+from ._async_capture import materialize
 from ._ranks import distributed, run_phase
 from .errors import CheckpointError
 
@@ -81,6 +88,11 @@ def staged_copy(value: Any, pin: bool = True) -> Any:
         if type(value) is torch.Tensor:
             return _copy_tensor(value, pin)
         if value.device.type == "cpu":
+            if _is_dtensor(value):  # FSDP2: copy the local shard only (a deepcopy copies its whole storage)
+                from torch.distributed.tensor import DTensor
+
+                return DTensor.from_local(_copy_tensor(value.to_local(), pin), value.device_mesh, value.placements,
+                                          run_check=False, shape=value.shape, stride=value.stride())
             return copy.deepcopy(value)
         return value.to(device="cpu")  # a copy whose placements say CPU (as torch's own async staging does)
     if isinstance(value, dict):
@@ -88,6 +100,12 @@ def staged_copy(value: Any, pin: bool = True) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(staged_copy(item, pin) for item in value)
     return value
+
+
+def _is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
 
 
 _capturing = threading.local()  # .writes: the list a native save in this thread stages into
@@ -101,7 +119,12 @@ def _dcp_save(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: d
     if state_dict is None or kwargs.get("storage_writer") is None or kwargs.get("checkpoint_id") is not None:
         raise CheckpointError("Asynchronous save expected Accelerate's dcp.save(state_dict, storage_writer=...) "
                               "call; this Accelerate version saves differently: save synchronously (async_save=False).")
-    writes.append(_Write(staged_copy(state_dict), kwargs["storage_writer"], kwargs.get("planner")))
+    writer = kwargs["storage_writer"]
+    if getattr(writer, "sync_files", None) is True:
+        # DCP's own per-file fsync would be the second of two: the background's hash pass fsyncs every file
+        # (each by the rank that wrote it) and rank 0 the directories, before anything is published.
+        writer.sync_files = False
+    writes.append(_Write(staged_copy(state_dict), writer, kwargs.get("planner")))
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the pinned copies are complete before training mutates the sources
     return None
@@ -120,7 +143,10 @@ def capture_dcp_saves(active: bool) -> Iterator[list[_Write]]:
         import torch.distributed.checkpoint as dcp
         import wrapt
 
+        from . import _async_capture
+
         wrapt.wrap_function_wrapper(dcp, "save", _dcp_save)
+        _async_capture.install(lambda: getattr(_capturing, "writes", None) is not None)
         _installed_capture.append(True)
     _capturing.writes = writes
     try:
@@ -202,8 +228,9 @@ class AsyncCheckpoint(os.PathLike):
                 write = writes.pop(0)  # dropped after its write: the staged copy is released step by step
 
                 def dcp_write(write: _Write = write) -> None:
-                    save(write.state_dict, storage_writer=write.storage_writer, planner=write.planner,
-                         process_group=group)
+                    # FSDP1 state staged as local copies is built into DCP's ShardedTensors here (_async_capture)
+                    save(materialize(write.state_dict, group), storage_writer=write.storage_writer,
+                         planner=write.planner, process_group=group)
 
                 run_phase(dcp_write, f"Writing {write.storage_writer.path} in the background", group)
                 del write, dcp_write  # release this staged state dict now, before the next write and the hashing

@@ -152,6 +152,38 @@ def inter_node_group(unit: Any) -> Any | None:
     return getattr(unit, "_inter_node_pg", None)
 
 
+def flat_local_shard(flat: Any) -> Any | None:
+    """The flat parameter's own local shard (``FlatParameter._local_shard``; None before sharding). While the unit
+    is sharded the flat parameter's data *is* this tensor (same storage)."""
+    return getattr(flat, "_local_shard", None)
+
+
+def state_dict_hooks(module: Any) -> list[Any]:
+    """Every state-dict hook and pre-hook registered on one ``nn.Module`` (``_state_dict_hooks``,
+    ``_state_dict_pre_hooks``; torch 2.7-2.13), FSDP's own included."""
+    return [*module._state_dict_hooks.values(), *getattr(module, "_state_dict_pre_hooks", {}).values()]
+
+
+def persistent_buffers(module: Any) -> list[tuple[str, Any]]:
+    """(name, buffer) of the buffers this module itself holds and saves in its state dict (``_buffers`` without
+    ``_non_persistent_buffers_set``; ``named_buffers`` cannot tell persistent ones apart)."""
+    return [(name, buffer) for name, buffer in module._buffers.items()
+            if buffer is not None and name not in module._non_persistent_buffers_set]
+
+
+def clean_fsdp_name(name: str) -> str:
+    """A module-tree name without FSDP1's wrapper prefixes (``_fsdp_wrapped_module.`` and the like), as FSDP names
+    state-dict keys (``torch.distributed.fsdp._common_utils.clean_tensor_name``, torch 2.7-2.13)."""
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+    return clean_tensor_name(name)
+
+
+def uses_dtensor_state_dict(config: Any) -> bool:
+    """Whether an FSDP1 state-dict config asks for DTensor output (``StateDictConfig._use_dtensor``, private)."""
+    return bool(getattr(config, "_use_dtensor", False))
+
+
 def original_params(flat: Any) -> list[Any]:
     """The original parameters of a flat parameter (``use_orig_params=True`` only), in flat order."""
     return flat._params

@@ -1,4 +1,8 @@
-"""Asynchronous protected save vs native synchronous ``save_state`` on the same FSDP1 model, in one invocation.
+"""Asynchronous protected save vs native synchronous ``save_state`` on the same FSDP model, in one invocation.
+
+``--fsdp-version 1`` (default): FSDP1, the asynchronous save stages each rank's local flat-parameter and optimizer
+shards without collectives (``accelerate_txn._async_capture``); ``--fsdp-version 2``: Accelerate's FSDP2
+(``fully_shard`` per ``Linear``, DTensor parameters; model and optimizer prepared together).
 
 2 ranks (``--world-size``), gloo, CPU. Each repeat measures, in alternating order (so drift in the machine's load affects both):
 
@@ -12,7 +16,7 @@
 Reports medians and the median of the per-repeat ratios (targets of issue 10: blocking <= 0.15x native, total
 <= 1.15x native, training steps during the background write <= 1.10x).
 
-    .venv/bin/python benchmarks/bench_async.py --sizes 50 --repeats 3
+    .venv/bin/python benchmarks/bench_async.py --sizes 50 200 --repeats 3 [--fsdp-version 2]
 """
 
 from __future__ import annotations
@@ -37,16 +41,20 @@ def _barrier_time(accelerator: Any, start: float) -> float:
     return float(elapsed.item())
 
 
-def worker(root: str, million: int, repeats: int, steps: int) -> dict[str, Any]:
+def worker(root: str, million: int, repeats: int, steps: int, fsdp_version: int = 1) -> dict[str, Any]:
     import accelerate_txn
     from accelerate_txn import configure_checkpointing, wait_for_checkpoint
     from accelerate_txn.testing import fsdp_accelerator
     from benchmarks.bench_checkpoint import _model
 
-    accelerator = fsdp_accelerator()
+    accelerator = fsdp_accelerator(fsdp_version=fsdp_version)
     torch.manual_seed(0)
-    model = accelerator.prepare(_model(million))
-    optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    if fsdp_version == 1:
+        model = accelerator.prepare(_model(million))
+        optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    else:  # FSDP2: model and optimizer are prepared together (Accelerate swaps the optimizer's parameters)
+        raw_model = _model(million)
+        model, optimizer = accelerator.prepare(raw_model, torch.optim.AdamW(raw_model.parameters(), lr=1e-4))
     batch = torch.randn(8, 2048)
 
     def step() -> float:
@@ -57,7 +65,8 @@ def worker(root: str, million: int, repeats: int, steps: int) -> dict[str, Any]:
         return time.perf_counter() - start
 
     step()
-    parameters = sum(p.numel() for p in model.parameters()) * accelerator.num_processes
+    # FSDP1 (use_orig_params): local views, one shard per rank; FSDP2: DTensors report their global size
+    parameters = sum(p.numel() for p in model.parameters()) * (accelerator.num_processes if fsdp_version == 1 else 1)
     times: dict[str, list[float]] = {"native": [], "blocking": [], "total": [], "step_idle": [], "step_during": []}
     ratios: dict[str, list[float]] = {"blocking": [], "total": [], "step": []}
     steps_during: list[int] = []
@@ -122,6 +131,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="training steps with and without a save in flight")
     parser.add_argument("--world-size", type=int, default=2,
                         help="ranks (1: FSDP1 builds its sharded state dict without cross-rank gathers)")
+    parser.add_argument("--fsdp-version", type=int, choices=(1, 2), default=1)
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     args = parser.parse_args()
     import sys
@@ -133,11 +143,11 @@ def main() -> None:
     for million in args.sizes:
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as root:
             results = launch("benchmarks.bench_async:worker", args.world_size,
-                             args=(root, million, args.repeats, args.steps), timeout=1800)
+                             args=(root, million, args.repeats, args.steps, args.fsdp_version), timeout=1800)
         rows.append({"million": million, "ranks": results})
     load = os.getloadavg()
-    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {os.cpu_count()} CPUs; {args.world_size} "
-          f"rank(s); {args.repeats} repeats")
+    print(f"FSDP{args.fsdp_version}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {os.cpu_count()} "
+          f"CPUs; {args.world_size} rank(s); {args.repeats} repeats")
     print("| model | native save s | async blocking s (x native) | async to publication s (x native) "
           "| step s idle | step s during write (x idle) | steps during write |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -1,12 +1,15 @@
-"""Asynchronous protected saves, run inside launched ranks (real gloo, real Accelerate FSDP1, real DCP files).
+"""Asynchronous protected saves, run inside launched ranks (real gloo, real Accelerate FSDP1 and FSDP2, real DCP
+files).
 
 Each scenario makes several checks in one process group and returns observations for tests/test_async_save.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,9 +121,27 @@ def async_lifecycle(root: str) -> dict[str, Any]:
     return obs
 
 
-def async_killable(root: str) -> None:
+def _versioned(fsdp_version: int, seed: int, **kwargs: Any) -> tuple:
+    """tests._scenarios._build (FSDP1) or the FSDP2 equivalent of tests._fsdp2_scenarios._build."""
+    if fsdp_version == 1:
+        return _build(seed, **kwargs)
+    import functools
+
+    from accelerate_txn.testing import TinyModel, fsdp_accelerator
+    from tests._scenarios import warmup_lambda
+
+    accelerator = fsdp_accelerator(fsdp_version=2, **kwargs)
+    torch.manual_seed(seed)
+    raw = TinyModel()
+    optimizer = torch.optim.AdamW(raw.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(warmup_lambda, warmup=3))
+    return (accelerator, *accelerator.prepare(raw, optimizer, scheduler))
+
+
+def async_killable(root: str, fsdp_version: int = 1) -> None:
     """Async saves every step; run with ``ACCELERATE_TXN_KILL_AT`` naming a background point of save 3."""
-    acc, model, opt, sched = _build(0, project_dir=root, automatic_checkpoint_naming=True, total_limit=3)
+    acc, model, opt, sched = _versioned(fsdp_version, 0, project_dir=root, automatic_checkpoint_naming=True,
+                                        total_limit=3)
     configure_checkpointing(acc, async_save=True)
     for step in range(3):
         _train(acc, model, opt, sched, 1, seed=step)
@@ -132,10 +153,11 @@ def async_killable(root: str) -> None:
     raise AssertionError("unreachable: rank 1 is killed in the third save's background write")
 
 
-def async_resume(root: str) -> dict[str, Any]:
+def async_resume(root: str, fsdp_version: int = 1) -> dict[str, Any]:
     checkpoints = Path(root) / "checkpoints"
     obs: dict[str, Any] = {"before": _listing(checkpoints), "complete_before": _complete(checkpoints)}
-    acc, model, opt, sched = _build(3, project_dir=root, automatic_checkpoint_naming=True, total_limit=3)
+    acc, model, opt, sched = _versioned(fsdp_version, 3, project_dir=root, automatic_checkpoint_naming=True,
+                                        total_limit=3)
     configure_checkpointing(acc, async_save=True)
     acc.load_state()
     obs["next_iteration"] = acc.project_configuration.iteration
@@ -172,3 +194,197 @@ def load_right_after_async_save(root: str) -> dict[str, Any]:
     acc.load_state()  # automatic selection: must wait for the save in flight, then restore it
     return {"published": handle.done(), "restored_from": acc.project_configuration.iteration - 1,
             "differences": _same(expected, _local_state(model, opt))}
+
+
+# ------------------------------------------------------------------------------------- collective-free staging
+_COUNTED = ("all_gather_into_tensor", "_all_gather_base", "all_gather", "all_reduce", "reduce_scatter_tensor",
+            "broadcast", "all_to_all_single", "all_gather_object", "broadcast_object_list", "gather_object")
+
+
+_STATE_DICT_CODE = ("/torch/distributed/fsdp/", "/torch/distributed/checkpoint/state_dict.py")
+
+
+def _from_state_dict_code() -> bool:
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        if any(part in frame.f_code.co_filename.replace("\\", "/") for part in _STATE_DICT_CODE):
+            return True
+        frame = frame.f_back
+    return False
+
+
+@contextlib.contextmanager
+def _tensor_collectives() -> Iterator[list[str]]:
+    """The collectives that FSDP's state-dict code (``torch.distributed.fsdp``, ``checkpoint.state_dict``) runs
+    from this thread on the training (default) group while active: the unshards and optimizer-state gathers of a
+    native sharded state dict. (accelerate-txn's own rank phases are not counted, and the background thread runs on
+    its own thread and group.) Instrumentation, not a mock: every call goes through to the real collective."""
+    import threading
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    seen: list[str] = []
+    me = threading.get_ident()
+    originals = {name: getattr(c10d, name) for name in _COUNTED}
+
+    def counting(name: str, original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group")
+            if (threading.get_ident() == me and (group is None or group == dist.group.WORLD)
+                    and _from_state_dict_code()):
+                seen.append(name)
+            return original(*args, **kwargs)
+        return call
+
+    for name, original in originals.items():
+        setattr(c10d, name, counting(name, original))
+        if getattr(dist, name, None) is original:
+            setattr(dist, name, getattr(c10d, name))
+    try:
+        yield seen
+    finally:
+        for name, original in originals.items():
+            if getattr(dist, name, None) is getattr(c10d, name):
+                setattr(dist, name, original)
+            setattr(c10d, name, original)
+
+
+# --------------------------------------------------------------------------------------------------- FSDP2
+def fsdp2_async(root: str) -> dict[str, Any]:
+    """FSDP2 (DTensor) asynchronous save: collective-free staging in the caller, exact round trip with the
+    protected loader and with native Accelerate, the same DCP entries and files as a synchronous save."""
+    from accelerate_txn._native import native_method
+    from tests._fsdp2_scenarios import _build as build2
+    from tests._fsdp2_scenarios import _dcp_entries, _differences, _snapshot
+    from tests._fsdp2_scenarios import _train as train2
+
+    base = Path(root)
+    obs: dict[str, Any] = {}
+    acc, model, opt, sched = build2(0)
+    configure_checkpointing(acc, async_save=True)
+    train2(acc, model, opt, sched, 3, seed=1)
+    expected = _snapshot(model, opt, sched)
+    with _tensor_collectives() as seen:
+        handle = acc.save_state(str(base / "async"))
+    obs["caller_collectives"] = seen
+    obs["handle_type"] = type(handle).__name__
+    train2(acc, model, opt, sched, 2, seed=2)  # the live state moves on during the background write
+    obs["published"] = str(handle.wait())
+    obs["manifest"] = (base / "async" / accelerate_txn.MANIFEST).is_file()
+
+    acc2, model2, opt2, sched2 = build2(7)
+    acc2.load_state(str(base / "async"))
+    obs["protected_differences"] = _differences(expected, _snapshot(model2, opt2, sched2))
+    acc3, model3, opt3, sched3 = build2(8)
+    native_method(acc3, "load_state")(str(base / "async"))  # native Accelerate's own FSDP2 loader
+    obs["native_differences"] = _differences(expected, _snapshot(model3, opt3, sched3),
+                                             ("params", "optim", "groups", "scheduler"))
+    # A synchronous protected save of the restored (identical) state: the same files and DCP entries.
+    acc2.save_state(str(base / "sync"), async_save=False)
+    relative = lambda top: sorted(str(p.relative_to(top)) for p in Path(top).rglob("*"))  # noqa: E731
+    obs["same_files_as_sync"] = relative(base / "async") == relative(base / "sync")
+    obs["dcp_differences"] = sorted(
+        f"{folder}:{key}" for folder in ("pytorch_model_fsdp_0", "optimizer_0")
+        for key in set(_dcp_entries(base / "async" / folder)) | set(_dcp_entries(base / "sync" / folder))
+        if _dcp_entries(base / "async" / folder).get(key) != _dcp_entries(base / "sync" / folder).get(key))
+    return obs
+
+
+# --------------------------------------------------------------------------------------------------- FSDP1
+def _entries(directory: Path) -> dict[str, Any]:
+    """Each DCP entry's path, global size and dtype (chunk boxes left out: they depend on who wrote them)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(directory)).read_metadata()
+    return {key: (metadata.planner_data[key], tuple(getattr(stored, "size", ())),
+                  str(getattr(getattr(stored, "properties", None), "dtype", "")))
+            for key, stored in metadata.state_dict_metadata.items()}
+
+
+def _build_buffered(seed: int, use_orig_params: bool) -> tuple:
+    """tests._scenarios._build's setup plus a persistent buffer (saved, per rank) and a non-persistent one."""
+    import functools
+
+    from accelerate_txn.testing import TinyModel, fsdp_accelerator
+    from tests._scenarios import warmup_lambda
+
+    accelerator = fsdp_accelerator(use_orig_params=use_orig_params)
+    torch.manual_seed(seed)
+    raw = TinyModel()
+    raw.body[0].register_buffer("scale", torch.rand(3, 2))
+    raw.head.register_buffer("scratch", torch.rand(4), persistent=False)
+    model = accelerator.prepare(raw)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(warmup_lambda, warmup=3))
+    optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
+    return accelerator, model, optimizer, scheduler
+
+
+def _buffers(model: Any) -> dict[str, torch.Tensor]:
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+    return {clean_tensor_name(name): buffer.clone() for name, buffer in model.named_buffers()}
+
+
+def fsdp1_collective_free(root: str, use_orig_params: bool) -> dict[str, Any]:
+    """FSDP1 asynchronous save: the caller stages local shards without FSDP collectives; the files hold the
+    same DCP entries as a synchronous (native-built) save and restore exactly with the protected loader and with
+    native Accelerate's load_state."""
+    from accelerate_txn._fsdp_optimizer import _saved_groups
+    from accelerate_txn._manifest import read_dcp_metadata
+    from accelerate_txn._native import native_method
+
+    base = Path(root)
+    obs: dict[str, Any] = {}
+    acc, model, opt, sched = _build_buffered(0, use_orig_params)
+    configure_checkpointing(acc, async_save=True)
+    _train(acc, model, opt, sched, 3, seed=1)
+    expected = _local_state(model, opt)
+    expected_buffers = _buffers(model)
+    with _tensor_collectives() as seen:
+        handle = acc.save_state(str(base / "async"))
+    obs["async_collectives"] = seen
+    _train(acc, model, opt, sched, 2, seed=2)  # the live state moves on during the background write
+    handle.wait()
+
+    acc2, model2, opt2, _ = _build_buffered(7, use_orig_params)
+    acc2.load_state(str(base / "async"))
+    obs["protected_differences"] = _same(expected, _local_state(model2, opt2))
+    restored = _buffers(model2)
+    obs["persistent_buffer_restored"] = torch.equal(restored["body.0.scale"], expected_buffers["body.0.scale"])
+    # Native Accelerate restores optimizer state only into an optimizer that already has state: one step first.
+    acc3, model3, opt3, sched3 = _build_buffered(8, use_orig_params)
+    _train(acc3, model3, opt3, sched3, 1, seed=3)
+    native_method(acc3, "load_state")(str(base / "async"))
+    obs["native_differences"] = _same(expected, _local_state(model3, opt3))
+    # A synchronous protected save of the same (restored) state is built by native FSDP1, with its collectives.
+    with _tensor_collectives() as seen_sync:
+        acc2.save_state(str(base / "sync"), async_save=False)
+    obs["sync_collectives"] = len(seen_sync)
+    relative = lambda top: sorted(str(p.relative_to(top)) for p in Path(top).rglob("*"))  # noqa: E731
+    obs["same_files_as_sync"] = relative(base / "async") == relative(base / "sync")
+    obs["dcp_differences"] = sorted(
+        f"{folder}:{key}" for folder in ("pytorch_model_fsdp_0", "optimizer_0")
+        for key in set(_entries(base / "async" / folder)) | set(_entries(base / "sync" / folder))
+        if _entries(base / "async" / folder).get(key) != _entries(base / "sync" / folder).get(key))
+    obs["dcp_entries"] = len(_entries(base / "async" / "optimizer_0"))
+    groups = [_saved_groups(read_dcp_metadata(base / name / "optimizer_0"), base / name / "optimizer_0")
+              for name in ("async", "sync")]
+    obs["same_param_groups"] = groups[0]["param_groups"] == groups[1]["param_groups"]
+
+    # A rank that cannot stage locally (a user state-dict hook on rank 1's model only) makes every rank build the
+    # model state dict natively: no rank waits in a collective the others never join.
+    if acc2.process_index == 1:
+        model2._register_state_dict_hook(lambda module, state, prefix, local_metadata: None)
+    configure_checkpointing(acc2, async_save=True)
+    with _tensor_collectives() as seen_declined:
+        declined = acc2.save_state(str(base / "declined"))
+    declined.wait()
+    obs["declined_collectives"] = len(seen_declined)
+    acc4, model4, opt4, _ = _build_buffered(9, use_orig_params)
+    acc4.load_state(str(base / "declined"))
+    obs["declined_differences"] = _same(expected, _local_state(model4, opt4))
+    return obs

@@ -57,10 +57,13 @@ def _next_batch(iterator: Any) -> list[float]:
     return next(iterator)[0].flatten().tolist()
 
 
-def save(fsdp_version: int, out_dir: str, native: bool = False, variant: str = "adamw") -> dict[str, Any]:
+def save(fsdp_version: int, out_dir: str, native: bool = False, variant: str = "adamw",
+         asynchronous: bool = False) -> dict[str, Any]:
     accelerator, model, optimizer, scheduler, loader, noise, progress = _build(fsdp_version, seed=1, variant=variant)
     if native:  # a legacy checkpoint: native Accelerate, no manifest
         accelerate_txn.unpatch_accelerate_fsdp(accelerator)
+    if asynchronous:  # FSDP1: each rank stages its own boxes (not native dim-0 chunks)
+        accelerate_txn.configure_checkpointing(accelerator, async_save=True)
     me = accelerator.process_index
     iterator = iter(loader)
     for _ in range(3):
@@ -73,6 +76,8 @@ def save(fsdp_version: int, out_dir: str, native: bool = False, variant: str = "
     observed = {"rank": me, "rng": torch.get_rng_state(), "noise": noise.get_state(),
                 "progress": dict(progress), "step": accelerator.step}
     accelerator.save_state(out_dir)
+    if asynchronous:
+        accelerate_txn.wait_for_checkpoint(accelerator)
     observed["next_batch"] = _next_batch(iterator)  # where this rank's loader goes on
     observed["lr"] = scheduler.get_last_lr()
     return observed

@@ -207,3 +207,13 @@ def test_automatic_selection_resumes_a_checkpoint_of_another_world_size_only_wit
         assert "allow_reshard=True" in rank["refusal"]["message"]
         assert rank["saved_to"] == "checkpoint_1"
     assert ranks[0]["resharded_from"][""]["checkpoint"] == str(project / "checkpoints" / "checkpoint_0")
+
+
+@pytest.mark.parametrize("version", [1, 2], ids=["fsdp1", "fsdp2"])
+def test_an_asynchronous_checkpoint_reshards_exactly_2_to_3(tmp_path: Path, version: int) -> None:
+    """Asynchronous saves stage each rank's own pieces (FSDP1: its boxes of every parameter, not native dim-0
+    chunks): resharding reads them all the same."""
+    saved, resumed = tmp_path / "saved", tmp_path / "resumed"
+    launch("tests._elastic_scenarios:save", 2, args=(version, str(saved), False, "adamw", True), timeout=TIMEOUT)
+    launch("tests._elastic_scenarios:resume", 3, args=(version, str(saved), str(resumed), False), timeout=TIMEOUT)
+    assert _same_state(saved, resumed) == []

@@ -160,6 +160,21 @@ def test_uninitialise_grad_scaler_lets_a_load_and_lazy_init_rebuild_the_scale() 
     assert scaler.get_scale() == 4.0 and scaler._get_growth_tracker() == 3
 
 
+def test_module_state_dict_accessors_see_hooks_persistent_buffers_and_fsdp_names() -> None:
+    from torch.distributed.fsdp import ShardedStateDictConfig
+
+    module = torch.nn.Linear(2, 2)
+    module.register_buffer("kept", torch.ones(1))
+    module.register_buffer("dropped", torch.ones(1), persistent=False)
+    assert [name for name, _ in _internals.persistent_buffers(module)] == ["kept"]
+    assert _internals.state_dict_hooks(module) == []
+    module._register_state_dict_hook(lambda *args: None)
+    module.register_state_dict_pre_hook(lambda *args: None)
+    assert len(_internals.state_dict_hooks(module)) == 2
+    assert _internals.clean_fsdp_name("body._fsdp_wrapped_module.0.weight") == "body.0.weight"
+    assert _internals.uses_dtensor_state_dict(ShardedStateDictConfig()) is False
+
+
 def test_numpy_reconstruct_is_what_numpy_arrays_pickle_through() -> None:
     assert np.arange(3).__reduce__()[0] is _internals.numpy_reconstruct()
 
@@ -240,6 +255,12 @@ def _unit_observations(model: Any, reference: dict[str, torch.Size]) -> list[dic
                     all(hasattr(i, f) for f in ("in_shard", "offset_in_shard", "numel_in_shard",
                                                 "intra_param_start_idx", "intra_param_end_idx")) for i in infos),
                 "members": [m.fqn for m in flat_members(flat, fqns, world, rank)],  # cross-checks FSDP's own infos
+                # sharded after a step: the flat parameter's data is its local shard (what _async_capture copies)
+                "local_shard_is_data": (_internals.flat_local_shard(flat) is not None
+                                        and _internals.flat_local_shard(flat).data_ptr() == flat.data_ptr()),
+                "fsdp_state_dict_hooks": bool(_internals.state_dict_hooks(unit)) and all(
+                    str(getattr(h, "__module__", "") or getattr(getattr(h, "func", None), "__module__", ""))
+                    .startswith("torch.distributed.fsdp") for h in _internals.state_dict_hooks(unit)),
             })
         rows.append(row)
     return rows
@@ -302,6 +323,7 @@ def fsdp_internals(root: str) -> dict[str, Any]:
             accelerator.state.fsdp_plugin.sharding_strategy = ShardingStrategy[strategy]
         model = accelerator.prepare(TinyModel())
         optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        model(torch.randn(2, 16)).sum().backward()  # FSDP's lazy init (local shards) and one reshard
         obs[label] = {
             "models": [id(m) for m in _internals.prepared_models(accelerator)] == [id(model)],
             "optimizers": [id(o) for o in _internals.prepared_optimizers(accelerator)] == [id(optimizer)],
@@ -328,6 +350,9 @@ def test_fsdp1_flat_parameter_accessors_describe_real_units(fsdp_observed: list[
             assert [u["flat"] for u in units].count(False) == 1 and len(units) == 5, (rank, label, units)
             for unit in units:
                 assert unit["orig"] is orig
+                assert not unit["flat"] or unit["fsdp_state_dict_hooks"], (label, unit)
+                if label != "hybrid":  # FULL_SHARD
+                    assert not unit["flat"] or unit["local_shard_is_data"], (label, unit)
                 assert unit["inter_node_group"] is (label == "hybrid"), (rank, label, unit)
                 if not unit["flat"]:
                     continue
