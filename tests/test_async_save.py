@@ -206,7 +206,10 @@ def test_fsdp1_async_staging_runs_no_fsdp_collective_and_writes_files_both_loade
         assert obs["dcp_differences"] == [] and obs["dcp_entries"] > 0
         assert obs["same_files_as_sync"] and obs["same_param_groups"]
         assert obs["protected_differences"] == [] and obs["persistent_buffer_restored"]
-        assert obs["native_differences"] == []  # native Accelerate load_state reads the boxes too
+        # native Accelerate load_state reads the boxes too; Accelerate 1.7-1.12's native FSDP1 optimizer load
+        # fails on synchronous checkpoints as well, and then it must fail identically on both
+        assert obs["native_differences"] == [] or (
+            obs["native_differences"] is None and obs["native_sync_error"] == obs["native_async_error"])
         # Declined on one rank: every rank built natively (FSDP's gathers ran on both) and the save is exact.
         assert obs["declined_collectives"] > 0 and obs["declined_differences"] == []
 
