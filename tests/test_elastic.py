@@ -210,10 +210,11 @@ def test_automatic_selection_resumes_a_checkpoint_of_another_world_size_only_wit
 
 
 @pytest.mark.parametrize("version", [1, 2], ids=["fsdp1", "fsdp2"])
-def test_an_asynchronous_checkpoint_reshards_exactly_2_to_3(tmp_path: Path, version: int) -> None:
+def test_an_asynchronous_checkpoint_reshards_exactly_2_to_3_and_2_to_1(tmp_path: Path, version: int) -> None:
     """Asynchronous saves stage each rank's own pieces (FSDP1: its boxes of every parameter, not native dim-0
     chunks): resharding reads them all the same."""
-    saved, resumed = tmp_path / "saved", tmp_path / "resumed"
+    saved, on3, on1 = tmp_path / "saved", tmp_path / "on3", tmp_path / "on1"
     launch("tests._elastic_scenarios:save", 2, args=(version, str(saved), False, "adamw", True), timeout=TIMEOUT)
-    launch("tests._elastic_scenarios:resume", 3, args=(version, str(saved), str(resumed), False), timeout=TIMEOUT)
-    assert _same_state(saved, resumed) == []
+    launch("tests._elastic_scenarios:resume", 3, args=(version, str(saved), str(on3), False), timeout=TIMEOUT)
+    launch("tests._elastic_scenarios:resume", 1, args=(version, str(saved), str(on1), False), timeout=TIMEOUT)
+    assert _same_state(saved, on3) == [] and _same_state(saved, on1) == []
