@@ -270,6 +270,81 @@ def trial_rng(seed: int, index: int) -> random.Random:
     return random.Random(f"crash-sweep:{seed}:{index}")
 
 
+
+# --------------------------------------------------------------------------------------------- kill chains
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kill in a chain: where (``NAME`` or ``NAME@RANK``), whether the whole job dies, which checkpoints are
+    complete right after it, and the spec of the job it kills."""
+
+    kill_spec: str
+    whole_job: bool
+    complete_after: list[int]
+    spec: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def point(self) -> str:
+        return self.kill_spec.split("@")[0]
+
+    @property
+    def killed_rank(self) -> int | None:
+        return int(self.kill_spec.split("@")[1]) if "@" in self.kill_spec else None
+
+    @property
+    def id(self) -> str:
+        return f"{self.point}-{'whole-job' if self.whole_job else f'rank{self.killed_rank}'}"
+
+
+@dataclass
+class Outcome:
+    link: Link
+    kill: JobResult
+    report: dict[str, Any]             # the checkpoint directory right after the kill (directory_report)
+    problems: list[str]                # crash_invariants' violations
+    restart: JobResult | None = None   # the job that restarts from this kill (a killed restore is no restart)
+
+
+def _link_spec(link: Link, root: Path) -> dict[str, Any]:
+    spec = {key: value for key, value in link.spec.items() if key != "fresh"}
+    spec["kill_spec"] = link.kill_spec
+    if link.point.startswith("load:"):
+        spec.update(resume=str(root), kill_load=link.kill_spec)
+    elif link.spec.get("fresh"):
+        spec.update(fresh=str(root), seed=0)
+    else:
+        spec["resume"] = str(root)
+    return spec
+
+
+def run_chain(links: tuple[Link, ...], directory: Path, key: Callable[[Link], str],
+              entry: str = "tests._crash_scenarios") -> dict[str, Outcome | BaseException]:
+    """Run every kill of ``links`` in one run directory (``directory / "run"``), each job restarting from the
+    previous kill, then a final restart; ``{key(link): Outcome}``. A job that hung or failed becomes the outcome of
+    every link not yet checked."""
+    root = Path(directory) / "run"
+    outcomes: dict[str, Outcome | BaseException] = {}
+    waiting: list[Outcome] = []  # kills whose restart has not run yet (a killed restore is no restart)
+    try:
+        for index, link in enumerate(links):
+            kill = run_until_crash_point(_link_spec(link, root), directory, f"link{index}", link.whole_job, entry)
+            if not link.point.startswith("load:"):
+                for outcome in waiting:
+                    outcome.restart = kill
+                waiting.clear()
+            report, problems = crash_invariants(root)
+            waiting.append(Outcome(link, kill, report, problems))
+            outcomes[key(link)] = waiting[-1]
+        final = run_to_completion({"resume": str(root)}, directory, "final", entry)
+        for outcome in waiting:
+            outcome.restart = final
+    except AssertionError as exc:
+        for link in links:
+            outcomes.setdefault(key(link), exc)
+    return outcomes
+
+
 def sweep(directory: Path, trials: int, seed: int, log: Callable[[str], None] = print,
           entry: str = "tests._crash_scenarios") -> list[Trial]:
     """``trials`` random-instant whole-job kills, each in a fresh run directory, each verified by a restart.

@@ -31,7 +31,6 @@ on 2 shared CPU cores: about 2 minutes (chain about 1, 3-trial sweep about 1); 3
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,35 +39,16 @@ import pytest
 from accelerate_txn._faults import POINTS
 from tests._crash_harness import (
     KILLED,
-    JobResult,
-    crash_invariants,
+    Link,
+    Outcome,
     restart_problems,
-    run_to_completion,
-    run_until_crash_point,
+    run_chain,
     summary,
     sweep,
 )
 from tests._crash_scenarios import ASYNC_ENV
 
 pytestmark = pytest.mark.distributed
-
-
-@dataclass(frozen=True)
-class Link:
-    """One kill in the chain: where, how, and what the checkpoint directory must hold afterwards."""
-
-    kill_spec: str
-    whole_job: bool
-    complete_after: list[int]       # complete checkpoints right after the kill
-    spec: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def point(self) -> str:
-        return self.kill_spec.split("@")[0]
-
-    @property
-    def killed_rank(self) -> int | None:
-        return int(self.kill_spec.split("@")[1]) if "@" in self.kill_spec else None
 
 
 _CONTINUE = {"continue": True, "saves": 1, "kill_save": 1}
@@ -84,51 +64,10 @@ CHAIN = (
 )
 
 
-@dataclass
-class Outcome:
-    link: Link
-    kill: JobResult
-    report: dict[str, Any]
-    problems: list[str]
-    restart: JobResult | None = None   # the next job that restarts from this kill (a killed restore does not)
-
-
-def _spec(link: Link, root: Path) -> dict[str, Any]:
-    spec = {key: value for key, value in link.spec.items() if key != "fresh"}
-    spec["kill_spec"] = link.kill_spec
-    if link.point.startswith("load:"):
-        spec.update(resume=str(root), kill_load=link.kill_spec)
-    elif link.spec.get("fresh"):
-        spec.update(fresh=str(root), seed=0)
-    else:
-        spec["resume"] = str(root)
-    return spec
-
-
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory: Any) -> dict[str, Outcome | BaseException]:
     """Run every kill and restart once; each test asserts on its point's outcome."""
-    directory = tmp_path_factory.mktemp("crash_chain")
-    root = directory / "run"
-    outcomes: dict[str, Outcome | BaseException] = {}
-    waiting: list[Outcome] = []  # kills whose restart has not run yet (a killed restore is no restart)
-    try:
-        for index, link in enumerate(CHAIN):
-            kill = run_until_crash_point(_spec(link, root), directory, f"link{index}", link.whole_job)
-            if not link.point.startswith("load:"):
-                for outcome in waiting:
-                    outcome.restart = kill
-                waiting.clear()
-            report, problems = crash_invariants(root)
-            waiting.append(Outcome(link, kill, report, problems))
-            outcomes[link.point] = waiting[-1]
-        final = run_to_completion({"resume": str(root)}, directory, "final")
-        for outcome in waiting:
-            outcome.restart = final
-    except AssertionError as exc:  # a job that hung or failed: every point not yet checked reports it
-        for link in CHAIN:
-            outcomes.setdefault(link.point, exc)
-    return outcomes
+    return run_chain(CHAIN, tmp_path_factory.mktemp("crash_chain"), key=lambda link: link.point)
 
 
 def _outcome(chain: dict[str, Outcome | BaseException], point: str) -> Outcome:

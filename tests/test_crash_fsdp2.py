@@ -24,7 +24,6 @@ timeout. About 47 s on 2 CPU cores (about 2 minutes while other jobs load them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,36 +36,12 @@ from tests._crash_fsdp2 import ENTRY
 from tests._crash_harness import (
     KILLED,
     LAUNCH_TIMEOUT,
-    JobResult,
-    crash_invariants,
+    Link,
+    Outcome,
     restart_problems,
-    run_to_completion,
-    run_until_crash_point,
+    run_chain,
 )
 from tests._crash_scenarios import ref_path
-
-
-@dataclass(frozen=True)
-class Link:
-    """One kill in the chain: where, how, and which checkpoints are complete right after it."""
-
-    kill_spec: str
-    whole_job: bool
-    complete_after: list[int]
-    spec: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def point(self) -> str:
-        return self.kill_spec.split("@")[0]
-
-    @property
-    def killed_rank(self) -> int | None:
-        return int(self.kill_spec.split("@")[1]) if "@" in self.kill_spec else None
-
-    @property
-    def id(self) -> str:
-        return f"{self.point}-{'whole-job' if self.whole_job else f'rank{self.killed_rank}'}"
-
 
 _NEXT = {"continue": True, "saves": 1, "kill_save": 1}  # restart, save once, be killed in the save after that
 # Each restart restores the newest complete checkpoint and publishes the next (retention keeps two); the
@@ -96,51 +71,11 @@ UNPUBLISHED_POINTS = ("save:after-native-save", "save:during-flush", "save:after
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(int((len(CHAIN) + 1) * LAUNCH_TIMEOUT) + 60)]
 
 
-@dataclass
-class Outcome:
-    link: Link
-    kill: JobResult
-    report: dict[str, Any]             # the checkpoint directory right after the kill (directory_report)
-    problems: list[str]                # crash_invariants' violations
-    restart: JobResult | None = None   # the job that restarts from this kill (a killed restore is no restart)
-
-
-def _spec(link: Link, root: Path) -> dict[str, Any]:
-    spec = {key: value for key, value in link.spec.items() if key != "fresh"}
-    spec["kill_spec"] = link.kill_spec
-    if link.point.startswith("load:"):
-        spec.update(resume=str(root), kill_load=link.kill_spec)
-    elif link.spec.get("fresh"):
-        spec.update(fresh=str(root), seed=0)
-    else:
-        spec["resume"] = str(root)
-    return spec
-
-
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory: Any) -> tuple[Path, dict[str, Outcome | BaseException]]:
     """Run every kill and restart once (thirteen launches); each test asserts on its link's outcome."""
     directory = tmp_path_factory.mktemp("crash_fsdp2")
-    root = directory / "run"
-    outcomes: dict[str, Outcome | BaseException] = {}
-    waiting: list[Outcome] = []  # kills whose restart has not run yet
-    try:
-        for index, link in enumerate(CHAIN):
-            kill = run_until_crash_point(_spec(link, root), directory, f"link{index}", link.whole_job, entry=ENTRY)
-            if not link.point.startswith("load:"):
-                for outcome in waiting:
-                    outcome.restart = kill
-                waiting.clear()
-            report, problems = crash_invariants(root)
-            waiting.append(Outcome(link, kill, report, problems))
-            outcomes[link.id] = waiting[-1]
-        final = run_to_completion({"resume": str(root)}, directory, "final", entry=ENTRY)
-        for outcome in waiting:
-            outcome.restart = final
-    except AssertionError as exc:  # a job that hung or failed: every link not yet checked reports it
-        for link in CHAIN:
-            outcomes.setdefault(link.id, exc)
-    return root, outcomes
+    return directory / "run", run_chain(CHAIN, directory, key=lambda link: link.id, entry=ENTRY)
 
 
 def _outcome(chain: tuple[Path, dict[str, Outcome | BaseException]], link_id: str) -> Outcome:
