@@ -4,31 +4,21 @@ Launched by tests/test_corruption_fsdp2.py as ``tests._corruption_fsdp2:corrupti
 every file class x every damage, the crafted pickles, the unlisted files, the before/after comparison of every
 piece of live state) is tests/_corruption_scenarios.py's; this module only chooses, for this rank process, an
 FSDP2 run (``fsdp_version=2``: ``fully_shard`` per ``Linear``, DTensor parameters; model, optimizer and scheduler
-prepared together) with the same scheduler, gradient scaler, custom object and registered private state, and
-snapshots the DTensors' local shards (what this rank saves and must leave unchanged, or restore, bitwise).
+prepared together) with the same scheduler, gradient scaler, custom object and registered private state (the shared
+snapshot compares the DTensors' local shards: what this rank saves and must leave unchanged, or restore, bitwise).
 """
 
 from __future__ import annotations
 
-import copy
 import functools
-import random
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from accelerate_txn import register_checkpoint_state
 from accelerate_txn.testing import TinyModel, fsdp_accelerator
 from tests import _corruption_scenarios as scenarios
-
-
-def _local(value: Any) -> Any:
-    """A detached copy of this rank's shard: the local tensor of a DTensor, the tensor itself otherwise."""
-    if hasattr(value, "to_local"):
-        return value.to_local().detach().clone()
-    return value.detach().clone() if torch.is_tensor(value) else value
 
 
 def build(seed: int, *, width: int = 16, project_dir: Path | None = None, auto: bool = False) -> scenarios.Run:
@@ -48,29 +38,12 @@ def build(seed: int, *, width: int = 16, project_dir: Path | None = None, auto: 
     return scenarios.Run(acc, model, opt, sched, noise, progress, counter, width)
 
 
-def snapshot(run: scenarios.Run) -> dict[str, Any]:
-    """``_corruption_scenarios.snapshot`` with this rank's local shards of parameters and optimizer state."""
-    names = {id(p): name for name, p in run.model.named_parameters()}
-    raw = getattr(run.opt, "optimizer", run.opt)
-    return copy.deepcopy({
-        "parameters": {name: _local(p) for name, p in run.model.named_parameters()},
-        "optimizer": {names[id(p)]: {k: _local(v) for k, v in s.items()} for p, s in raw.state.items() if s},
-        "scheduler": run.sched.state_dict(),
-        "scaler": run.acc.scaler.state_dict(),
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
-        "custom object": run.counter.state_dict(),
-        "private state": {"noise": run.noise.get_state(), "progress": dict(run.progress)},
-        "step": run.acc.step,
-    })
-
-
 def corruption_matrix(root: str) -> dict[str, Any]:
     """``_corruption_scenarios.corruption_matrix`` on FSDP2, plus what shows the run was FSDP2 and protected.
 
-    The two module-level names are rebound in this rank process only (it runs nothing else), before the run.
+    The module-level builder is rebound in this rank process only (it runs nothing else), before the run.
     """
     scenarios._build = build
-    scenarios.snapshot = snapshot
     obs = scenarios.corruption_matrix(root)
     probe = build(3)
     obs["dtensor"] = [type(p).__name__ for p in probe.model.parameters()]

@@ -154,13 +154,20 @@ def _train(run: Run, steps: int, seed: int) -> None:
     run.acc.scaler.load_state_dict({**run.acc.scaler.state_dict(), "scale": float(2 ** (seed % 10 + 3))})
 
 
+def _local(value: Any) -> Any:
+    """A detached copy of this rank's shard: the local tensor of a DTensor (FSDP2), the tensor itself otherwise."""
+    if hasattr(value, "to_local"):
+        return value.to_local().detach().clone()
+    return value.detach().clone() if torch.is_tensor(value) else value
+
+
 def snapshot(run: Run) -> dict[str, Any]:
-    """This rank's complete live training state, copied."""
+    """This rank's complete live training state, copied (local shards of FSDP2 DTensors)."""
     names = {id(p): name for name, p in run.model.named_parameters()}
     raw = getattr(run.opt, "optimizer", run.opt)
     return copy.deepcopy({
-        "parameters": {name: p.detach().clone() for name, p in run.model.named_parameters()},
-        "optimizer": {names[id(p)]: dict(s) for p, s in raw.state.items() if s},
+        "parameters": {name: _local(p) for name, p in run.model.named_parameters()},
+        "optimizer": {names[id(p)]: {k: _local(v) for k, v in s.items()} for p, s in raw.state.items() if s},
         "scheduler": run.sched.state_dict(),
         "scaler": run.acc.scaler.state_dict(),
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
