@@ -206,8 +206,7 @@ def _restore(path: Path, group: dict[str, Any], found: dict[str, Preflight], kwa
         _faults.point("load:during-restore")
         run_phase(lambda owner=owner, state=found[name]: apply_loader_states(
             owner, state.loaders[state.plan.source(owner.process_index)]), "Restoring per-rank data-loader state")
-        state = _own_rng(owner, found[name])
-        owner.step = state["step"]
+        owner.step = found[name].rng[found[name].plan.source(owner.process_index)]["step"]  # shared by every rank
         if backend(owner) == "FSDP":
             run_phase(lambda owner=owner, directory=directory: [
                 verify_restored(model, optimizer, directory / f"optimizer_{index}")

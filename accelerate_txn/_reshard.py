@@ -75,12 +75,12 @@ class RankPlan:
 
 
 def plan_ranks(saved_world: int, world: int, rank_map: Mapping[int, int] | None = None) -> RankPlan:
-    """The per-rank state plan for restoring ``saved_world`` ranks' state on ``world`` ranks."""
+    """The per-rank state plan for restoring ``saved_world`` ranks' state on ``world`` ranks (``rank_map`` as
+    validated by :func:`check_rank_map`; its ranges are checked here)."""
     rank_map = dict(rank_map or {})
     if saved_world < 1:
         raise CheckpointConfigurationError(f"The checkpoint records a world size of {saved_world}")
-    bad = {new: old for new, old in rank_map.items()
-           if not (isinstance(new, int) and isinstance(old, int) and 0 <= new < world and 0 <= old < saved_world)}
+    bad = {new: old for new, old in rank_map.items() if not (0 <= new < world and 0 <= old < saved_world)}
     if bad:
         raise CheckpointConfigurationError(
             f"configure_checkpointing(reshard_rank_map=...) maps {bad}: keys must be ranks of this run "
