@@ -23,7 +23,8 @@ import torch
 from accelerate_txn import MANIFEST, configure_checkpointing
 from accelerate_txn._config import checkpoint_config, mark_failed
 from tests import _corruption_scenarios as scenarios
-from tests._corruption_fsdp2 import build, snapshot
+from tests._corruption_fsdp2 import build
+from tests._corruption_scenarios import snapshot
 
 
 def _train_scaled(run: scenarios.Run, steps: int, seed: int) -> None:
