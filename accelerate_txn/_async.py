@@ -41,7 +41,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -49,7 +49,10 @@ from weakref import WeakKeyDictionary
 import torch
 
 from ._async_capture import materialize
+from ._host_memory import StagingPool, staged_tensor, staging_into
+from ._manifest import HASH
 from ._ranks import distributed, run_phase
+from ._stream_hash import hash_while_writing
 from .errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -73,25 +76,19 @@ class _Write:
 
 
 # --------------------------------------------------------------------------------------------------- staging
-def _copy_tensor(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
-    source = tensor.detach()
-    target = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=pin and source.is_cuda)
-    target.copy_(source, non_blocking=pin and source.is_cuda)
-    return target
-
-
 def staged_copy(value: Any, pin: bool = True) -> Any:
-    """A host-memory copy of a DCP state dict: tensors copied (plain tensors into fresh dense, with CUDA pinned,
-    memory; ``ShardedTensor``/``DTensor`` by their own deep copy, which keeps their sharding metadata),
-    containers rebuilt, everything else shared (ints, floats, strings are immutable)."""
+    """A host-memory copy of a DCP state dict: tensors copied (plain tensors and DTensor local shards into
+    fresh dense memory, huge-page mapped or, with CUDA, pinned: ``_host_memory``; ``ShardedTensor`` by its own
+    deep copy, which keeps its sharding metadata), containers rebuilt, everything else shared (ints, floats,
+    strings are immutable)."""
     if isinstance(value, torch.Tensor):
         if type(value) is torch.Tensor:
-            return _copy_tensor(value, pin)
+            return staged_tensor(value, pin=pin)
         if value.device.type == "cpu":
             if _is_dtensor(value):  # FSDP2: copy the local shard only (a deepcopy copies its whole storage)
                 from torch.distributed.tensor import DTensor
 
-                return DTensor.from_local(_copy_tensor(value.to_local(), pin), value.device_mesh, value.placements,
+                return DTensor.from_local(staged_tensor(value.to_local(), pin=pin), value.device_mesh, value.placements,
                                           run_check=False, shape=value.shape, stride=value.stride())
             return copy.deepcopy(value)
         return value.to(device="cpu")  # a copy whose placements say CPU (as torch's own async staging does)
@@ -108,37 +105,47 @@ def _is_dtensor(value: Any) -> bool:
     return isinstance(value, DTensor)
 
 
-_capturing = threading.local()  # .writes: the list a native save in this thread stages into
+@dataclass
+class Capture:
+    """What a protected save's DCP writes leave for the transaction: with ``stage`` (asynchronous) the staged
+    writes for the background; always the ``(size, digest)`` of every file DCP wrote, hashed as it was written
+    (``_stream_hash``), by absolute path."""
+
+    stage: bool
+    writes: list[_Write] = field(default_factory=list)
+    hashes: dict[Path, tuple[int, str]] = field(default_factory=dict)
+
+
+_capturing = threading.local()  # .current: the Capture of the protected save running in this thread
 
 
 def _dcp_save(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    writes = getattr(_capturing, "writes", None)
-    if writes is None:
+    capture: Capture | None = getattr(_capturing, "current", None)
+    if capture is None:
         return wrapped(*args, **kwargs)
-    state_dict = args[0] if args else kwargs.get("state_dict")
-    if state_dict is None or kwargs.get("storage_writer") is None or kwargs.get("checkpoint_id") is not None:
-        raise CheckpointError("Asynchronous save expected Accelerate's dcp.save(state_dict, storage_writer=...) "
-                              "call; this Accelerate version saves differently: save synchronously (async_save=False).")
-    writer = kwargs["storage_writer"]
-    if getattr(writer, "sync_files", None) is True:
-        # DCP's own per-file fsync would be the second of two: the background's hash pass fsyncs every file
+    writer = kwargs.get("storage_writer")
+    if writer is not None and hash_while_writing(writer, capture.hashes, HASH) and writer.sync_files is True:
+        # DCP's own per-file fsync would be the second of two: the transaction's hash pass fsyncs every file
         # (each by the rank that wrote it) and rank 0 the directories, before anything is published.
         writer.sync_files = False
-    writes.append(_Write(staged_copy(state_dict), writer, kwargs.get("planner")))
+    if not capture.stage:
+        return wrapped(*args, **kwargs)
+    state_dict = args[0] if args else kwargs.get("state_dict")
+    if state_dict is None or writer is None or kwargs.get("checkpoint_id") is not None:
+        raise CheckpointError("Asynchronous save expected Accelerate's dcp.save(state_dict, storage_writer=...) "
+                              "call; this Accelerate version saves differently: save synchronously (async_save=False).")
+    capture.writes.append(_Write(staged_copy(state_dict), writer, kwargs.get("planner")))
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the pinned copies are complete before training mutates the sources
     return None
 
 
 @contextlib.contextmanager
-def capture_dcp_saves(active: bool) -> Iterator[list[_Write]]:
-    """While active, ``torch.distributed.checkpoint.save`` called from this thread (as Accelerate calls it) stages
-    the state dict in memory instead of writing. The wrapper is installed once (wrapt) and passes every other
-    call (other threads, the background write itself) through unchanged."""
-    writes: list[_Write] = []
-    if not active:
-        yield writes
-        return
+def capture_dcp_saves(stage: bool, pool: StagingPool | None = None) -> Iterator[Capture]:
+    """During a protected save, ``torch.distributed.checkpoint.save`` called from this thread (as Accelerate calls
+    it) hashes every file as it writes it; with ``stage`` (asynchronous) it stages the state dict in memory
+    instead of writing (copying into ``pool``'s buffers, if given). The wrapper is installed once (wrapt) and
+    passes every other call (other threads, the background write itself) through unchanged."""
     if not _installed_capture:
         import torch.distributed.checkpoint as dcp
         import wrapt
@@ -146,13 +153,15 @@ def capture_dcp_saves(active: bool) -> Iterator[list[_Write]]:
         from . import _async_capture
 
         wrapt.wrap_function_wrapper(dcp, "save", _dcp_save)
-        _async_capture.install(lambda: getattr(_capturing, "writes", None) is not None)
+        _async_capture.install(lambda: getattr(getattr(_capturing, "current", None), "stage", False))
         _installed_capture.append(True)
-    _capturing.writes = writes
+    capture = Capture(stage)
+    _capturing.current = capture
     try:
-        yield writes
+        with staging_into(pool if stage else None):
+            yield capture
     finally:
-        _capturing.writes = None
+        _capturing.current = None
 
 
 _installed_capture: list[bool] = []

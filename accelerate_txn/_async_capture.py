@@ -41,6 +41,7 @@ import torch
 
 from ._config import raw_optimizer
 from ._fsdp_geometry import GeometryMismatch, Member, boxes, flat_members
+from ._host_memory import staged_tensor
 from ._internals import (
     clean_fsdp_name,
     flat_local_shard,
@@ -168,12 +169,6 @@ def _units(model: Any) -> list[_Unit] | None:
     return units
 
 
-def _copy(tensor: torch.Tensor) -> torch.Tensor:
-    from ._async import _copy_tensor
-
-    return _copy_tensor(tensor, pin=True)
-
-
 def _synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -185,7 +180,7 @@ def _local_boxes(member: Member, rank: int, data: torch.Tensor, position: int) -
     piece = member.pieces.get(rank)
     if piece is None:
         return []
-    return [_copy(data[position + flat_start - piece.start:][:math.prod(sizes)].view(sizes))
+    return [staged_tensor(data[position + flat_start - piece.start:][:math.prod(sizes)].view(sizes))
             for _offsets, sizes, flat_start in boxes(member.shape, piece.start, piece.stop)]
 
 
@@ -230,7 +225,7 @@ def capture_model(model: Any) -> Deferred | None:
             piece = member.pieces.get(rank)
             position = piece.shard_offset if piece is not None else 0
             shards.append((member, _local_boxes(member, rank, data, position), unit.flat.dtype))
-    buffers = {name: _copy(buffer) for name, buffer in _persistent_buffers(model).items()}
+    buffers = {name: staged_tensor(buffer) for name, buffer in _persistent_buffers(model).items()}
     _synchronize()
 
     def build(group: Any) -> dict[str, Any]:
@@ -276,7 +271,7 @@ def capture_optimizer(model: Any, optimizer: Any) -> Deferred | None:
             values = optimizer.state.get(parameter) or {}
             for key, value in values.items():
                 if isinstance(value, torch.Tensor) and value.dim() == 0:
-                    staged: tuple[str, Any] = ("value", _copy(value))
+                    staged: tuple[str, Any] = ("value", staged_tensor(value))
                 elif isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == parameter.numel():
                     staged = ("shard", value)
                 elif isinstance(value, _SCALARS):

@@ -24,7 +24,7 @@ import os
 import pickle
 import re
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -58,7 +58,7 @@ RANK_FILES = ("random_states_{rank}.pkl", LOADER_FILE)  # per-rank files (plus r
 
 # --- hashing -------------------------------------------------------------------------------------------------
 
-def _hasher(algorithm: str) -> Any:
+def new_hasher(algorithm: str) -> Any:
     if algorithm == "sha256":
         return hashlib.sha256()
     if algorithm == "xxh3_128":
@@ -87,7 +87,7 @@ def _open_regular(path: Path) -> int:
 def hash_file(path: Path, algorithm: str = HASH, *, flush: bool = False) -> tuple[int, str]:
     """``(size, hex digest)`` of ``path``; with ``flush`` the file is also fsynced (its writer calls this), in a
     second thread while the hash reads it from the page cache, so the pass costs about the slower of the two."""
-    digest = _hasher(algorithm)
+    digest = new_hasher(algorithm)
     fd = _open_regular(Path(path))
     size = 0
     buffer = bytearray(_CHUNK)
@@ -177,22 +177,35 @@ def writer_rank(name: str, world_size: int, rank_files: Iterable[str] = RANK_FIL
 
 
 def hash_rows(directory: Path, names: Iterable[str], *, algorithm: str = HASH, integrity: str = "full",
-              flush: bool = False, after_first: Callable[[], None] | None = None) -> dict[str, dict[str, Any]]:
+              flush: bool = False, after_first: Callable[[], None] | None = None,
+              written: Mapping[str, tuple[int, str]] | None = None) -> dict[str, dict[str, Any]]:
     """Inventory rows (size and hash per the integrity mode) of ``names`` under ``directory``, hashed in
-    parallel threads (hashing and reading release the GIL); ``flush`` also fsyncs each file."""
+    parallel threads (hashing and reading release the GIL); ``flush`` also fsyncs each file.
+
+    ``written``: ``(size, digest)`` (of ``algorithm``) of files hashed while they were written
+    (``_stream_hash``): such a file is not read again; its size on disk must be the size written."""
     names = sorted(names)
     root = Path(directory)
+    written = written or {}
 
     def row(name: str) -> tuple[str, dict[str, Any]]:
         path = root / relative_inside(name)
-        if integrity == "metadata" and _is_large_payload(name, path.lstat().st_size):
-            fd = _open_regular(path)  # size only: flush without reading the payload
+        large = integrity == "metadata" and _is_large_payload(name, path.lstat().st_size)
+        if large or name in written:
+            fd = _open_regular(path)  # size only, or hashed as written: flush without reading the payload
             try:
                 if flush:
                     os.fsync(fd)
-                return name, {"size": os.fstat(fd).st_size}
+                size = os.fstat(fd).st_size
             finally:
                 os.close(fd)
+            if large:
+                return name, {"size": size}
+            if size != written[name][0]:
+                raise CheckpointIntegrityError(
+                    f"{path} holds {size} bytes, but {written[name][0]} were written to it: something else changed "
+                    "the staged file while it was being saved. Nothing was published; save again.")
+            return name, {"size": size, algorithm: written[name][1]}
         size, digest = hash_file(path, algorithm, flush=flush)
         return name, {"size": size, algorithm: digest}
 

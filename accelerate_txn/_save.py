@@ -36,6 +36,7 @@ from . import _async, _faults
 from ._config import checkpoint_config, ensure_not_failed, raw_optimizer
 from ._descriptor import describe, participants
 from ._finite import check_finite_state
+from ._host_memory import StagingPool
 from ._internals import load_state_pre_hooks, prepared_models, prepared_optimizers, save_state_pre_hooks
 from ._loader_state import write_loader_states
 from ._manifest import HASH, MANIFEST, PROTOCOL, add_schemas, hash_rows, list_tree, write_manifest, writer_rank
@@ -95,13 +96,30 @@ def _rank_templates(group: dict[str, Any]) -> list[str]:
     return sorted({f"{name}/{t}" if name else t for name, owner in group.items() for t in rank_files(owner)})
 
 
-def _own_rows(staging: Path, templates: list[str], integrity: str) -> dict[str, dict[str, Any]]:
-    """Hash and fsync the staged files this rank wrote (see ``_manifest.writer_rank``)."""
+def _own_rows(staging: Path, templates: list[str], integrity: str,
+              written: dict[Path, tuple[int, str]] | None = None) -> dict[str, dict[str, Any]]:
+    """Hash and fsync the staged files this rank wrote (see ``_manifest.writer_rank``); files hashed while DCP
+    wrote them (``written``, by absolute path) are only fsynced and their size checked."""
     world, me = world_size(), rank()
     bases = [template.rsplit("/", 1)[-1] for template in templates]
     mine = [name for name in list_tree(staging) if writer_rank(name, world, bases) == me]
     return hash_rows(staging, mine, algorithm=HASH, integrity=integrity, flush=True,
-                     after_first=lambda: _faults.point("save:during-flush"))
+                     after_first=lambda: _faults.point("save:during-flush"), written=_relative(written, staging))
+
+
+def _relative(written: dict[Path, tuple[int, str]] | None, staging: Path) -> dict[str, tuple[int, str]]:
+    """``written`` keyed by inventory names (relative to ``staging``); entries outside it are dropped."""
+    root = staging.absolute()
+    return {path.relative_to(root).as_posix(): value for path, value in (written or {}).items()
+            if path.is_relative_to(root)}
+
+
+def _staging_pool(owner: Any) -> StagingPool | None:
+    """The Accelerator's pool of reused staging buffers (``reuse_staging_memory``), created on first use."""
+    config = checkpoint_config(owner)
+    if config.reuse_staging_memory and config.staging_pool is None:
+        config.staging_pool = StagingPool()
+    return config.staging_pool if config.reuse_staging_memory else None
 
 
 def _gather_rows(rows: dict[str, dict[str, Any]], group: Any = None) -> dict[str, dict[str, Any]]:
@@ -213,7 +231,7 @@ def _on_main(function: Any, context: str, group: Any = None) -> Any:
 def _finish(group: Any, owners: dict[str, Any], staging: Path, templates: list[str], integrity: str,
             reservation: _Reservation | None, descriptors: dict[str, Any], run_id: str, path: Path,
             limit: int | None, steps: dict[str, int], record: dict[str, str] | None = None,
-            lineage: dict[str, Any] | None = None) -> str:
+            lineage: dict[str, Any] | None = None, written: dict[Path, tuple[int, str]] | None = None) -> str:
     """Steps 5-6 over ``group`` (None: the default group): hash and flush, publish (noted in ``record`` at once),
     retention."""
     for name, owner in owners.items():
@@ -222,7 +240,7 @@ def _finish(group: Any, owners: dict[str, Any], staging: Path, templates: list[s
             owner, target, (owner.process_index,), read_custom=False, shared=False),
             "Checking this rank's staged files", group)
     # Every rank hashes and flushes what it wrote (on a shared filesystem only the writer's fsync is reliable).
-    rows = _gather_rows(run_phase(lambda: _own_rows(staging, templates, integrity),
+    rows = _gather_rows(run_phase(lambda: _own_rows(staging, templates, integrity, written),
                                   "Hashing and flushing the staged checkpoint", group), group)
     published: str = _on_main(lambda: reservation.publish(owners, descriptors, run_id, integrity,  # type: ignore[union-attr]
                                                           rows, steps, lineage), f"Publishing {path}", group)
@@ -290,7 +308,7 @@ def save_training_checkpoint(
         staging = Path(on_main(lambda: reservation.open(), f"Reserving {path}"))  # type: ignore[union-attr]
         steps = {name: owner.step for name, owner in group.items()}
         comm = run_phase(_async.background_group, "Creating the background process group") if background else None
-        with _async.capture_dcp_saves(bool(background)) as writes:
+        with _async.capture_dcp_saves(bool(background), _staging_pool(primary)) as capture:
             for name, owner in group.items():
                 target = staging / name
                 save = native_method(owner, "save_state")
@@ -308,13 +326,13 @@ def save_training_checkpoint(
                 _faults.point("save:after-native-save")
         finish = functools.partial(_finish, owners=group, staging=staging, templates=templates, integrity=integrity,
                                    reservation=reservation, descriptors=descriptors, run_id=run_id, path=path,
-                                   limit=limit, steps=steps, lineage={
+                                   limit=limit, steps=steps, written=capture.hashes, lineage={
                                        name: checkpoint_config(o).resharded_from for name, o in group.items()
                                        if checkpoint_config(o).resharded_from} or None)
         if background:
             _async.install_exit_handling()
             handle = _async.AsyncCheckpoint(path, list(group.values()), iterations)
-            handle.start(writes, finish, reservation.close if reservation is not None else lambda: None, comm)
+            handle.start(capture.writes, finish, reservation.close if reservation is not None else lambda: None, comm)
         else:
             published = finish(None, record=done)
     except BaseException:

@@ -8,7 +8,8 @@ shards without collectives (``accelerate_txn._async_capture``); ``--fsdp-version
 
 * native ``save_state`` (instance opted out): its wall time is both its blocking time and its time to publication;
 * an asynchronous protected save, then ``wait_for_checkpoint``: blocking time (until ``save_state`` returned, the
-  slower rank) and total time to publication;
+  slower rank) and total time to publication, by default (staged into fresh memory) and with
+  ``reuse_staging_memory=True`` (into the previous save's buffers; the pool is filled once before the repeats);
 * training steps: ``--steps`` steps with no save in flight, then an asynchronous protected save followed by
   ``--steps`` steps; the steps that started while this rank's background write was still running are compared
   with the steps without a save (median step time).
@@ -44,6 +45,7 @@ def _barrier_time(accelerator: Any, start: float) -> float:
 def worker(root: str, million: int, repeats: int, steps: int, fsdp_version: int = 1) -> dict[str, Any]:
     import accelerate_txn
     from accelerate_txn import configure_checkpointing, wait_for_checkpoint
+    from accelerate_txn._config import checkpoint_config
     from accelerate_txn.testing import fsdp_accelerator
     from benchmarks.bench_checkpoint import _model
 
@@ -67,36 +69,53 @@ def worker(root: str, million: int, repeats: int, steps: int, fsdp_version: int 
     step()
     # FSDP1 (use_orig_params): local views, one shard per rank; FSDP2: DTensors report their global size
     parameters = sum(p.numel() for p in model.parameters()) * (accelerator.num_processes if fsdp_version == 1 else 1)
-    times: dict[str, list[float]] = {"native": [], "blocking": [], "total": [], "step_idle": [], "step_during": []}
-    ratios: dict[str, list[float]] = {"blocking": [], "total": [], "step": []}
+    times: dict[str, list[float]] = {"native": [], "blocking": [], "total": [], "blocking_reuse": [],
+                                     "total_reuse": [], "step_idle": [], "step_during": []}
+    ratios: dict[str, list[float]] = {"blocking": [], "total": [], "blocking_reuse": [], "total_reuse": [], "step": []}
     steps_during: list[int] = []
     counter = iter(range(10**6))
 
     def path() -> str:
         return os.path.join(root, f"save_{next(counter)}")
 
+    config = checkpoint_config(accelerator)
+    pool: list[Any] = []  # the reused buffers, kept aside while the default (fresh memory) save is measured
+
+    def protected(reuse: bool) -> tuple[float, float]:
+        accelerate_txn.patch_accelerate_fsdp(accelerator)
+        configure_checkpointing(accelerator, async_save=True, reuse_staging_memory=reuse)
+        if reuse and pool:
+            config.staging_pool = pool[0]
+        start = time.perf_counter()
+        accelerator.save_state(path())
+        blocking = _barrier_time(accelerator, start)
+        wait_for_checkpoint(accelerator)
+        total = _barrier_time(accelerator, start)
+        if reuse:
+            pool[:] = [config.staging_pool]
+            configure_checkpointing(accelerator, reuse_staging_memory=False)
+        return blocking, total
+
+    protected(reuse=True)  # the pool starts empty: its buffers are allocated once, before the measured saves
     for repeat in range(repeats):
-        native = blocking = total = 0.0
-        for mode in (("native", "async") if repeat % 2 == 0 else ("async", "native")):
+        measured: dict[str, Any] = {}
+        for mode in (("native", "async", "reuse") if repeat % 2 == 0 else ("reuse", "async", "native")):
             accelerator.wait_for_everyone()
             if mode == "native":
                 accelerate_txn.unpatch_accelerate_fsdp(accelerator)
                 start = time.perf_counter()
                 accelerator.save_state(path())
-                native = _barrier_time(accelerator, start)
+                measured[mode] = _barrier_time(accelerator, start)
             else:
-                accelerate_txn.patch_accelerate_fsdp(accelerator)
-                configure_checkpointing(accelerator, async_save=True)
-                start = time.perf_counter()
-                accelerator.save_state(path())
-                blocking = _barrier_time(accelerator, start)
-                wait_for_checkpoint(accelerator)
-                total = _barrier_time(accelerator, start)
+                measured[mode] = protected(reuse=mode == "reuse")
+        native = measured["native"]
         times["native"].append(native)
-        times["blocking"].append(blocking)
-        times["total"].append(total)
-        ratios["blocking"].append(blocking / native)
-        ratios["total"].append(total / native)
+        for suffix, mode in (("", "async"), ("_reuse", "reuse")):
+            blocking, total = measured[mode]
+            times[f"blocking{suffix}"].append(blocking)
+            times[f"total{suffix}"].append(total)
+            ratios[f"blocking{suffix}"].append(blocking / native)
+            ratios[f"total{suffix}"].append(total / native)
         # Training with and without a background write, back to back.
         accelerator.wait_for_everyone()
         idle = [step() for _ in range(steps)]
@@ -149,14 +168,16 @@ def main() -> None:
     print(f"FSDP{args.fsdp_version}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {os.cpu_count()} "
           f"CPUs; {args.world_size} rank(s); {args.repeats} repeats")
     print("| model | native save s | async blocking s (x native) | async to publication s (x native) "
+          "| with reused staging memory: blocking s (x native) | to publication s (x native) "
           "| step s idle | step s during write (x idle) | steps during write |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         rank0 = row["ranks"][0]
         t, r = rank0["times"], rank0["ratios"]
         during = "n/a" if t["step_during"] is None else f"{t['step_during']:.3f} ({r['step']:.2f}x)"
         print(f"| {rank0['parameters'] / 1e6:.0f}M | {t['native']:.2f} | {t['blocking']:.2f} ({r['blocking']:.2f}x) "
-              f"| {t['total']:.2f} ({r['total']:.2f}x) | {t['step_idle']:.3f} | {during} "
+              f"| {t['total']:.2f} ({r['total']:.2f}x) | {t['blocking_reuse']:.2f} ({r['blocking_reuse']:.2f}x) "
+              f"| {t['total_reuse']:.2f} ({r['total_reuse']:.2f}x) | {t['step_idle']:.3f} | {during} "
               f"| {rank0['steps_during']} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -118,6 +118,43 @@ def async_lifecycle(root: str) -> dict[str, Any]:
     obs["sync_type"] = type(sync).__name__
     relative = lambda top: sorted(str(p.relative_to(top)) for p in Path(top).rglob("*"))  # noqa: E731
     obs["same_layout_as_sync"] = relative(published) == relative(sync)
+    obs.update(_reused_staging(root, acc, lambda: _local_state(model, opt),
+                               lambda seed: _train(acc, model, opt, sched, 1, seed=seed),
+                               lambda want, path: _same(want, _restored_state(path))))
+    return obs
+
+
+def _restored_state(path: str) -> dict[str, Any]:
+    """This rank's state after a protected load of ``path`` into a freshly built job (as async_lifecycle's)."""
+    acc, model, opt, _ = _build(9)
+    register_checkpoint_state(acc, {"noise": torch.Generator()}, {"batches": -1})
+    acc.load_state(path)
+    return _local_state(model, opt)
+
+
+def _reused_staging(root: str, acc: Any, snapshot: Any, train: Any, differences: Any) -> dict[str, Any]:
+    """``reuse_staging_memory``: back-to-back saves (the second called while the first may be in flight, training
+    in between) copy into the same host buffers, and each checkpoint restores exactly the state it saved."""
+    from accelerate_txn._config import checkpoint_config
+
+    def buffers() -> set[int]:
+        pool = checkpoint_config(acc).staging_pool
+        return {b.data_ptr() for spare in pool._previous.values() for b in spare}
+
+    obs: dict[str, Any] = {}
+    configure_checkpointing(acc, reuse_staging_memory=True)
+    expected = [snapshot()]
+    first = acc.save_state(str(Path(root) / "reuse_1"))
+    obs["reuse_pool_after_first"] = buffers()
+    train(11)
+    expected.append(snapshot())
+    second = acc.save_state(str(Path(root) / "reuse_2"))  # waits for the first before copying into its buffers
+    train(12)
+    paths = [str(first.wait()), str(second.wait())]
+    obs["reuse_pool_after_second"] = buffers()
+    obs["reuse_differences"] = [differences(want, path) for want, path in zip(expected, paths, strict=True)]
+    configure_checkpointing(acc, reuse_staging_memory=False)
+    obs["reuse_pool_released"] = checkpoint_config(acc).staging_pool is None
     return obs
 
 
@@ -290,6 +327,15 @@ def fsdp2_async(root: str) -> dict[str, Any]:
         f"{folder}:{key}" for folder in ("pytorch_model_fsdp_0", "optimizer_0")
         for key in set(_dcp_entries(base / "async" / folder)) | set(_dcp_entries(base / "sync" / folder))
         if _dcp_entries(base / "async" / folder).get(key) != _dcp_entries(base / "sync" / folder).get(key))
+
+    def restored(path: str) -> dict[str, Any]:
+        acc4, model4, opt4, sched4 = build2(9)
+        acc4.load_state(path)
+        return _snapshot(model4, opt4, sched4)
+
+    obs.update(_reused_staging(root, acc, lambda: _snapshot(model, opt, sched),
+                               lambda seed: train2(acc, model, opt, sched, 1, seed=seed),
+                               lambda want, path: _differences(want, restored(path), ("params", "optim"))))
     return obs
 
 

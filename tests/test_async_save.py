@@ -68,6 +68,18 @@ def test_async_checkpoint_restores_exactly_with_the_protected_loader(lifecycle: 
         assert obs["same_layout_as_sync"]  # the same files as a synchronous save
 
 
+def _assert_reused_staging(obs: dict[str, Any]) -> None:
+    assert obs["reuse_pool_after_first"], "reuse_staging_memory kept no buffers after the save"
+    assert obs["reuse_pool_after_second"] == obs["reuse_pool_after_first"]  # copied into the same memory
+    assert obs["reuse_differences"] == [[], []]  # each checkpoint holds what was saved, not the next save's copy
+    assert obs["reuse_pool_released"]
+
+
+def test_reused_staging_memory_is_copied_into_again_and_both_saves_restore_exactly(lifecycle: Any) -> None:
+    for obs in lifecycle:
+        _assert_reused_staging(obs)
+
+
 @pytest.mark.parametrize(("point", "killed", "version"), [
     ("save:during-flush", 0, 1), ("save:during-flush", 1, 1), ("save:after-manifest", 0, 1),
     ("save:after-rename", 0, 1), ("save:during-flush", 1, 2), ("save:after-manifest", 0, 2)])
@@ -221,3 +233,4 @@ def test_fsdp2_async_save_round_trips_with_both_loaders_and_matches_a_synchronou
         assert obs["protected_differences"] == []
         assert obs["native_differences"] == []
         assert obs["same_files_as_sync"] and obs["dcp_differences"] == []
+        _assert_reused_staging(obs)

@@ -1,0 +1,89 @@
+"""Hashes taken while DCP writes (``_stream_hash``) and reused staging buffers (``_host_memory``): one process,
+real DCP files."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from accelerate_txn import CheckpointIntegrityError
+from accelerate_txn._host_memory import StagingPool, staged_tensor, staging_into
+from accelerate_txn._manifest import HASH, hash_file, hash_rows
+from accelerate_txn._stream_hash import hash_while_writing
+
+
+def _dcp_save(directory: Path, state: dict[str, Any], record: dict[Path, tuple[int, str]]) -> None:
+    writer = dcp.FileSystemWriter(str(directory))
+    assert hash_while_writing(writer, record, HASH)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process": intended here
+        dcp.save(state, storage_writer=writer)
+
+
+def test_every_file_dcp_writes_is_recorded_with_the_hash_of_its_content(tmp_path: Path) -> None:
+    record: dict[Path, tuple[int, str]] = {}
+    state = {"weight": torch.randn(300, 70), "step": torch.tensor(4), "nested": {"ids": torch.arange(9), "x": 2}}
+    _dcp_save(tmp_path, state, record)
+    files = sorted(p for p in tmp_path.iterdir() if p.is_file())
+    assert {p.name for p in files} == {".metadata", "__0_0.distcp"}
+    # Every file under its final name (DCP writes .metadata under a temporary name and renames it).
+    assert sorted(record) == [p.absolute() for p in files]
+    for path in files:
+        assert record[path.absolute()] == hash_file(path), path.name
+
+
+def test_a_stream_written_out_of_sequence_or_failing_records_nothing(tmp_path: Path) -> None:
+    record: dict[Path, tuple[int, str]] = {}
+    writer = dcp.FileSystemWriter(str(tmp_path))
+    hash_while_writing(writer, record, HASH)
+    with writer.fs.create_stream(tmp_path / "sequential", "wb") as stream:
+        stream.write(b"abc")
+        stream.write(memoryview(b"def"))
+    with writer.fs.create_stream(tmp_path / "seeked", "wb") as stream:
+        stream.write(b"abcdef")
+        stream.seek(1)
+        stream.write(b"X")
+    with pytest.raises(RuntimeError), writer.fs.create_stream(tmp_path / "failed", "wb") as stream:
+        stream.write(b"partial")
+        raise RuntimeError("the writer failed half way")
+    assert list(record) == [(tmp_path / "sequential").absolute()]
+    assert record[(tmp_path / "sequential").absolute()] == hash_file(tmp_path / "sequential")
+    assert (tmp_path / "seeked").read_bytes() == b"aXcdef"  # the file itself is written as asked
+
+
+def test_hash_rows_uses_the_recorded_hash_and_refuses_a_file_whose_size_changed(tmp_path: Path) -> None:
+    (tmp_path / "shard").write_bytes(b"0123456789")
+    # A recorded digest is taken as it is: the file is not read again (the digest below is not its content's).
+    rows = hash_rows(tmp_path, ["shard"], flush=True, written={"shard": (10, "recorded-while-writing")})
+    assert rows == {"shard": {"size": 10, HASH: "recorded-while-writing"}}
+    assert hash_rows(tmp_path, ["shard"])["shard"][HASH] == hash_file(tmp_path / "shard")[1]
+    with pytest.raises(CheckpointIntegrityError, match=r"shard holds 10 bytes, but 12 were written to it"):
+        hash_rows(tmp_path, ["shard"], written={"shard": (12, "stale")})
+    # Integrity "metadata": a large payload is sized only, recorded hash or not.
+    with open(tmp_path / "large.distcp", "wb") as stream:
+        stream.truncate(17 << 20)
+    rows = hash_rows(tmp_path, ["large.distcp"], integrity="metadata", written={"large.distcp": (17 << 20, "unused")})
+    assert rows == {"large.distcp": {"size": 17 << 20}}
+
+
+def test_reused_staging_buffers_are_copied_into_again_and_unused_ones_released() -> None:
+    pool = StagingPool()
+    sources = [torch.randn(64, 8), torch.arange(10)]
+    with staging_into(pool):
+        first = [staged_tensor(s) for s in sources]
+    assert pool.nbytes() == sum(t.nbytes for t in first)
+    sources[0].add_(1.0)
+    with staging_into(pool):
+        second = [staged_tensor(s) for s in (sources[0], torch.zeros(3))]
+    assert second[0].data_ptr() == first[0].data_ptr()  # the same shape and dtype: the same memory
+    assert torch.equal(second[0], sources[0]) and second[0].data_ptr() != sources[0].data_ptr()
+    assert second[1].data_ptr() != first[1].data_ptr()  # another shape: fresh memory
+    # The int64 buffer of the first save was not used by the second: the pool no longer holds it.
+    assert pool.nbytes() == second[0].nbytes + second[1].nbytes
+    without_pool = staged_tensor(sources[0])
+    assert without_pool.data_ptr() != second[0].data_ptr() and torch.equal(without_pool, sources[0])
