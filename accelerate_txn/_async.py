@@ -40,6 +40,7 @@ import copy
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,6 +209,8 @@ class AsyncCheckpoint(os.PathLike):
         self._error: BaseException | None = None
         self._reported = False
         self._thread: threading.Thread | None = None
+        #: CPU seconds the background thread used (the files' writes, hashes and publish; set when it ends).
+        self.cpu_seconds: float | None = None
 
     def __fspath__(self) -> str:
         return str(self.path)
@@ -231,6 +234,7 @@ class AsyncCheckpoint(os.PathLike):
         from torch.distributed.checkpoint.state_dict_saver import save
 
         _yield_cpu()
+        started = time.thread_time()
         try:
             _saves_started[0] += 1
             while writes:
@@ -254,6 +258,7 @@ class AsyncCheckpoint(os.PathLike):
                 close()
             except BaseException as exc:  # never lose it in the thread's excepthook
                 self._error = self._error or exc
+            self.cpu_seconds = time.thread_time() - started
 
     def done(self) -> bool:
         return self._thread is not None and not self._thread.is_alive()

@@ -12,7 +12,8 @@ shards without collectives (``accelerate_txn._async_capture``); ``--fsdp-version
   ``reuse_staging_memory=True`` (into the previous save's buffers; the pool is filled once before the repeats);
 * training steps: ``--steps`` steps with no save in flight, then an asynchronous protected save followed by
   ``--steps`` steps; the steps that started while this rank's background write was still running are compared
-  with the steps without a save (median step time).
+  with the steps without a save (median step time); and the CPU time the background thread used
+  (``AsyncCheckpoint.cpu_seconds``): the work that competes with training when no core is spare.
 
 Reports medians and the median of the per-repeat ratios (targets of issue 10: blocking <= 0.15x native, total
 <= 1.15x native, training steps during the background write <= 1.10x).
@@ -70,7 +71,7 @@ def worker(root: str, million: int, repeats: int, steps: int, fsdp_version: int 
     # FSDP1 (use_orig_params): local views, one shard per rank; FSDP2: DTensors report their global size
     parameters = sum(p.numel() for p in model.parameters()) * (accelerator.num_processes if fsdp_version == 1 else 1)
     times: dict[str, list[float]] = {"native": [], "blocking": [], "total": [], "blocking_reuse": [],
-                                     "total_reuse": [], "step_idle": [], "step_during": []}
+                                     "total_reuse": [], "step_idle": [], "step_during": [], "background_cpu": []}
     ratios: dict[str, list[float]] = {"blocking": [], "total": [], "blocking_reuse": [], "total_reuse": [], "step": []}
     steps_during: list[int] = []
     counter = iter(range(10**6))
@@ -128,6 +129,7 @@ def worker(root: str, million: int, repeats: int, steps: int, fsdp_version: int 
             if running:
                 during.append(elapsed)
         wait_for_checkpoint(accelerator)
+        times["background_cpu"].append(handle.cpu_seconds)
         steps_during.append(len(during))
         times["step_idle"].append(statistics.median(idle))
         if during:
@@ -169,8 +171,8 @@ def main() -> None:
           f"CPUs; {args.world_size} rank(s); {args.repeats} repeats")
     print("| model | native save s | async blocking s (x native) | async to publication s (x native) "
           "| with reused staging memory: blocking s (x native) | to publication s (x native) "
-          "| step s idle | step s during write (x idle) | steps during write |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| step s idle | step s during write (x idle) | steps during write | background thread CPU s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         rank0 = row["ranks"][0]
         t, r = rank0["times"], rank0["ratios"]
@@ -178,7 +180,7 @@ def main() -> None:
         print(f"| {rank0['parameters'] / 1e6:.0f}M | {t['native']:.2f} | {t['blocking']:.2f} ({r['blocking']:.2f}x) "
               f"| {t['total']:.2f} ({r['total']:.2f}x) | {t['blocking_reuse']:.2f} ({r['blocking_reuse']:.2f}x) "
               f"| {t['total_reuse']:.2f} ({r['total_reuse']:.2f}x) | {t['step_idle']:.3f} | {during} "
-              f"| {rank0['steps_during']} |")
+              f"| {rank0['steps_during']} | {t['background_cpu']:.2f} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

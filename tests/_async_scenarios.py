@@ -98,6 +98,7 @@ def async_lifecycle(root: str) -> dict[str, Any]:
     _train(acc, model, opt, sched, 2, seed=6)
     published = seventh.wait()
     obs["seventh"] = published.name
+    obs["background_cpu_seconds"] = seventh.cpu_seconds
     obs["after_seventh"] = _complete(checkpoints)
     obs["no_staging_left"] = not [p for p in checkpoints.iterdir() if ".staging-" in p.name]
 

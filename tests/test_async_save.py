@@ -66,6 +66,8 @@ def test_async_checkpoint_restores_exactly_with_the_protected_loader(lifecycle: 
         assert obs["scheduler_restored"] and obs["step_restored"]
         assert obs["sync_type"] == "PosixPath"
         assert obs["same_layout_as_sync"]  # the same files as a synchronous save
+        # The background thread's CPU time is reported once it ended (it wrote and hashed the files: not zero).
+        assert isinstance(obs["background_cpu_seconds"], float) and obs["background_cpu_seconds"] > 0
 
 
 def _assert_reused_staging(obs: dict[str, Any]) -> None:
