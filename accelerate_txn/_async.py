@@ -22,8 +22,12 @@ is the host copy of this rank's local state: FSDP2 state dicts are local DTensor
 sharded state dicts are built with collectives over the training group (every parameter unsharded, the optimizer
 state gathered), ``_async_capture`` copies the local flat-parameter and optimizer shards instead and builds the
 same DCP entries in the background (setups it cannot reproduce exactly keep native FSDP1's collective build in
-the caller). The captured ``FileSystemWriter`` skips DCP's own per-file fsync: the background's hash pass fsyncs
-every file, as in a synchronous protected save, so it would be the second.
+the caller). The staged copy is fresh host memory released after its write, or, with
+``reuse_staging_memory``, the previous save's buffers (``_host_memory``).
+
+Every protected save, synchronous or not, goes through the same wrapper: the ``FileSystemWriter`` of a DCP save
+into the staging directory hashes each file as DCP writes it (``_stream_hash``), so the hash pass does not read
+the shards back, and skips DCP's own per-file fsync, since the hash pass fsyncs every file.
 
 At most one save is in flight per Accelerator: :func:`settle` (called by the next save and by
 :func:`wait_for_checkpoint`) waits for it and raises its error once. ``Accelerator.end_training`` waits before
@@ -78,10 +82,10 @@ class _Write:
 
 # --------------------------------------------------------------------------------------------------- staging
 def staged_copy(value: Any, pin: bool = True) -> Any:
-    """A host-memory copy of a DCP state dict: tensors copied (plain tensors and DTensor local shards into
-    fresh dense memory, huge-page mapped or, with CUDA, pinned: ``_host_memory``; ``ShardedTensor`` by its own
-    deep copy, which keeps its sharding metadata), containers rebuilt, everything else shared (ints, floats,
-    strings are immutable)."""
+    """A host-memory copy of a DCP state dict: tensors copied (plain tensors and DTensor local shards into dense
+    host memory, with CUDA pinned, fresh or the pool's: ``_host_memory``; ``ShardedTensor`` by its own deep copy,
+    which keeps its sharding metadata), containers rebuilt, everything else shared (ints, floats, strings are
+    immutable)."""
     if isinstance(value, torch.Tensor):
         if type(value) is torch.Tensor:
             return staged_tensor(value, pin=pin)
@@ -113,6 +117,7 @@ class Capture:
     (``_stream_hash``), by absolute path."""
 
     stage: bool
+    root: Path  # the staging directory: only writers into it are hashed (and their DCP fsync left to the pass)
     writes: list[_Write] = field(default_factory=list)
     hashes: dict[Path, tuple[int, str]] = field(default_factory=dict)
 
@@ -125,7 +130,8 @@ def _dcp_save(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: d
     if capture is None:
         return wrapped(*args, **kwargs)
     writer = kwargs.get("storage_writer")
-    if writer is not None and hash_while_writing(writer, capture.hashes, HASH) and writer.sync_files is True:
+    if _writes_into(writer, capture.root) and hash_while_writing(writer, capture.hashes, HASH) \
+            and getattr(writer, "sync_files", None) is True:
         # DCP's own per-file fsync would be the second of two: the transaction's hash pass fsyncs every file
         # (each by the rank that wrote it) and rank 0 the directories, before anything is published.
         writer.sync_files = False
@@ -141,10 +147,18 @@ def _dcp_save(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: d
     return None
 
 
+def _writes_into(writer: Any, root: Path) -> bool:
+    path = getattr(writer, "path", None)
+    try:
+        return path is not None and Path(path).absolute().is_relative_to(root.absolute())
+    except TypeError:  # not a local path
+        return False
+
+
 @contextlib.contextmanager
-def capture_dcp_saves(stage: bool, pool: StagingPool | None = None) -> Iterator[Capture]:
-    """During a protected save, ``torch.distributed.checkpoint.save`` called from this thread (as Accelerate calls
-    it) hashes every file as it writes it; with ``stage`` (asynchronous) it stages the state dict in memory
+def capture_dcp_saves(stage: bool, root: Path, pool: StagingPool | None = None) -> Iterator[Capture]:
+    """During a protected save into ``root``, ``torch.distributed.checkpoint.save`` called from this thread (as
+    Accelerate calls it) hashes every file it writes there; with ``stage`` (asynchronous) it stages the state dict in memory
     instead of writing (copying into ``pool``'s buffers, if given). The wrapper is installed once (wrapt) and
     passes every other call (other threads, the background write itself) through unchanged."""
     if not _installed_capture:
@@ -156,7 +170,7 @@ def capture_dcp_saves(stage: bool, pool: StagingPool | None = None) -> Iterator[
         wrapt.wrap_function_wrapper(dcp, "save", _dcp_save)
         _async_capture.install(lambda: getattr(getattr(_capturing, "current", None), "stage", False))
         _installed_capture.append(True)
-    capture = Capture(stage)
+    capture = Capture(stage, root)
     _capturing.current = capture
     try:
         with staging_into(pool if stage else None):

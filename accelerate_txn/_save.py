@@ -308,7 +308,7 @@ def save_training_checkpoint(
         staging = Path(on_main(lambda: reservation.open(), f"Reserving {path}"))  # type: ignore[union-attr]
         steps = {name: owner.step for name, owner in group.items()}
         comm = run_phase(_async.background_group, "Creating the background process group") if background else None
-        with _async.capture_dcp_saves(bool(background), _staging_pool(primary)) as capture:
+        with _async.capture_dcp_saves(bool(background), staging, _staging_pool(primary)) as capture:
             for name, owner in group.items():
                 target = staging / name
                 save = native_method(owner, "save_state")

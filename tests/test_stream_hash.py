@@ -87,3 +87,18 @@ def test_reused_staging_buffers_are_copied_into_again_and_unused_ones_released()
     assert pool.nbytes() == second[0].nbytes + second[1].nbytes
     without_pool = staged_tensor(sources[0])
     assert without_pool.data_ptr() != second[0].data_ptr() and torch.equal(without_pool, sources[0])
+
+
+def test_during_a_protected_save_only_dcp_writes_into_its_staging_directory_are_hashed(tmp_path: Path) -> None:
+    from accelerate_txn._async import capture_dcp_saves
+
+    staging, elsewhere = tmp_path / "staging", tmp_path / "user_files"
+    inside, outside = dcp.FileSystemWriter(str(staging / "model")), dcp.FileSystemWriter(str(elsewhere))
+    with capture_dcp_saves(False, staging) as capture, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(4)}, storage_writer=inside)
+        dcp.save({"w": torch.ones(4)}, storage_writer=outside)  # e.g. a user hook saving its own files
+    assert sorted(p.parent.name for p in capture.hashes) == ["model", "model"]  # shard and .metadata
+    # The staged files are fsynced by the transaction's hash pass; the user's own save keeps DCP's fsync.
+    assert inside.sync_files is False and outside.sync_files is True
+    assert not isinstance(outside.fs, type(inside.fs))
