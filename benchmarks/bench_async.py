@@ -4,7 +4,8 @@
 shards without collectives (``accelerate_txn._async_capture``); ``--fsdp-version 2``: Accelerate's FSDP2
 (``fully_shard`` per ``Linear``, DTensor parameters; model and optimizer prepared together).
 
-2 ranks (``--world-size``), gloo, CPU. Each repeat measures, in alternating order (so drift in the machine's load affects both):
+2 ranks (``--world-size``), gloo, CPU. Each repeat measures, in rotating order (so drift in the machine's load and
+the position in the sequence affect every mode alike):
 
 * native ``save_state`` (instance opted out): its wall time is both its blocking time and its time to publication;
 * an asynchronous protected save, then ``wait_for_checkpoint``: blocking time (until ``save_state`` returned, the
@@ -100,7 +101,8 @@ def worker(root: str, million: int, repeats: int, steps: int, fsdp_version: int 
     protected(reuse=True)  # the pool starts empty: its buffers are allocated once, before the measured saves
     for repeat in range(repeats):
         measured: dict[str, Any] = {}
-        for mode in (("native", "async", "reuse") if repeat % 2 == 0 else ("reuse", "async", "native")):
+        modes = ("native", "async", "reuse")
+        for mode in modes[repeat % 3:] + modes[:repeat % 3]:  # each mode first, middle and last once in 3 repeats
             accelerator.wait_for_everyone()
             if mode == "native":
                 accelerate_txn.unpatch_accelerate_fsdp(accelerator)
