@@ -96,7 +96,9 @@ def staged_copy(value: Any, pin: bool = True) -> Any:
                 return DTensor.from_local(staged_tensor(value.to_local(), pin=pin), value.device_mesh, value.placements,
                                           run_check=False, shape=value.shape, stride=value.stride())
             return copy.deepcopy(value)
-        return value.to(device="cpu")  # a copy whose placements say CPU (as torch's own async staging does)
+        # CUDA DTensor/ShardedTensor: a copy whose placements say CPU (as torch's own async staging does), in fresh
+        # memory (not from the reuse pool; from_local would move a staged local shard back to the mesh's device)
+        return value.to(device="cpu")
     if isinstance(value, dict):
         return type(value)((key, staged_copy(item, pin)) for key, item in value.items())
     if isinstance(value, (list, tuple)):
@@ -131,9 +133,10 @@ def _dcp_save(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: d
         return wrapped(*args, **kwargs)
     writer = kwargs.get("storage_writer")
     if _writes_into(writer, capture.root) and hash_while_writing(writer, capture.hashes, HASH) \
-            and getattr(writer, "sync_files", None) is True:
+            and getattr(writer, "sync_files", None) is True and kwargs.get("process_group") is None:
         # DCP's own per-file fsync would be the second of two: the transaction's hash pass fsyncs every file
-        # (each by the rank that wrote it) and rank 0 the directories, before anything is published.
+        # (each by the rank that wrote it: over the default group, file and global rank agree) and rank 0 the
+        # directories, before anything is published.
         writer.sync_files = False
     if not capture.stage:
         return wrapped(*args, **kwargs)
@@ -148,9 +151,10 @@ def _dcp_save(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: d
 
 
 def _writes_into(writer: Any, root: Path) -> bool:
+    """Whether ``writer`` writes inside ``root`` (``..`` collapsed: ``root/../x`` is outside)."""
     path = getattr(writer, "path", None)
     try:
-        return path is not None and Path(path).absolute().is_relative_to(root.absolute())
+        return path is not None and Path(os.path.abspath(path)).is_relative_to(os.path.abspath(root))
     except TypeError:  # not a local path
         return False
 
@@ -223,7 +227,8 @@ class AsyncCheckpoint(os.PathLike):
         self._error: BaseException | None = None
         self._reported = False
         self._thread: threading.Thread | None = None
-        #: CPU seconds the background thread used (the files' writes, hashes and publish; set when it ends).
+        #: CPU seconds the background thread itself used (the DCP writes with their hashing, the gather and the
+        #: publish; not the short-lived threads that fsync and hash the small files); set when it ends.
         self.cpu_seconds: float | None = None
 
     def __fspath__(self) -> str:

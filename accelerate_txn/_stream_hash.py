@@ -21,8 +21,10 @@ from typing import Any
 from ._manifest import new_hasher
 
 #: Stream attributes that neither write nor move the position: passed through without giving up the hash.
-_PASSIVE = frozenset({"fileno", "flush", "close", "closed", "tell", "writable", "readable", "seekable", "isatty",
-                      "name", "mode"})
+#: (Not ``fileno``: a write through the descriptor would bypass the digest. DCP asks for it only to fsync, which
+#: it does not do for a hashed writer; any use of it makes the file be read back instead.)
+_PASSIVE = frozenset({"flush", "close", "closed", "tell", "writable", "readable", "seekable", "isatty", "name",
+                      "mode"})
 
 
 class _HashingStream:
@@ -61,12 +63,13 @@ class _HashingFileSystem:
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if mode not in ("wb", "xb"):
+            with self._inner.create_stream(path, mode) as stream:
+                yield stream
+            return
         key = Path(path).absolute()
         self._record.pop(key, None)
         with self._inner.create_stream(path, mode) as stream:
-            if mode not in ("wb", "xb"):
-                yield stream
-                return
             hashing = _HashingStream(stream, self._algorithm)
             yield hashing
         result = hashing.result()
@@ -95,6 +98,8 @@ def hash_while_writing(writer: Any, record: dict[Path, tuple[int, str]], algorit
     inner = getattr(writer, "fs", None)
     if inner is None or not callable(getattr(inner, "create_stream", None)):
         return False
-    if not isinstance(inner, _HashingFileSystem):
+    if isinstance(inner, _HashingFileSystem):  # the same writer in a later save: record into this save's dict
+        inner._record, inner._algorithm = record, algorithm
+    else:
         writer.fs = _HashingFileSystem(inner, record, algorithm)
     return True

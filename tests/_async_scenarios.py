@@ -150,6 +150,7 @@ def _reused_staging(root: str, acc: Any, snapshot: Any, train: Any, differences:
     train(11)
     expected.append(snapshot())
     second = acc.save_state(str(Path(root) / "reuse_2"))  # waits for the first before copying into its buffers
+    obs["reuse_first_done_when_second_returned"] = first.done()
     train(12)
     paths = [str(first.wait()), str(second.wait())]
     obs["reuse_pool_after_second"] = buffers()

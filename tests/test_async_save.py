@@ -72,6 +72,7 @@ def test_async_checkpoint_restores_exactly_with_the_protected_loader(lifecycle: 
 
 def _assert_reused_staging(obs: dict[str, Any]) -> None:
     assert obs["reuse_pool_after_first"], "reuse_staging_memory kept no buffers after the save"
+    assert obs["reuse_first_done_when_second_returned"]  # the second save copied only after the first was written
     assert obs["reuse_pool_after_second"] == obs["reuse_pool_after_first"]  # copied into the same memory
     assert obs["reuse_differences"] == [[], []]  # each checkpoint holds what was saved, not the next save's copy
     assert obs["reuse_pool_released"]

@@ -17,20 +17,23 @@ from accelerate_txn._manifest import HASH, hash_file, hash_rows
 from accelerate_txn._stream_hash import hash_while_writing
 
 
-def _dcp_save(directory: Path, state: dict[str, Any], record: dict[Path, tuple[int, str]]) -> None:
-    writer = dcp.FileSystemWriter(str(directory))
+def _dcp_save(directory: Path, state: dict[str, Any], record: dict[Path, tuple[int, str]], **options: Any) -> None:
+    writer = dcp.FileSystemWriter(str(directory), **{"sync_files": False, **options})  # as a protected save sets it
     assert hash_while_writing(writer, record, HASH)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process": intended here
         dcp.save(state, storage_writer=writer)
 
 
-def test_every_file_dcp_writes_is_recorded_with_the_hash_of_its_content(tmp_path: Path) -> None:
+@pytest.mark.parametrize("options", [{}, {"thread_count": 2}, {"single_file_per_rank": False}],
+                         ids=["default", "two-writer-threads", "file-per-tensor"])
+def test_every_file_dcp_writes_is_recorded_with_the_hash_of_its_content(tmp_path: Path, options: dict) -> None:
     record: dict[Path, tuple[int, str]] = {}
-    state = {"weight": torch.randn(300, 70), "step": torch.tensor(4), "nested": {"ids": torch.arange(9), "x": 2}}
-    _dcp_save(tmp_path, state, record)
+    state = {"weight": torch.randn(300, 70), "bias": torch.randn(70), "step": torch.tensor(4),
+             "nested": {"ids": torch.arange(9), "x": 2}}
+    _dcp_save(tmp_path, state, record, **options)
     files = sorted(p for p in tmp_path.iterdir() if p.is_file())
-    assert {p.name for p in files} == {".metadata", "__0_0.distcp"}
+    assert ".metadata" in {p.name for p in files} and len(files) >= (3 if options else 2)
     # Every file under its final name (DCP writes .metadata under a temporary name and renames it).
     assert sorted(record) == [p.absolute() for p in files]
     for path in files:
@@ -54,6 +57,10 @@ def test_a_stream_written_out_of_sequence_or_failing_records_nothing(tmp_path: P
     assert list(record) == [(tmp_path / "sequential").absolute()]
     assert record[(tmp_path / "sequential").absolute()] == hash_file(tmp_path / "sequential")
     assert (tmp_path / "seeked").read_bytes() == b"aXcdef"  # the file itself is written as asked
+    # DCP's own fsync asks for the descriptor, through which writes would bypass the digest: read back instead.
+    synced: dict[Path, tuple[int, str]] = {}
+    _dcp_save(tmp_path / "fsynced", {"w": torch.ones(3)}, synced, sync_files=True)
+    assert synced == {}
 
 
 def test_hash_rows_uses_the_recorded_hash_and_refuses_a_file_whose_size_changed(tmp_path: Path) -> None:
@@ -92,13 +99,15 @@ def test_reused_staging_buffers_are_copied_into_again_and_unused_ones_released()
 def test_during_a_protected_save_only_dcp_writes_into_its_staging_directory_are_hashed(tmp_path: Path) -> None:
     from accelerate_txn._async import capture_dcp_saves
 
-    staging, elsewhere = tmp_path / "staging", tmp_path / "user_files"
-    inside, outside = dcp.FileSystemWriter(str(staging / "model")), dcp.FileSystemWriter(str(elsewhere))
+    staging = tmp_path / "staging"
+    inside = dcp.FileSystemWriter(str(staging / "model"))
+    # e.g. a user hook saving its own files, also through a path that only looks inside the staging directory
+    outside = [dcp.FileSystemWriter(str(tmp_path / "user_files")), dcp.FileSystemWriter(f"{staging}/../escaped")]
     with capture_dcp_saves(False, staging) as capture, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save({"w": torch.ones(4)}, storage_writer=inside)
-        dcp.save({"w": torch.ones(4)}, storage_writer=outside)  # e.g. a user hook saving its own files
+        for writer in [inside, *outside]:
+            dcp.save({"w": torch.ones(4)}, storage_writer=writer)
     assert sorted(p.parent.name for p in capture.hashes) == ["model", "model"]  # shard and .metadata
-    # The staged files are fsynced by the transaction's hash pass; the user's own save keeps DCP's fsync.
-    assert inside.sync_files is False and outside.sync_files is True
-    assert not isinstance(outside.fs, type(inside.fs))
+    # The staged files are fsynced by the transaction's hash pass; the user's own saves keep DCP's fsync.
+    assert inside.sync_files is False and all(writer.sync_files is True for writer in outside)
+    assert all(not isinstance(writer.fs, type(inside.fs)) for writer in outside)
