@@ -55,6 +55,7 @@ import torch
 
 from ._async_capture import materialize
 from ._host_memory import StagingPool, staged_tensor, staging_into
+from ._internals import host_dtensor
 from ._manifest import HASH
 from ._ranks import distributed, run_phase
 from ._stream_hash import hash_while_writing
@@ -83,21 +84,18 @@ class _Write:
 # --------------------------------------------------------------------------------------------------- staging
 def staged_copy(value: Any, pin: bool = True) -> Any:
     """A host-memory copy of a DCP state dict: tensors copied (plain tensors and DTensor local shards into dense
-    host memory, with CUDA pinned, fresh or the pool's: ``_host_memory``; ``ShardedTensor`` by its own deep copy,
-    which keeps its sharding metadata), containers rebuilt, everything else shared (ints, floats, strings are
-    immutable)."""
+    host memory, with CUDA pinned, fresh or the pool's: ``_host_memory``; a DTensor keeps its spec around the
+    host copy, :func:`~accelerate_txn._internals.host_dtensor`; ``ShardedTensor`` by its own deep copy, which keeps
+    its sharding metadata), containers rebuilt, everything else shared (ints, floats, strings are immutable)."""
     if isinstance(value, torch.Tensor):
         if type(value) is torch.Tensor:
             return staged_tensor(value, pin=pin)
+        if _is_dtensor(value):  # FSDP2: the local shard only (a deepcopy copies its whole storage), CPU or CUDA
+            return host_dtensor(staged_tensor(value.to_local(), pin=pin), like=value)
         if value.device.type == "cpu":
-            if _is_dtensor(value):  # FSDP2: copy the local shard only (a deepcopy copies its whole storage)
-                from torch.distributed.tensor import DTensor
-
-                return DTensor.from_local(staged_tensor(value.to_local(), pin=pin), value.device_mesh, value.placements,
-                                          run_check=False, shape=value.shape, stride=value.stride())
             return copy.deepcopy(value)
-        # CUDA DTensor/ShardedTensor: a copy whose placements say CPU (as torch's own async staging does), in fresh
-        # memory (not from the reuse pool; from_local would move a staged local shard back to the mesh's device)
+        # CUDA ShardedTensor (FSDP1 staged natively): a copy whose shards' placements say CPU (as torch's own async
+        # staging does), in fresh memory
         return value.to(device="cpu")
     if isinstance(value, dict):
         return type(value)((key, staged_copy(item, pin)) for key, item in value.items())

@@ -160,8 +160,8 @@ def configure_checkpointing(
       Default False.
     * ``reuse_staging_memory``: with ``async_save``, keep that host copy allocated between saves and copy into it
       again: the blocking copy skips the kernel's page allocation (several times faster), at the cost of holding
-      one copy of this rank's model and optimizer shards for as long as the Accelerator lives. Applies to CPU
-      state and FSDP1's collective-free staging (FSDP2 DTensors on CUDA are still copied into fresh memory).
+      one copy of this rank's model and optimizer shards for as long as the Accelerator lives. Applies to
+      FSDP2 and to FSDP1's collective-free staging (FSDP1 setups staged natively still take fresh memory).
       Default False.
     * ``allow_reshard``: elastic resume. A checkpoint saved on N ranks may load on M ranks: model and optimizer
       are resharded, every other check still applies, and per-rank state (RNG, data-loader position, private

@@ -256,6 +256,17 @@ def local_tensors(tensor: Any) -> list[Any]:
     return [shard.tensor for shard in tensor.local_shards()] if isinstance(tensor, ShardedTensor) else [tensor]
 
 
+def host_dtensor(local: Any, like: Any) -> Any:
+    """A ``DTensor`` with ``like``'s sharding spec (mesh, placements, global shape and stride) whose local tensor is
+    ``local``, kept where it is: a host copy of a CUDA DTensor stays on the host (public ``DTensor.from_local``
+    would move it to the mesh's device). torch's own asynchronous staging (``_state_dict_utils.
+    _create_cpu_state_dict``) builds the same object: a CUDA mesh's DTensor over host memory, which DCP writes.
+    torch 2.7-2.13: ``DTensor.__new__(local_tensor, spec, *, requires_grad)`` and the ``_spec`` attribute."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, like._spec, requires_grad=False)
+
+
 def unflatten_state_dict(flat: dict[str, Any], mappings: dict[str, Any]) -> dict[str, Any]:
     """Rebuild a nested state dict from DCP's flat keys and their paths (``Metadata.planner_data``)."""
     from torch.distributed.checkpoint._nested_dict import unflatten_state_dict as unflatten

@@ -304,7 +304,25 @@ def _sharded_tensor_observations(root: str, rank: int) -> dict[str, Any]:
     obs["read_in_place"] = [t.data_ptr() for t in locals_] == pointers and all(
         torch.equal(t, torch.full_like(t, 1.0 + (rank if t.dim() == 2 else 0))) for t in locals_)
     obs["groups"] = target["groups"]
+    obs["host_dtensor"] = _host_dtensor_observations()
     return obs
+
+
+def _host_dtensor_observations() -> dict[str, Any]:
+    """A DTensor sharded unevenly (5 rows on 2 ranks) rebuilt around a separate copy of its local shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = torch.arange(10.0).reshape(5, 2)
+    original = distribute_tensor(full, init_device_mesh("cpu", (2,)), [Shard(0)])
+    copy = original.to_local().clone()
+    rebuilt = _internals.host_dtensor(copy, like=original)
+    return {
+        "local_is_the_copy": rebuilt.to_local().data_ptr() == copy.data_ptr() != original.to_local().data_ptr(),
+        "spec": [tuple(rebuilt.shape), tuple(rebuilt.stride()), rebuilt.placements == original.placements,
+                 rebuilt.device_mesh == original.device_mesh, rebuilt.requires_grad],
+        "full": torch.equal(rebuilt.full_tensor(), full),
+    }
 
 
 def fsdp_internals(root: str) -> dict[str, Any]:
@@ -428,6 +446,15 @@ def _private_accesses(path: Path, own: set[str]) -> set[str]:
                 if any(part.startswith("_") for part in alias.name.split(".")):
                     found.add(f"import {alias.name}")
     return found
+
+
+def test_host_dtensor_keeps_the_sharding_spec_around_the_given_local_tensor(
+        fsdp_observed: list[dict[str, Any]]) -> None:
+    for rank, obs in enumerate(fsdp_observed):
+        host = obs["sharded"]["host_dtensor"]
+        assert host["local_is_the_copy"], f"rank {rank}: host_dtensor did not keep the given local tensor"
+        assert host["spec"] == [(5, 2), (2, 1), True, True, False], f"rank {rank}: spec not kept: {host['spec']}"
+        assert host["full"], f"rank {rank}: the rebuilt DTensor does not gather to the original tensor"
 
 
 def test_no_module_but_internals_reaches_a_private_name_of_another_package() -> None:
