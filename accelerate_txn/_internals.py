@@ -261,7 +261,8 @@ def host_dtensor(local: Any, like: Any) -> Any:
     ``local``, kept where it is: a host copy of a CUDA DTensor stays on the host (public ``DTensor.from_local``
     would move it to the mesh's device). torch's own asynchronous staging (``_state_dict_utils.
     _create_cpu_state_dict``) builds the same object: a CUDA mesh's DTensor over host memory, which DCP writes.
-    torch 2.7-2.13: ``DTensor.__new__(local_tensor, spec, *, requires_grad)`` and the ``_spec`` attribute."""
+    torch 2.13: ``DTensor.__new__(local_tensor, spec, *, requires_grad)`` and the ``_spec`` attribute (FSDP2 saves
+    take the protected path only on torch 2.13; read this again when another torch is validated for FSDP2)."""
     from torch.distributed.tensor import DTensor
 
     return DTensor(local, like._spec, requires_grad=False)
