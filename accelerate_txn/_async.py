@@ -30,10 +30,15 @@ into the staging directory hashes each file as DCP writes it (``_stream_hash``),
 the shards back, and skips DCP's own per-file fsync, since the hash pass fsyncs every file.
 
 At most one save is in flight per Accelerator: :func:`settle` (called by the next save and by
-:func:`wait_for_checkpoint`) waits for it and raises its error once. ``Accelerator.end_training`` waits before
-destroying the process group; at interpreter exit the save in flight is waited for and an error nobody waited for
-is logged. ``ACCELERATE_TXN_ASYNC_FAIL_AT=R`` makes rank ``R`` raise inside its background write (``R#K1,K2``:
-only in this process's K1-th, K2-th asynchronous saves): for the tests only, like ``_faults``.
+:func:`wait_for_checkpoint`) waits for it and raises its error once. ``Accelerator.end_training`` and
+``torch.distributed.destroy_process_group`` wait for every save in flight before the process group goes (the
+background group is dropped with it, and a new one is created for the next process group); a background phase
+whose group was destroyed anyway (a ``destroy_process_group`` bound before the library wrapped it) fails on every
+rank instead of publishing what one rank wrote (``_ranks.run_phase``). At interpreter exit the save in flight is
+waited for and an error nobody waited for is logged.
+
+``ACCELERATE_TXN_ASYNC_FAIL_AT=R`` makes rank ``R`` raise inside its background write (``R#K1,K2``: only in this
+process's K1-th, K2-th asynchronous saves): for the tests only, like ``_faults``.
 """
 
 from __future__ import annotations
@@ -185,14 +190,28 @@ _installed_capture: list[bool] = []
 
 
 def background_group() -> Any:
-    """The process group of the background writes (gloo), created collectively on first use; None alone."""
+    """The process group of the background writes (gloo), created collectively on first use for the current
+    default process group (``destroy_process_group`` drops it: :func:`install_exit_handling`); None alone."""
     if not distributed():
         return None
-    if not _GROUP:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
+    if _GROUP:
+        try:
+            dist.get_rank(_GROUP[0])  # destroyed by a destroy_process_group that bypassed our wrapper?
+        except (ValueError, RuntimeError):
+            _GROUP.clear()
+    if not _GROUP:
         _GROUP.append(dist.new_group(backend="gloo"))
     return _GROUP[0]
+
+
+def wait_for_all() -> None:
+    """Wait until no background save of this process is running (errors are kept for the next ``settle``/
+    ``wait_for_checkpoint`` and for the exit report, not raised here)."""
+    for handle in list(_HANDLES):
+        if handle._thread is not None:
+            handle._thread.join()
 
 
 # ------------------------------------------------------------------------------------------------ the handle
@@ -218,10 +237,10 @@ class AsyncCheckpoint(os.PathLike):
     :meth:`wait` blocks until it is published (returns the path) or raises the error every rank got.
     """
 
-    def __init__(self, path: Path, owners: list[Any], iterations: dict[int, tuple[Any, int]]) -> None:
+    def __init__(self, path: Path, owners: list[Any], on_failure: Callable[[], None]) -> None:
         self.path = path
         self._owners = owners
-        self._iterations = iterations
+        self._on_failure = on_failure  # gives back what the failed save consumed (iteration, lineage), once
         self._error: BaseException | None = None
         self._reported = False
         self._thread: threading.Thread | None = None
@@ -299,10 +318,8 @@ class AsyncCheckpoint(os.PathLike):
             _HANDLES.remove(self)
         if self._error is not None and not self._reported:
             self._reported = True
-            # Not published: give the reserved checkpoint number back (as a failed synchronous save does).
-            for owner, iteration in self._iterations.values():
-                if owner.project_configuration.iteration == iteration + 1:
-                    owner.project_configuration.iteration = iteration
+            # Not published: give back what the save consumed (as a failed synchronous save does).
+            self._on_failure()
 
 
 def settle(owners: Any) -> None:
@@ -334,7 +351,8 @@ _installed = [False]
 
 def install_exit_handling() -> None:
     """Once: ``Accelerator.end_training`` waits for the in-flight save before destroying the process group,
-    and interpreter exit reports a background error nobody waited for."""
+    ``torch.distributed.destroy_process_group`` waits for every background save first and drops the background
+    group with the default one, and interpreter exit reports a background error nobody waited for."""
     if _installed[0]:
         return
     _installed[0] = True
@@ -348,6 +366,22 @@ def install_exit_handling() -> None:
         return wrapped(*args, **kwargs)
 
     wrapt.wrap_function_wrapper(accelerator_module(), "Accelerator.end_training", end_training)
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    def destroy_process_group(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        group = args[0] if args else kwargs.get("group")
+        if group is None or any(group is ours for ours in _GROUP):
+            # The background writes run collectives over the background group (and rank 0 holds the directory
+            # lock): let them finish, then the group goes with the default one. A destroyed group is never
+            # reused: the next process group gets a new background group.
+            wait_for_all()
+            _GROUP.clear()
+        return wrapped(*args, **kwargs)
+
+    for module in {id(dist): dist, id(c10d): c10d}.values():  # torch.distributed re-exports c10d's function
+        if hasattr(module, "destroy_process_group"):
+            wrapt.wrap_function_wrapper(module, "destroy_process_group", destroy_process_group)
     # At interpreter exit the background must finish before concurrent.futures refuses new work (it hashes in a
     # thread pool). threading's exit hooks run newest first, before non-daemon threads are joined and before
     # atexit: registered after concurrent.futures' own, ours waits first. (Private API; atexit as a fallback.)

@@ -95,6 +95,16 @@ def checkpoint_config(accelerator: Any) -> CheckpointConfig:
     return config
 
 
+def read_configs(group: dict[str, Any]) -> dict[str, Any]:
+    """Create the configuration of every Accelerator of ``group`` now, reading the environment, and return
+    ``group``. Call it inside the first rank phase of a save or load: a setting that is invalid on one rank only
+    (``VIDEOX_CHECKPOINT_LOCK_TIMEOUT``) then raises the same error on every rank instead of raising on that rank
+    alone before the first agreement, where the others would wait for it."""
+    for owner in group.values():
+        checkpoint_config(owner)
+    return group
+
+
 def _valid_lock_timeout(value: Any, where: str) -> float:
     """``value`` as seconds to wait for the directory lock: a finite number >= 0, else a configuration error."""
     from ._staging import wait_seconds

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _async, _faults
-from ._config import checkpoint_config, mark_failed, raw_optimizer
+from ._config import checkpoint_config, mark_failed, raw_optimizer, read_configs
 from ._descriptor import backend, compare_descriptor, describe, is_fsdp2_sharded, participants
 from ._finite import check_finite_state
 from ._fsdp_optimizer import validate_optimizer_checkpoint, verify_restored
@@ -231,7 +231,8 @@ def load_training_checkpoint(owners: Any, input_dir: str | Path | None = None, *
     during the restore itself every rank raises and the Accelerators are marked failed until a load succeeds.
     Returns the restored checkpoint's path.
     """
-    group = run_phase(lambda: participants(owners), "Checking checkpoint participants")
+    # Everything that can differ between ranks (environment, configuration, arguments) is read inside a rank phase.
+    group = run_phase(lambda: read_configs(participants(owners)), "Checking checkpoint participants")
     _async.settle(list(group.values()))  # an asynchronous save in flight is published (or raises) first
     run_phase(require_supported_versions, "Checking the installed versions")
     primary = next(iter(group.values()))

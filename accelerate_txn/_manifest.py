@@ -53,7 +53,10 @@ _LOADER_NAME = re.compile(
 )
 _DCP_PAYLOAD = re.compile(r"__(\d+)_\d+\.distcp\Z")
 LOADER_FILE = "dataloader_states_{rank}.pt"  # per-rank stateful data-loader state (``_loader_state``)
-RANK_FILES = ("random_states_{rank}.pkl", LOADER_FILE)  # per-rank files (plus registered private states)
+RNG_TEMPLATE = "random_states_{rank}.pkl"  # Accelerate writes one per rank on every save_state
+RANK_FILES = (RNG_TEMPLATE, LOADER_FILE)  # per-rank files (plus registered private states)
+#: Per-rank state policies this version restores by (``rank_state.policy`` of a manifest; ``_reshard``).
+RANK_POLICIES = ("keep-or-derive/1",)
 
 
 # --- hashing -------------------------------------------------------------------------------------------------
@@ -124,37 +127,53 @@ def relative_inside(name: str) -> Path:
     return path
 
 
-def list_tree(directory: Path) -> dict[str, int]:
+def list_tree(directory: Path, *, max_depth: int = 64) -> dict[str, int]:
     """Relative POSIX name -> size of every file under ``directory`` (the manifest excluded).
 
-    Refuses symbolic links (to files or directories) and anything that is not a regular file or directory.
+    Refuses symbolic links (to files or directories), anything that is not a regular file or directory, and a
+    directory nested more than ``max_depth`` levels below ``directory`` (no checkpoint is that deep; a hostile one must
+    be skipped with its reason, not exhaust the caller). Iterative (an explicit stack), so no depth raises
+    ``RecursionError``.
     """
     root = Path(directory)
     found: dict[str, int] = {}
 
-    def walk(folder: Path, prefix: str) -> None:
+    def shown(name: str) -> str:  # a path for a message, its middle elided past a few hundred characters
+        text = str(root / name) if name else str(root)
+        return text if len(text) <= 400 else f"{text[:200]}...{text[-150:]}"
+
+    if Path(root).is_symlink():
+        raise CheckpointIntegrityError(f"Checkpoint directory {root} is a symbolic link; pass the real directory")
+    stack: list[tuple[Path, str, int]] = [(root, "", 0)]  # (directory, its relative name + "/", its depth)
+    while stack:
+        folder, prefix, depth = stack.pop()
         try:
-            entries = list(os.scandir(folder))
+            with os.scandir(folder) as listing:
+                entries = list(listing)
         except OSError as exc:
-            raise CheckpointIntegrityError(f"Cannot list checkpoint directory {folder}: {exc.strerror}") from exc
+            raise CheckpointIntegrityError(
+                f"Cannot list checkpoint directory {shown(prefix.rstrip('/'))}: {exc.strerror}"
+            ) from exc
         for entry in entries:
             name = f"{prefix}{entry.name}"
             if entry.is_symlink():
                 raise CheckpointIntegrityError(
-                    f"Checkpoint entry {root / name} is a symbolic link: a checkpoint holds only its own files. "
+                    f"Checkpoint entry {shown(name)} is a symbolic link: a checkpoint holds only its own files. "
                     "Copy the data in place of the link."
                 )
             if entry.is_dir(follow_symlinks=False):
-                walk(Path(entry.path), f"{name}/")
+                if depth + 1 > max_depth:
+                    raise CheckpointIntegrityError(
+                        f"Checkpoint directory {shown(name)} is nested more than {max_depth} levels deep: no checkpoint "
+                        "is; the directory was altered (or is not a checkpoint). Remove that tree or restore an "
+                        "intact copy."
+                    )
+                stack.append((Path(entry.path), f"{name}/", depth + 1))
             elif entry.is_file(follow_symlinks=False):
                 if name != MANIFEST:
                     found[name] = entry.stat(follow_symlinks=False).st_size
             else:
-                raise CheckpointIntegrityError(f"Checkpoint entry {root / name} is not a regular file or directory")
-
-    if Path(root).is_symlink():
-        raise CheckpointIntegrityError(f"Checkpoint directory {root} is a symbolic link; pass the real directory")
-    walk(root, "")
+                raise CheckpointIntegrityError(f"Checkpoint entry {shown(name)} is not a regular file or directory")
     return found
 
 
@@ -313,11 +332,12 @@ def check_dcp_payloads(directory: Path) -> Any:
     return metadata
 
 
-def dcp_schema(directory: Path) -> dict[str, Any]:
-    """Key -> {path, shape, dtype} of a DCP directory: what the manifest records of its ``.metadata``."""
+def dcp_schema(directory: Path, metadata: Any = None) -> dict[str, Any]:
+    """Key -> {path, shape, dtype} of a DCP directory: what the manifest records of its ``.metadata`` (``metadata``:
+    that file already read)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = read_dcp_metadata(directory)
+    metadata = read_dcp_metadata(directory) if metadata is None else metadata
     rows: dict[str, Any] = {}
     planner_data = metadata.planner_data or {}
     for key, value in metadata.state_dict_metadata.items():
@@ -446,6 +466,7 @@ def check_structure(directory: Path, manifest: dict[str, Any], *,
                 f"{where} records no content hash for {name!r}, which its integrity mode ({integrity!r}) requires: "
                 "the manifest was altered"
             )
+    templates = _rank_state_templates(manifest, where)
     present = list_tree(directory)
     for name, row in sorted(files.items()):
         path = Path(directory) / name
@@ -465,13 +486,140 @@ def check_structure(directory: Path, manifest: dict[str, Any], *,
             f"({len(read)} such file(s)): the checkpoint was altered after it was published. Remove the file(s) or "
             "restore an intact copy."
         )
+    check_rank_coverage(directory, files, manifest.get("components"), templates)
     return {"files": len(files), "extra": extra, "integrity": integrity,
             "algorithm": next((a for a in HASHES if any(a in row for row in files.values())), HASH)}
 
 
+def _rank_state_templates(manifest: dict[str, Any], where: Path) -> list[str]:
+    """The per-rank file templates of a manifest's ``rank_state`` (the defaults for a manifest without one); an
+    unknown policy is refused: this version would restore per-rank state by a rule the writer did not mean."""
+    rank_state = manifest.get("rank_state")
+    if rank_state is None:
+        return list(RANK_FILES)
+    policy = rank_state.get("policy") if isinstance(rank_state, dict) else None
+    if policy not in RANK_POLICIES:
+        raise CheckpointIntegrityError(
+            f"{where} names the per-rank state policy {policy!r}; this accelerate-txn restores per-rank state by "
+            f"{list(RANK_POLICIES)} only. Load it with the accelerate-txn version that wrote it."
+        )
+    templates = rank_state.get("files")
+    if not isinstance(templates, list) or not all(isinstance(t, str) and "{rank}" in t and "/" not in t
+                                                  for t in templates):
+        raise CheckpointIntegrityError(f"{where} has a malformed rank_state.files entry: {templates!r}")
+    return sorted({*templates, RNG_TEMPLATE})
+
+
+def _ranks_of(names: Iterable[str], pattern: re.Pattern[str]) -> set[int]:
+    return {int(match.group(1)) for name in names if (match := pattern.fullmatch(name))}
+
+
+def check_rank_coverage(directory: Path, files: Mapping[str, Any], components: Any,
+                        templates: Iterable[str] = RANK_FILES) -> None:
+    """Every rank of the world each component's descriptor records contributed its files, and no other rank did:
+    Accelerate's RNG file for each rank 0..W-1, every other per-rank file (``templates``) for all of them or none,
+    and in every DCP directory a payload ``__R_*.distcp`` of each rank R (every rank of a DCP save writes one, empty
+    or not). Proven from the inventory's file names alone (no torch): a checkpoint one rank published alone, or a
+    descriptor that claims another world size than its files show, is refused. Components without a recorded
+    world size (older manifests, weight exports) are not checked."""
+    where = Path(directory) / MANIFEST
+    if not isinstance(components, dict):
+        return
+    patterns = {t: re.compile(re.escape(t).replace(re.escape("{rank}"), r"(\d+)")) for t in sorted(set(templates))}
+    for component, descriptor in sorted(components.items()):
+        world = descriptor.get("world_size") if isinstance(descriptor, dict) else None
+        if not isinstance(world, int) or isinstance(world, bool):
+            continue
+        if world < 1:
+            raise CheckpointIntegrityError(f"{where} records an invalid world size {world!r} for component {component!r}")
+        prefix = f"{component}/" if component else ""
+        expected = set(range(world))
+        top = [name[len(prefix):] for name in files if name.startswith(prefix) and "/" not in name[len(prefix):]]
+        for template, pattern in patterns.items():
+            ranks = _ranks_of(top, pattern)
+            if ranks != expected and (ranks or template == RNG_TEMPLATE):
+                missing, extra = sorted(expected - ranks), sorted(ranks - expected)
+                raise CheckpointIntegrityError(
+                    f"{where} records a world of {world} rank(s) for {component or 'the checkpoint'}, but its per-rank "
+                    f"files {template} are " + (f"missing for rank(s) {missing}" if missing else
+                                                f"present for rank(s) {extra} outside it")
+                    + ": not every rank of the saving world contributed (or the manifest was altered). The checkpoint "
+                    "is not loadable; resume from an intact one."
+                )
+        folders = {name[:-len(".metadata")] for name in files
+                   if name.startswith(prefix) and name.rsplit("/", 1)[-1] == ".metadata"}
+        for folder in sorted(folders):
+            inside = [name[len(folder):] for name in files if name.startswith(folder) and "/" not in name[len(folder):]]
+            ranks = _ranks_of(inside, _DCP_PAYLOAD)
+            if ranks != expected:
+                missing, extra = sorted(expected - ranks), sorted(ranks - expected)
+                raise CheckpointIntegrityError(
+                    f"{Path(directory) / folder / '.metadata'}: the checkpoint records a world of {world} rank(s), but "
+                    "the inventory lists DCP payloads " + (f"of no rank {missing}" if missing else
+                                                           f"of rank(s) {extra} outside it")
+                    + ": not every rank of the saving world wrote its shards. The checkpoint is not loadable; resume "
+                    "from an intact one."
+                )
+
+
+def _overlap(a: Any, b: Any) -> bool:
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+
+
+def check_dcp_coverage(metadata: Any, where: Path) -> None:
+    """Every tensor of a DCP ``Metadata`` is covered exactly by its chunks (inside its bounds, no two overlapping,
+    their volumes adding up to the tensor's), and every chunk and every bytes entry has a storage entry: what a
+    load reads exists for every element, so no rank's part is silently missing or left as the loader's template."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    storage = {(index.fqn, None if index.offset is None else tuple(index.offset))
+               for index in (metadata.storage_data or {})
+               if isinstance(index, MetadataIndex)}
+    for key, value in metadata.state_dict_metadata.items():
+        if not isinstance(value, TensorStorageMetadata):
+            if (key, None) not in storage:
+                raise CheckpointIntegrityError(f"{where}: entry {key!r} has no stored data: the checkpoint is incomplete")
+            continue
+        shape = tuple(value.size)
+        total = 1
+        for extent in shape:
+            total *= extent
+        covered = 0
+        chunks = sorted(value.chunks, key=lambda chunk: tuple(chunk.offsets))
+        for chunk in chunks:
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+                    o < 0 or s < 0 or o + s > extent for o, s, extent in zip(offsets, sizes, shape)):
+                raise CheckpointIntegrityError(f"{where}: a chunk of {key!r} at {list(offsets)} lies outside its shape "
+                                               f"{list(shape)}")
+            volume = 1
+            for extent in sizes:
+                volume *= extent
+            covered += volume
+            if volume and (key, offsets) not in storage:
+                raise CheckpointIntegrityError(f"{where}: the chunk of {key!r} at {list(offsets)} has no stored data: "
+                                               "the checkpoint is incomplete")
+        # Chunks sorted by offset: only chunks starting before one ends on dim 0 can overlap it (a sweep).
+        for index, chunk in enumerate(chunks):
+            end = chunk.offsets[0] + chunk.sizes[0] if shape else 1
+            for other in chunks[index + 1:]:
+                if shape and other.offsets[0] >= end:
+                    break
+                if _overlap(chunk, other) and all(chunk.sizes) and all(other.sizes):
+                    raise CheckpointIntegrityError(f"{where}: chunks of {key!r} at {list(chunk.offsets)} and "
+                                                   f"{list(other.offsets)} overlap: the DCP metadata is not consistent")
+        if covered != total:
+            raise CheckpointIntegrityError(
+                f"{where}: the chunks of {key!r} cover {covered} of its {total} elements: the stored shards of some "
+                "rank are missing (a checkpoint published without every rank's part). It is not loadable; resume from "
+                "an intact checkpoint."
+            )
+
+
 def check_dcp_inventory(directory: Path, manifest: dict[str, Any]) -> int:
-    """Every listed DCP ``.metadata`` describes the tensors the manifest recorded, and every payload it names is
-    listed too (reads the metadata with the restricted unpickler, so it imports torch). Returns how many."""
+    """Every listed DCP ``.metadata`` describes the tensors the manifest recorded, covers each of them completely
+    (:func:`check_dcp_coverage`), and every payload it names is listed too (reads the metadata with the restricted
+    unpickler, so it imports torch). Returns how many."""
     files = manifest["files"]
     count = 0
     for name, row in sorted(files.items()):
@@ -480,12 +628,14 @@ def check_dcp_inventory(directory: Path, manifest: dict[str, Any]) -> int:
         count += 1
         folder = name.rsplit("/", 1)[0] + "/" if "/" in name else ""
         metadata_dir = (Path(directory) / name).parent
-        if "schema" in row and dcp_schema(metadata_dir) != row["schema"]:
+        metadata = read_dcp_metadata(metadata_dir)
+        if "schema" in row and dcp_schema(metadata_dir, metadata) != row["schema"]:
             raise CheckpointIntegrityError(
                 f"DCP metadata {Path(directory) / name} describes other tensors than {Path(directory) / MANIFEST} "
                 "recorded"
             )
-        for payload in sorted(dcp_payload_names(read_dcp_metadata(metadata_dir))):
+        check_dcp_coverage(metadata, Path(directory) / name)
+        for payload in sorted(dcp_payload_names(metadata)):
             if f"{folder}{payload}" not in files:
                 raise CheckpointIntegrityError(
                     f"{Path(directory) / name} names payload {folder}{payload}, which the inventory of "

@@ -25,6 +25,7 @@ patch; wrapped methods do not pickle.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import warnings
@@ -33,10 +34,11 @@ from weakref import WeakSet
 
 import wrapt
 
+from ._config import read_configs
 from ._descriptor import is_fsdp1_sharded, is_fsdp2_sharded, is_fsdp_sharded, unsupported_reason
 from ._internals import accelerator_module, prepared_optimizers
 from ._native import _OPTED_IN, _OPTED_OUT, ORIGINALS, fsdp_routing, routed
-from ._ranks import agree, any_rank, distributed, world_size
+from ._ranks import agree, any_rank, distributed, run_phase, world_size
 from ._versions import override_requested, unsupported_message, versions_ok
 from .errors import CheckpointConfigurationError, UnsupportedVersionError
 
@@ -124,23 +126,34 @@ def _agreed_reason(accelerator: Any, input_dir: Any, loading: bool) -> str | Non
     return next((f"rank {r}: {text}" for r, text in enumerate(gathered) if text), None)
 
 
-def _fsdp2_eligible(warn: bool) -> bool:
+def _fsdp2_eligible() -> bool:
     """FSDP2 is protected only on the versions its path was validated on (or with the override); elsewhere it
-    runs native after one warning (``warn``: dispatch is on for this Accelerator, so the user expects protection)."""
+    runs native after one warning (asked only when dispatch is on for this Accelerator: the user expects
+    protection)."""
     global _warned_fsdp2
     from ._fsdp2 import fsdp2_validated, fsdp2_validated_message
 
     if fsdp2_validated() or override_requested():
         return True
-    if warn and not _warned_fsdp2:
+    if not _warned_fsdp2:
         _warned_fsdp2 = True
         warnings.warn(f"accelerate-txn: FSDP2 checkpoints run native Accelerate save_state/load_state, UNPROTECTED: "
-                      f"{fsdp2_validated_message()}.", RuntimeWarning, stacklevel=5)
+                      f"{fsdp2_validated_message()}.", RuntimeWarning, stacklevel=7)
     return False
 
 
+def _eligibility(accelerator: Any) -> tuple[bool, bool]:
+    """(eligible, validated) on this rank, with the settings the protected path will use read now (inside the
+    caller's rank phase: a setting invalid on one rank raises the same error on every rank)."""
+    eligible = is_fsdp1_sharded(accelerator) or (is_fsdp2_sharded(accelerator) and _fsdp2_eligible())
+    validated = versions_ok()
+    if eligible and validated:
+        read_configs({"": accelerator})
+    return eligible, validated
+
+
 def _protected(accelerator: Any, input_dir: Any = None, *, loading: bool = False) -> bool:
-    """The dispatch decision; for FSDP a collective (all ranks must agree)."""
+    """The dispatch decision; for FSDP with dispatch on, a collective (all ranks must agree)."""
     global _warned_versions
     if accelerator.distributed_type.name != "FSDP":
         # Native, and without any collective: the backend is the same on every rank, and users of other
@@ -148,8 +161,13 @@ def _protected(accelerator: Any, input_dir: Any = None, *, loading: bool = False
         return False
     opted_in = accelerator in _OPTED_IN
     enabled = (opted_in or automatic_dispatch_requested()) and accelerator not in _OPTED_OUT
-    eligible = is_fsdp1_sharded(accelerator) or (is_fsdp2_sharded(accelerator) and _fsdp2_eligible(enabled))
-    validated = versions_ok()
+    if not enabled:
+        # Off is exactly native: no collective, no file, nothing beyond the environment read above (and the one
+        # INFO line per Accelerator that says protection is off).
+        _note_native(accelerator, _native_condition(accelerator, enabled, False, False))
+        return False
+    eligible, validated = run_phase(functools.partial(_eligibility, accelerator),
+                                    "Deciding whether to use the protected checkpoint path")
     agree({"enabled": enabled, "eligible": eligible, "validated": validated,
            "backend": accelerator.distributed_type.name}, "whether to use the protected checkpoint path")
     if enabled and eligible and not validated:

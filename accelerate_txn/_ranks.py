@@ -81,7 +81,18 @@ def raise_gathered(failures: dict[int, tuple[str, str]], context: str, cause: Ba
 
 
 def run_phase(function: Callable[[], T], context: str = "Checkpoint phase", group: Any = None) -> T:
-    """Run ``function`` on every rank; if it raises anywhere, raise the same error on every rank."""
+    """Run ``function`` on every rank; if it raises anywhere, raise the same error on every rank.
+
+    ``group`` names the process group the phase runs over; if it was destroyed meanwhile (the script called
+    ``destroy_process_group`` while an asynchronous save was writing), the phase raises before ``function`` runs:
+    a rank that lost its group must never carry on as if it were alone."""
+    if group is not None and not distributed():
+        raise CheckpointRankError(
+            f"{context}: the process group this checkpoint phase runs over was destroyed (destroy_process_group() "
+            "was called while the save was still running, or the job is shutting down). Nothing was published. Wait "
+            "for asynchronous saves (accelerate_txn.wait_for_checkpoint or accelerator.end_training()) before "
+            "destroying the process group."
+        )
     result: Any = None
     failure: tuple[str, str, bool] | None = None
     caught: BaseException | None = None

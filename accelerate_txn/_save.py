@@ -33,13 +33,24 @@ from typing import Any
 import torch.distributed as dist
 
 from . import _async, _faults
-from ._config import checkpoint_config, ensure_not_failed, raw_optimizer
+from ._config import checkpoint_config, ensure_not_failed, raw_optimizer, read_configs
 from ._descriptor import describe, participants
 from ._finite import check_finite_state
 from ._host_memory import StagingPool
 from ._internals import load_state_pre_hooks, prepared_models, prepared_optimizers, save_state_pre_hooks
 from ._loader_state import write_loader_states
-from ._manifest import HASH, MANIFEST, PROTOCOL, add_schemas, hash_rows, list_tree, write_manifest, writer_rank
+from ._manifest import (
+    HASH,
+    MANIFEST,
+    PROTOCOL,
+    add_schemas,
+    check_dcp_inventory,
+    check_rank_coverage,
+    hash_rows,
+    list_tree,
+    write_manifest,
+    writer_rank,
+)
 from ._native import automatic_naming_off, fsdp_routing, native_method, synchronized_hooks
 from ._ranks import agree, distributed, on_main, rank, run_phase, world_size
 from ._required import check_required_files, rank_files
@@ -47,7 +58,13 @@ from ._reshard import POLICY as RESHARD_POLICY
 from ._select import complete_run_id, numbered_checkpoints, prune
 from ._staging import DirectoryLock, StagedDirectory, fsync_path, new_id, remove_leftovers, staging_leftovers
 from ._versions import installed_versions, require_supported_versions
-from .errors import CheckpointConfigurationError, CheckpointError, CheckpointExistsError, CheckpointIntegrityError
+from .errors import (
+    CheckpointConfigurationError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointIntegrityError,
+    CheckpointRankError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -122,21 +139,42 @@ def _staging_pool(owner: Any) -> StagingPool | None:
     return config.staging_pool if config.reuse_staging_memory else None
 
 
-def _gather_rows(rows: dict[str, dict[str, Any]], group: Any = None) -> dict[str, dict[str, Any]]:
-    """Rank 0 receives every rank's rows (the other ranks get ``{}``)."""
+def _gather_rows(rows: dict[str, dict[str, Any]], world: int, group: Any = None) -> dict[str, dict[str, Any]]:
+    """Rank 0 receives every rank's rows (the other ranks get ``{}``), and proves that each of the ``world`` ranks
+    of the saving world contributed: a rank that lost its process group must never publish alone."""
     if not distributed():
+        if world != 1:
+            raise CheckpointRankError(
+                f"The checkpoint was started on {world} ranks, but this process no longer belongs to a process group "
+                "(destroy_process_group() was called during the save): nothing was published.")
         return rows
-    gathered: list[Any] = [None] * world_size() if rank() == 0 else []
-    dist.gather_object(rows, gathered if rank() == 0 else None, dst=0, group=group)
+    gathered: list[Any] = [None] * world_size(group) if rank(group) == 0 else []
+    dist.gather_object((rank(), rows), gathered if rank(group) == 0 else None, dst=dist.get_global_rank(group, 0)
+                       if group is not None else 0, group=group)
     merged: dict[str, dict[str, Any]] = {}
-    for part in gathered:
-        merged.update(part or {})
+    if rank(group) == 0:
+        contributed = sorted(part[0] for part in gathered)
+        if contributed != list(range(world)):
+            raise CheckpointRankError(
+                f"The checkpoint was started on ranks 0..{world - 1}, but ranks {contributed} contributed their "
+                "files: nothing was published.")
+        for _rank, part in gathered:
+            merged.update(part)
     return merged
 
 
 def _fsync_directories(root: Path) -> None:
-    for directory, _dirs, _files in os.walk(root, topdown=False):
-        fsync_path(Path(directory))
+    """fsync every directory of ``root``, deepest first. Iterative (an explicit stack: ``os.walk`` recurses once per
+    level on Python 3.10/3.11), never follows a symbolic link, and raises a listing error instead of skipping it."""
+    directories: list[Path] = []
+    stack = [Path(root)]
+    while stack:
+        directory = stack.pop()
+        directories.append(directory)
+        with os.scandir(directory) as listing:
+            stack.extend(Path(entry.path) for entry in listing if entry.is_dir(follow_symlinks=False))
+    for directory in reversed(directories):
+        fsync_path(directory)
 
 
 class _Reservation:
@@ -176,6 +214,7 @@ class _Reservation:
                 rows: dict[str, dict[str, Any]], steps: dict[str, int] | None = None,
                 lineage: dict[str, Any] | None = None) -> str:
         staging = self.staged.staging
+        rank_templates = sorted({t for owner in owners.values() for t in rank_files(owner)})
         for name, owner in owners.items():
             check_required_files(owner, staging / name, range(owner.num_processes), read_custom=False)
         present = list_tree(staging)
@@ -189,8 +228,13 @@ class _Reservation:
         unclaimed = sorted(set(present) - set(rows))  # written after the ranks listed the tree: rank 0 takes them
         rows.update(hash_rows(staging, unclaimed, algorithm=HASH, integrity=integrity, flush=True))
         add_schemas(staging, rows)
+        # The publish proof, from the files themselves (what every verification re-checks): each rank of the saving
+        # world wrote its per-rank files and its DCP payloads, and every tensor of every DCP .metadata is covered
+        # completely by chunks stored in listed files.
+        check_rank_coverage(staging, rows, descriptors, rank_templates)
+        check_dcp_inventory(staging, {"files": rows})
         _fsync_directories(staging)
-        manifest = {
+        manifest: dict[str, Any] = {
             "protocol": PROTOCOL,
             "status": "complete",
             "run_id": run_id,
@@ -202,8 +246,7 @@ class _Reservation:
             "hash": HASH,
             "files": dict(sorted(rows.items())),
             # How per-rank state maps onto another world size on an elastic resume (``_reshard``).
-            "rank_state": {"policy": RESHARD_POLICY,
-                           "files": sorted({t for owner in owners.values() for t in rank_files(owner)})},
+            "rank_state": {"policy": RESHARD_POLICY, "files": rank_templates},
         }
         if lineage:
             manifest["resharded_from"] = lineage
@@ -218,6 +261,18 @@ class _Reservation:
             self.lock.release()
 
 
+def _give_back(iterations: dict[int, tuple[Any, int]], lineages: dict[str, Any], group: dict[str, Any]) -> None:
+    """After an asynchronous save failed: give back what it consumed, as a failed synchronous save does: the
+    reserved checkpoint number and the elastic-resume lineage the next save records (unless training moved on:
+    another save advanced the number, another resume set a lineage)."""
+    for owner, iteration in iterations.values():
+        if owner.project_configuration.iteration == iteration + 1:
+            owner.project_configuration.iteration = iteration
+    for name, owner in group.items():
+        if lineages[name] and checkpoint_config(owner).resharded_from is None:
+            checkpoint_config(owner).resharded_from = lineages[name]
+
+
 def _on_main(function: Any, context: str, group: Any = None) -> Any:
     """``_ranks.on_main`` over ``group`` (rank 0 of the default group is rank 0 of the background group)."""
     value = run_phase(lambda: function() if rank() == 0 else None, context, group)
@@ -230,7 +285,7 @@ def _on_main(function: Any, context: str, group: Any = None) -> Any:
 
 def _finish(group: Any, owners: dict[str, Any], staging: Path, templates: list[str], integrity: str,
             reservation: _Reservation | None, descriptors: dict[str, Any], run_id: str, path: Path,
-            limit: int | None, steps: dict[str, int], record: dict[str, str] | None = None,
+            limit: int | None, steps: dict[str, int], world: int, record: dict[str, str] | None = None,
             lineage: dict[str, Any] | None = None, written: dict[Path, tuple[int, str]] | None = None) -> str:
     """Steps 5-6 over ``group`` (None: the default group): hash and flush, publish (noted in ``record`` at once),
     retention."""
@@ -241,7 +296,7 @@ def _finish(group: Any, owners: dict[str, Any], staging: Path, templates: list[s
             "Checking this rank's staged files", group)
     # Every rank hashes and flushes what it wrote (on a shared filesystem only the writer's fsync is reliable).
     rows = _gather_rows(run_phase(lambda: _own_rows(staging, templates, integrity, written),
-                                  "Hashing and flushing the staged checkpoint", group), group)
+                                  "Hashing and flushing the staged checkpoint", group), world, group)
     published: str = _on_main(lambda: reservation.publish(owners, descriptors, run_id, integrity,  # type: ignore[union-attr]
                                                           rows, steps, lineage), f"Publishing {path}", group)
     if record is not None:
@@ -276,18 +331,22 @@ def save_training_checkpoint(
     staged in memory, with an ``AsyncCheckpoint`` handle (a path-like; ``.wait()``, ``.done()``); the rest of the
     transaction runs in the background. A save in flight is always waited for first (its error raised).
     """
-    group = run_phase(lambda: participants(owners), "Checking checkpoint participants")
+    # Everything that can differ between ranks (environment, configuration, arguments) is read inside a rank phase.
+    group = run_phase(lambda: read_configs(participants(owners)), "Checking checkpoint participants")
     _async.settle(list(group.values()))  # at most one save in flight: wait, or raise its error (on every rank)
-    background = any(checkpoint_config(o).async_save for o in group.values()) if async_save is None else async_save
+    background = run_phase(lambda: any(checkpoint_config(o).async_save for o in group.values())
+                           if async_save is None else async_save, "Reading the checkpoint settings")
     run_phase(require_supported_versions, "Checking the installed versions")
     primary = next(iter(group.values()))
     path, limit = run_phase(lambda: _resolve_destination(primary, output_dir, checkpoint_limit), "Resolving the path")
     descriptors = run_phase(lambda: _preflight(group), "Checkpoint preflight")
-    policies = {name: {"finite": checkpoint_config(o).check_finite, "checksum": checkpoint_config(o).checksum,
-                       "lock_timeout": checkpoint_config(o).lock_timeout} for name, o in group.items()}
-    hooks = {name: [len(save_state_pre_hooks(o)), len(load_state_pre_hooks(o))] for name, o in group.items()}
-    agree({"path": str(path), "limit": limit, "policies": policies, "hooks": hooks, "async": bool(background)},
-          "the checkpoint path and policies")
+    policies, hooks = run_phase(lambda: (
+        {name: {"finite": checkpoint_config(o).check_finite, "checksum": checkpoint_config(o).checksum,
+                "lock_timeout": checkpoint_config(o).lock_timeout} for name, o in group.items()},
+        {name: [len(save_state_pre_hooks(o)), len(load_state_pre_hooks(o))] for name, o in group.items()}),
+        "Reading the checkpoint policies")
+    agree({"path": str(path), "limit": limit, "policies": policies, "hooks": hooks, "async": bool(background),
+           "arguments": [bool(safe_serialization), sorted(kwargs)]}, "the checkpoint path and policies")
     agree(descriptors, "the training configuration")
     run_ids = sorted({checkpoint_config(o).run_id for o in group.values()} - {None})
     agree(run_ids, "the run id")
@@ -297,6 +356,7 @@ def save_training_checkpoint(
         )
     run_id: str = on_main(lambda: run_ids[0] if run_ids else new_id(), "Choosing the run id")
     iterations = {id(o): (o, o.project_configuration.iteration) for o in group.values()}
+    lineages = {name: checkpoint_config(o).resharded_from for name, o in group.items()}  # consumed by a publish
     integrity = "full" if any(checkpoint_config(o).checksum == "full" for o in group.values()) else "metadata"
     templates = _rank_templates(group)
     reservation = run_phase(lambda: _Reservation(path, run_id, checkpoint_config(primary).lock_timeout)
@@ -326,12 +386,13 @@ def save_training_checkpoint(
                 _faults.point("save:after-native-save")
         finish = functools.partial(_finish, owners=group, staging=staging, templates=templates, integrity=integrity,
                                    reservation=reservation, descriptors=descriptors, run_id=run_id, path=path,
-                                   limit=limit, steps=steps, written=capture.hashes, lineage={
-                                       name: checkpoint_config(o).resharded_from for name, o in group.items()
-                                       if checkpoint_config(o).resharded_from} or None)
+                                   limit=limit, steps=steps, world=world_size(), written=capture.hashes,
+                                   lineage={name: lineage for name, lineage in lineages.items() if lineage}
+                                   or None)
         if background:
             _async.install_exit_handling()
-            handle = _async.AsyncCheckpoint(path, list(group.values()), iterations)
+            handle = _async.AsyncCheckpoint(path, list(group.values()),
+                                            functools.partial(_give_back, iterations, lineages, group))
             handle.start(capture.writes, finish, reservation.close if reservation is not None else lambda: None, comm)
         else:
             published = finish(None, record=done)

@@ -4,14 +4,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 from . import _faults
 from ._manifest import MANIFEST, READABLE_PROTOCOLS, read_manifest, verify_manifest
-from ._staging import retire
+from ._staging import remove_tree, retire
 from .errors import CheckpointIntegrityError, NoCheckpointError
 
 logger = logging.getLogger(__name__)
@@ -19,20 +19,37 @@ CHECKPOINT_NAME = re.compile(r"checkpoint[-_](\d+)\Z")
 
 
 def numbered_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """``(number, path)`` of every ``checkpoint_N`` directory under ``root``, oldest first."""
+    """``(number, path)`` of every ``checkpoint_N`` directory under ``root``, oldest first, and of every symbolic link
+    named ``checkpoint_N`` (whatever it points to): links are never followed, so selection skips one with its reason
+    (:func:`check_candidate`), retention never counts or deletes one, and the CLI lists it as not a checkpoint."""
     if not Path(root).is_dir():
         return []
     found = []
     for path in Path(root).iterdir():
         match = CHECKPOINT_NAME.fullmatch(path.name)
-        if match and path.is_dir():
+        if match and (path.is_symlink() or path.is_dir()):
             found.append((int(match.group(1)), path))
     return sorted(found)
 
 
+def symlink_reason(path: Path) -> str | None:
+    """Why ``path`` is not a checkpoint if it is a symbolic link, else ``None``."""
+    if not Path(path).is_symlink():
+        return None
+    try:
+        target = os.readlink(path)
+    except OSError:
+        target = "?"
+    return (f"a symbolic link (to {target}), not a checkpoint directory: links are not followed, so it is never "
+            "selected, verified through or pruned. Copy the checkpoint in place of the link, or load its real path")
+
+
 def complete_run_id(path: Path) -> str | None:
     """The run id of a published checkpoint with a readable manifest, else ``None`` (never raises for a corrupt
-    or hostile sibling: one bad directory must not block saving or selection)."""
+    or hostile sibling: one bad directory must not block saving or selection). A symbolic link is not a published
+    checkpoint: ``None``."""
+    if Path(path).is_symlink():
+        return None
     try:
         manifest = read_manifest(path)
     except (CheckpointIntegrityError, OSError):
@@ -77,16 +94,20 @@ def refuse_transient(path: Path) -> None:
 
 def check_candidate(path: Path, group: dict[str, Any] | None) -> dict[str, Any] | None:
     """Quick check of one candidate (no collectives): the manifest and the tree against its inventory, the hashes
-    of control files and small payloads and, with ``group``, the components and every required file. Returns the
+    of control files and small payloads, every rank's files and, with ``group`` (live Accelerators: torch is
+    loaded), the DCP chunk coverage, the components and every required file. Returns the
     manifest (``None`` for a legacy directory that ``group`` allows); raises :class:`CheckpointIntegrityError`."""
     refuse_transient(path)
+    reason = symlink_reason(path)
+    if reason is not None:
+        raise CheckpointIntegrityError(f"it is {reason}")
     manifest = read_manifest(path)
     if group is not None:  # torch-heavy: only with live Accelerators (the CLI passes none)
         from ._config import checkpoint_config
         from ._required import check_required_files, private_patterns, saved_world_size
     patterns = [pattern for owner in (group or {}).values() for pattern in private_patterns(owner)]
     if manifest is not None:
-        verify_manifest(path, manifest, full=False, dcp=False, private_patterns=patterns)
+        verify_manifest(path, manifest, full=False, dcp=group is not None, private_patterns=patterns)
         if group is not None and set(manifest.get("components", {})) != set(group):
             raise CheckpointIntegrityError(
                 f"it holds components {sorted(manifest.get('components', {}))}, not {sorted(group)}"
@@ -157,30 +178,38 @@ def latest_training_checkpoint(output_dir: str | Path, owners: Any = None, *, fu
     return None
 
 
-def prune(root: Path, run_id: str, limit: int, newest: Path) -> list[Path]:
+def retention_victims(checkpoints: list[Path], limit: int, newest: Path | None = None) -> list[Path]:
+    """The checkpoints retention deletes: ``checkpoints`` are the complete, intact checkpoints of one run, oldest
+    first, as listed under the lock; the oldest go until ``limit`` remain, but never the newest of them (the last) nor
+    ``newest`` (the one a save just published), so a caller's stale idea of "newest" can never cost the real one."""
+    if not checkpoints:
+        return []
+    protected = {Path(checkpoints[-1]).resolve()}
+    if newest is not None:
+        protected.add(Path(newest).resolve())
+    excess = max(0, len(checkpoints) - limit)
+    return [path for path in checkpoints if Path(path).resolve() not in protected][:excess]
+
+
+def prune(root: Path, run_id: str, limit: int, newest: Path | None = None) -> list[Path]:
     """Delete the oldest complete checkpoints of ``run_id`` beyond ``limit`` (counting ``newest``).
 
-    Never deletes ``newest``, an incomplete directory (a save may be in progress, or it is evidence), another
-    run's checkpoint, or anything through a symlink. Returns the deleted paths. Call while holding the parent's
-    ``DirectoryLock``.
+    Decides from what it lists itself (call while holding the parent's ``DirectoryLock``: no save publishes
+    meanwhile, and a save in progress holds it). Never deletes the newest complete, intact checkpoint of the run it
+    lists, ``newest`` (the one a save just published), an incomplete directory (a save may be in progress, or it is
+    evidence), another run's checkpoint, or anything through a symlink. Returns the deleted paths.
 
     Each checkpoint is first renamed aside to a hidden ``.checkpoint_N.deleting-<run>-<txid>`` (parent fsynced),
     then deleted: a crash mid-delete leaves a retired leftover that the next save's cleanup removes, never a
     manifest-less ``checkpoint_N`` that selection would skip and retention never prune.
     """
-    ours = [(number, path) for number, path in numbered_checkpoints(root)
+    ours = [path for _number, path in numbered_checkpoints(root)
             if not path.is_symlink() and complete_run_id(path) == run_id and _intact(path)]
     deleted = []
-    excess = len(ours) - limit
-    for _number, path in ours:
-        if excess <= 0:
-            break
-        if path.resolve() == Path(newest).resolve():
-            continue
+    for path in retention_victims(ours, limit, newest):
         logger.info("Retention (total_limit=%d): deleting %s", limit, path)
         aside = retire(path, run_id)
         _faults.point("save:during-retention")
-        shutil.rmtree(aside)
+        remove_tree(aside)
         deleted.append(path)
-        excess -= 1
     return deleted

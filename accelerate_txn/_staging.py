@@ -32,10 +32,10 @@ import logging
 import math
 import os
 import re
-import shutil
+import stat
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,20 +65,143 @@ def new_id() -> str:
 
 
 def fsync_path(path: Path) -> None:
-    """fsync one file or directory (directories are opened read-only, which POSIX allows)."""
-    fd = os.open(path, os.O_RDONLY)
+    """fsync one file or directory (directories are opened read-only, which POSIX allows). ``O_NONBLOCK``: a named
+    pipe fails (fsync refuses it) instead of blocking the caller; no effect on files and directories."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
+def walk_tree(root: Path, *, strict: bool = True) -> Iterator[tuple[Path, list[os.DirEntry[str]]]]:
+    """Every directory under ``root`` (``root`` first) with its entries, each directory before everything below it.
+
+    Iterative, with an explicit stack: a tree nested deeper than the interpreter's recursion limit (``os.walk``
+    recurses once per level on Python 3.10/3.11) is walked like any other. Never descends into a symbolic link (it is
+    listed as an entry of its directory). ``strict``: a directory that cannot be listed raises ``OSError``;
+    otherwise it is skipped, as ``os.walk`` does.
+    """
+    stack = [Path(root)]
+    while stack:
+        directory = stack.pop()
+        try:
+            with os.scandir(directory) as listing:
+                entries = list(listing)
+        except OSError:
+            if strict:
+                raise
+            continue
+        yield directory, entries
+        for entry in reversed(entries):
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(Path(entry.path))
+            except OSError:  # vanished meanwhile
+                if strict:
+                    raise
+
+
 def fsync_tree(root: Path) -> None:
-    """fsync every file, then every directory bottom-up, so a published tree survives a power loss."""
-    for directory, _dirs, files in os.walk(root, topdown=False):
-        for name in files:
-            fsync_path(Path(directory, name))
-        fsync_path(Path(directory))
+    """fsync every file, then every directory bottom-up, so a published tree survives a power loss (iterative: any
+    depth). Every entry that is not a directory is opened and flushed; a link to a directory is not followed."""
+    for directory, entries in reversed(list(walk_tree(root))):
+        for entry in entries:
+            if not entry.is_dir():  # files, and links to anything but a directory (as os.walk lists them)
+                fsync_path(Path(entry.path))
+        fsync_path(directory)
+
+
+_DIRECTORY_FLAGS = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+                    | getattr(os, "O_CLOEXEC", 0))
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino
+
+
+def _clear_entries(fd: int) -> list[str]:
+    """Unlink every entry of the directory ``fd`` that is not a directory (files, symbolic links: the link itself,
+    never its target); return the names of its subdirectories."""
+    subdirectories = []
+    with os.scandir(fd) as listing:
+        for entry in listing:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    subdirectories.append(entry.name)
+                    continue
+                os.unlink(entry.name, dir_fd=fd)
+            except FileNotFoundError:  # vanished meanwhile
+                continue
+    return subdirectories
+
+
+def remove_tree(path: Path) -> None:
+    """Delete ``path`` and everything below it (nothing to do if it does not exist).
+
+    Iterative, for any depth: ``shutil.rmtree`` recurses once per level before Python 3.12 and raises
+    ``RecursionError`` on a deeply nested tree, which would let one hostile leftover block every save. One directory
+    descriptor is open at a time and every name is resolved relative to it, so no path grows past ``PATH_MAX``. Never
+    follows a symbolic link: ``path`` itself, or any entry below it, that is a link is unlinked and its target left
+    alone; a directory is entered only with ``O_NOFOLLOW``, and each climb back (``..``) is checked against the
+    directory it came from.
+    """
+    path = Path(path)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(info.st_mode):  # a file, or a link (to a directory or not): remove the entry itself
+        os.unlink(path)
+        return
+    try:
+        fd = os.open(path, _DIRECTORY_FLAGS)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        os.unlink(path)  # replaced by a link or a file since the lstat
+        return
+    # One frame per directory from ``path`` down to the current one: its name in its parent, its identity, and the
+    # subdirectories still to remove (empty: list the directory again; nothing left in it means it is empty).
+    stack: list[tuple[str, tuple[int, int], list[str]]] = [("", _identity(fd), [])]
+    try:
+        while True:
+            pending = stack[-1][2]
+            if not pending:
+                pending.extend(reversed(_clear_entries(fd)))
+            if pending:
+                name = pending.pop()
+                try:
+                    child = os.open(name, _DIRECTORY_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                        raise
+                    os.unlink(name, dir_fd=fd)  # replaced by a link or a file meanwhile: remove the entry itself
+                    continue
+                os.close(fd)
+                fd = child
+                stack.append((name, _identity(fd), []))
+                continue
+            # The current directory is empty: climb back to its parent and remove it from there.
+            name = stack.pop()[0]
+            if not stack:
+                os.close(fd)
+                fd = -1
+                os.rmdir(path)
+                return
+            parent = os.open("..", _DIRECTORY_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = parent
+            if _identity(fd) != stack[-1][1]:
+                raise OSError(errno.ESTALE, f"{path} was moved while it was being removed (stopped; nothing outside it "
+                              "was touched)")
+            os.rmdir(name, dir_fd=fd)
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 class DirectoryLock:
@@ -269,8 +392,7 @@ class StagedDirectory:
 
     def discard(self) -> None:
         """Remove the staging directory if it still exists (never touches ``final``)."""
-        if self.staging.exists():
-            shutil.rmtree(self.staging)
+        remove_tree(self.staging)
 
 
 def retire(path: Path, run_id: str) -> Path:
@@ -320,12 +442,12 @@ def remove_leftovers(parent: Path, removable_runs: Iterable[str] | None) -> list
     removed = []
     for path in retired_leftovers(parent):
         logger.warning("Removing %s: a checkpoint retired by retention whose deletion was interrupted", path)
-        shutil.rmtree(path)
+        remove_tree(path)
         removed.append(path)
     for path, run in staging_leftovers(parent):
         if allowed is None or run in allowed:
             logger.warning("Removing %s: staging directory left by a writer that did not finish", path)
-            shutil.rmtree(path)
+            remove_tree(path)
             removed.append(path)
         else:
             logger.warning(

@@ -42,13 +42,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line on ``argv`` (default: ``sys.argv[1:]``) and return the exit status; never raises
     for a user error and never prints a traceback for one."""
     args = list(sys.argv[1:] if argv is None else argv)
+    with out.tolerant_streams():  # any stream encoding (LC_ALL=C, PYTHONIOENCODING=ascii): never UnicodeEncodeError
+        return _run(args)
+
+
+def _run(args: list[str]) -> int:
     try:
         with out.library_logs():
             result = app.main(args=args, prog_name=PROG, standalone_mode=False)
     except click.exceptions.Exit as exc:  # --help, --version
         return int(exc.exit_code)
     except click.ClickException as exc:  # usage errors: exit status 2
-        exc.show()
+        exc.show(file=sys.stderr)
         return int(exc.exit_code)
     except click.exceptions.Abort:
         out.say("aborted", err=True)

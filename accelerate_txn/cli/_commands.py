@@ -98,9 +98,10 @@ def list_command(directory: Path, as_json: bool) -> int:
         out.say(f"{root}: no checkpoints")
         return 0
     rows = []
+    arrow, ellipsis = out.symbol(out.ARROW), out.symbol(out.ELLIPSIS)  # ASCII where stdout cannot encode them
     for entry in entries:
         manifest = entry.manifest or {}
-        rows.append(["→" if entry.selected else "", entry.short_name, entry.status,
+        rows.append([arrow if entry.selected else "", entry.short_name(ellipsis), entry.status,
                      step_text(manifest) if entry.manifest else "-", (entry.run_id or "-")[:8],
                      out.size_text(entry.size()), out.age_text(now - entry.modified()),
                      str(manifest.get("integrity", "-"))])
@@ -163,7 +164,12 @@ def verify_command(checkpoint: Path, full: bool, dcp: bool, as_json: bool) -> in
     and the content hashes of control files and small payloads (of every hashed file with --full). Says what it
     did not check.
     """
+    from .._select import symlink_reason
+
     try:
+        link = symlink_reason(checkpoint)
+        if link is not None:  # never verified through the link
+            raise CheckpointIntegrityError(f"it is {link}")
         manifest = _checkpoint(checkpoint, "verify")
     except CheckpointIntegrityError as exc:
         if as_json:
@@ -328,31 +334,20 @@ def diff_command(saved: Path, other: Path, allow_reshard: bool, as_json: bool) -
 
 
 def _prune_plan(entries: list[Any], run_id: str, keep: int) -> tuple[list[Any], list[Any]]:
-    """(deleted, kept) complete checkpoints of ``run_id`` under retention ``keep``: the rule of
-    ``accelerate_txn._select.prune`` (oldest first, never the newest), for --dry-run."""
+    """(deleted, kept) complete checkpoints of ``run_id`` under retention ``keep``, oldest first: the rule of
+    ``accelerate_txn._select.prune`` (``retention_victims``: oldest first, never the newest listed)."""
+    from .._select import retention_victims
+
     ours = sorted((e for e in entries if e.status == COMPLETE and e.run_id == run_id), key=lambda e: e.number)
-    doomed = ours[:-1][:max(0, len(ours) - keep)]
-    return doomed, [entry for entry in ours if entry not in doomed]
+    doomed = set(retention_victims([entry.path for entry in ours], keep))
+    return [e for e in ours if e.path in doomed], [e for e in ours if e.path not in doomed]
 
 
-@click.command("prune", short_help="Delete a run's oldest complete checkpoints, keeping --keep.")
-@click.argument("directory", type=_EXISTING_DIR)
-@click.option("--keep", type=click.IntRange(min=1), required=True, help="How many complete checkpoints to keep.")
-@click.option("--run-id", help="The run to prune, when the directory holds checkpoints of several runs.")
-@click.option("--dry-run", is_flag=True, help="Only say what would be deleted.")
-@_json_option
-def prune_command(directory: Path, keep: int, run_id: str | None, dry_run: bool, as_json: bool) -> int:
-    """Delete the oldest complete checkpoints of one run, keeping the newest --keep.
+def _prune_run(root: Path, entries: list[Any], run_id: str | None) -> str | None:
+    """The run to prune (usage error if it is ambiguous or absent); refuses while a published checkpoint of it fails
+    verification."""
+    from .._select import complete_run_id
 
-    The rules of save-time retention: only complete checkpoints of that run are counted and deleted, never the
-    newest; leftovers, corrupt, legacy and other runs' checkpoints are left alone. Holds the directory's lock,
-    so it never races a save (it fails at once if a save is in progress).
-    """
-    from .._select import complete_run_id, prune
-    from .._staging import DirectoryLock
-
-    root = _run_directory(directory)
-    entries = scan_run_directory(root)
     runs = sorted({entry.run_id for entry in entries if entry.status == COMPLETE and entry.run_id})
     if run_id is None and len(runs) > 1:
         raise click.UsageError(f"{root} holds complete checkpoints of {len(runs)} runs ({', '.join(runs)}): "
@@ -370,17 +365,46 @@ def prune_command(directory: Path, keep: int, run_id: str | None, dry_run: bool,
             "published but fail verification (see 'accelerate-txn list'), and retention would count them as "
             "checkpoints to keep. Restore or remove them first."
         )
-    doomed, kept = _prune_plan(entries, run, keep) if run else ([], [])
-    deleted: list[Path] = [entry.path for entry in doomed]
-    if not dry_run and doomed:
+    return run
+
+
+@click.command("prune", short_help="Delete a run's oldest complete checkpoints, keeping --keep.")
+@click.argument("directory", type=_EXISTING_DIR)
+@click.option("--keep", type=click.IntRange(min=1), required=True, help="How many complete checkpoints to keep.")
+@click.option("--run-id", help="The run to prune, when the directory holds checkpoints of several runs.")
+@click.option("--dry-run", is_flag=True,
+              help="Only say what would be deleted now (takes no lock: a save publishing meanwhile changes the answer).")
+@_json_option
+def prune_command(directory: Path, keep: int, run_id: str | None, dry_run: bool, as_json: bool) -> int:
+    """Delete the oldest complete checkpoints of one run, keeping the newest --keep.
+
+    The rules of save-time retention: only complete checkpoints of that run are counted and deleted, never the
+    newest; leftovers, corrupt, legacy and other runs' checkpoints are left alone. Takes the directory's lock first
+    and decides from what it lists while holding it, so it never races a save (it fails at once if a save is in
+    progress).
+    """
+    from .._select import prune
+    from .._staging import DirectoryLock
+
+    root = _run_directory(directory)
+    if dry_run:  # no lock: the same rule applied to what is there now
+        entries = scan_run_directory(root)
+        run = _prune_run(root, entries, run_id)
+        doomed, kept = _prune_plan(entries, run, keep) if run else ([], [])
+        deleted: list[Path] = [entry.path for entry in doomed]
+        kept_paths = [entry.path for entry in kept]
+    else:
         lock = DirectoryLock(root)
-        lock.acquire()
+        lock.acquire()  # first: a save publishing between a scan and the lock would make that scan stale
         try:
-            newest = kept[-1].path  # never deleted; prune re-reads the directory under the lock
-            deleted = prune(root, run, keep, newest)  # type: ignore[arg-type]
+            entries = scan_run_directory(root)
+            run = _prune_run(root, entries, run_id)
+            doomed, kept = _prune_plan(entries, run, keep) if run else ([], [])
+            # prune lists the directory again (still under the lock) and never deletes the newest it lists.
+            deleted = prune(root, run, keep, kept[-1].path) if run and doomed else []  # type: ignore[arg-type]
         finally:
             lock.release()
-    kept_paths = [entry.path for entry in kept] if dry_run else [e.path for e in kept + doomed if e.path not in deleted]
+        kept_paths = [e.path for e in sorted(kept + doomed, key=lambda e: e.number) if e.path not in deleted]
     if as_json:
         out.emit_json({"directory": str(root), "run_id": run, "keep": keep, "dry_run": dry_run,
                        "deleted": [str(p) for p in deleted], "kept": [str(p) for p in kept_paths]})

@@ -1,6 +1,12 @@
 """Output of the command line: JSON (only JSON on stdout), human text and rich tables, log lines on stderr.
 
 rich is imported only for human output, so ``--json`` and plain lines stay cheap.
+
+Any stream encoding works: :func:`tolerant_streams` (around every command) makes a stream that cannot encode a
+character write an escape (``\\u2192``) instead of raising ``UnicodeEncodeError``, every line goes to the current
+``sys.stdout``/``sys.stderr`` in that stream's own encoding (an ASCII stream gets ASCII), and the few symbols the
+output uses fall back to ASCII (:func:`symbol`: "->" for the arrow, "..." for an ellipsis) where the stream cannot
+encode them.
 """
 
 from __future__ import annotations
@@ -14,13 +20,54 @@ from typing import Any
 
 import click
 
+ARROW = ("\u2192", "->")
+ELLIPSIS = ("\u2026", "...")
+
+
+def _stream(err: bool) -> Any:
+    return sys.stderr if err else sys.stdout
+
+
+def symbol(choice: tuple[str, str], *, err: bool = False) -> str:
+    """``choice[0]`` if the stream (stdout, or stderr with ``err``) can encode it, else its ASCII ``choice[1]``."""
+    fancy, plain = choice
+    try:
+        fancy.encode(getattr(_stream(err), "encoding", None) or "ascii")
+    except (UnicodeError, LookupError):
+        return plain
+    return fancy
+
+
+@contextmanager
+def tolerant_streams() -> Iterator[None]:
+    """While a command runs, stdout and stderr write an escape for a character their encoding lacks (a path with
+    non-ASCII or undecodable bytes on an ASCII or strict stream) instead of raising; restored afterwards."""
+    changed = []
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(errors="backslashreplace")
+            except (OSError, ValueError, TypeError, AttributeError):  # a stream that cannot change: left as it is
+                continue
+            changed.append(stream)
+    try:
+        yield
+    finally:
+        for stream in changed:
+            try:
+                stream.reconfigure(errors="strict")
+            except (OSError, ValueError, TypeError, AttributeError):
+                pass
+
 
 def emit_json(value: Any) -> None:
-    click.echo(json.dumps(value, indent=2, sort_keys=True, default=str))
+    say(json.dumps(value, indent=2, sort_keys=True, default=str))  # ensure_ascii: plain ASCII on any stream
 
 
 def say(text: str = "", *, err: bool = False) -> None:
-    click.echo(text, err=err)
+    # The stream itself, not click's default: for an ASCII stream click substitutes a UTF-8 writer of its own, so
+    # output would not be in the encoding the environment asked for.
+    click.echo(text, file=_stream(err))
 
 
 def console(*, err: bool = False) -> Any:
@@ -67,7 +114,7 @@ class _EchoHandler(logging.Handler):
     """Library log lines (e.g. why a candidate was skipped) on the current stderr, however often it is replaced."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        click.echo(f"{record.levelname.lower()}: {record.getMessage()}", err=True)
+        say(f"{record.levelname.lower()}: {record.getMessage()}", err=True)
 
 
 @contextmanager

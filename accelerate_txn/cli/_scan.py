@@ -4,7 +4,6 @@ what a verification checked. File work only: no torch at import, no process grou
 
 from __future__ import annotations
 
-import os
 import re
 import stat
 import time
@@ -14,7 +13,7 @@ from typing import Any
 
 from .. import _manifest
 from .._manifest import MANIFEST, read_manifest, verify_manifest
-from .._staging import _RETIRED, _STAGING, retired_leftovers, staging_leftovers
+from .._staging import _RETIRED, _STAGING, retired_leftovers, staging_leftovers, walk_tree
 from ..errors import CheckpointError, CheckpointIntegrityError
 
 COMPLETE, STAGING, RETIRED, LEGACY, CORRUPT = "complete", "staging leftover", "retired leftover", "legacy", "corrupt"
@@ -42,8 +41,13 @@ def _loader_files(path: Path) -> list[str]:
     legacy checkpoint rather than an empty or foreign one)."""
     may_read = getattr(_manifest, "loader_may_read", None)
     found = []
-    for directory, _dirs, files in os.walk(path):
-        for name in files:
+    if Path(path).is_symlink():  # never walked through
+        return found
+    for directory, entries in walk_tree(path, strict=False):  # iterative: any depth
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                continue
+            name = entry.name
             relative = Path(directory, name).relative_to(path).as_posix()
             if may_read(relative) if may_read else name.endswith((*_PAYLOAD_SUFFIXES, ".pkl", ".pt", ".metadata")):
                 found.append(relative)
@@ -214,28 +218,32 @@ class Entry:
     def name(self) -> str:
         return self.path.name
 
-    @property
-    def short_name(self) -> str:
-        """The name for a table: leftovers' long random suffixes elided (the run id has its own column)."""
+    def short_name(self, ellipsis: str = "\u2026") -> str:
+        """The name for a table: leftovers' long random suffixes elided with ``ellipsis`` (the run id has its own
+        column)."""
         for pattern, word in ((_STAGING, "staging"), (_RETIRED, "deleting")):
             match = pattern.fullmatch(self.name)
             if match:
-                return f".{match.group('name')}.{word}-…"
+                return f".{match.group('name')}.{word}-{ellipsis}"
         return self.name
 
     def size(self) -> int:
-        """Bytes of every regular file below (symbolic links are not followed)."""
+        """Bytes of every regular file below (symbolic links are not followed; a link itself counts 0)."""
         total = 0
-        for directory, _dirs, files in os.walk(self.path):
-            for name in files:
+        if self.path.is_symlink():
+            return total
+        for _directory, entries in walk_tree(self.path, strict=False):  # iterative: any depth
+            for entry in entries:
                 try:
-                    info = os.lstat(os.path.join(directory, name))
+                    info = entry.stat(follow_symlinks=False)
                 except OSError:  # deleted meanwhile (e.g. by a save's cleanup)
                     continue
                 total += info.st_size if stat.S_ISREG(info.st_mode) else 0
         return total
 
     def modified(self) -> float:
+        if self.path.is_symlink():  # the link's own time: never followed
+            return self.path.lstat().st_mtime
         target = self.path / MANIFEST if self.status == COMPLETE else self.path
         try:
             return target.stat().st_mtime
@@ -262,6 +270,11 @@ class Entry:
 
 
 def _checkpoint_entry(number: int, path: Path) -> Entry:
+    from .._select import symlink_reason
+
+    link = symlink_reason(path)
+    if link is not None:  # listed, never followed: no manifest, run id or size read through it
+        return Entry(path, number, CORRUPT, link)
     try:
         manifest = read_manifest(path)
     except (CheckpointIntegrityError, OSError) as exc:

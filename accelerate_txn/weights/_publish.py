@@ -11,12 +11,11 @@ import ctypes
 import errno
 import logging
 import os
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .._staging import DirectoryLock, StagedDirectory, fsync_path, fsync_tree, new_id, staging_leftovers
+from .._staging import DirectoryLock, StagedDirectory, fsync_path, fsync_tree, new_id, remove_tree, staging_leftovers
 from ..errors import CheckpointExistsError
 from ._common import _EXPORT_FILES, PathLike, _examples
 
@@ -69,11 +68,11 @@ def _recover_interrupted_export(final: Path) -> None:
         os.rename(asides.pop(), final)
         fsync_path(parent)
     for leftover in asides:
-        shutil.rmtree(leftover)
+        remove_tree(leftover)
     for leftover, _run in staging_leftovers(parent):
         if leftover.name.startswith(f".{final.name}.staging-"):
             logger.warning("Removing %s: staging directory of an export that did not finish", leftover)
-            shutil.rmtree(leftover)
+            remove_tree(leftover)
 
 
 def _check_replaceable(final: Path) -> None:
@@ -117,7 +116,7 @@ def _swap_in(staged: StagedDirectory) -> None:
     fsync_path(parent)
     # The new export is published: failing to delete the old one must not turn success into an error.
     try:
-        shutil.rmtree(old)
+        remove_tree(old)
     except OSError as exc:
         logger.warning("Published %s but could not remove the previous export %s: %s", final, old, exc)
 
