@@ -42,7 +42,8 @@ def local_state(model: Any, optimizer: Any) -> dict[str, Any]:
 
 
 def build(root: Path, seed: int) -> tuple:
-    """The crash run's accelerator (automatic naming, retention) with an FSDP2 model, optimizer and scheduler."""
+    """The crash run's accelerator (automatic naming, retention) with an FSDP2 model, optimizer and scheduler; every
+    save asynchronous when the sweep runs with ``--async``."""
     accelerator = fsdp_accelerator(fsdp_version=2, project_dir=str(root), automatic_checkpoint_naming=True,
                                    total_limit=_crash_scenarios.TOTAL_LIMIT)
     torch.manual_seed(seed)
@@ -50,6 +51,10 @@ def build(root: Path, seed: int) -> tuple:
     optimizer = torch.optim.AdamW(raw.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(warmup_lambda, warmup=3))
     model, optimizer, scheduler = accelerator.prepare(raw, optimizer, scheduler)  # FSDP2: prepared together
+    if _crash_scenarios.asynchronous():  # the sweep's --async: every save asynchronous (local-shard staging)
+        import accelerate_txn
+
+        accelerate_txn.configure_checkpointing(accelerator, async_save=True)
     return accelerator, model, optimizer, scheduler
 
 
