@@ -109,6 +109,18 @@ def _resolve_destination(primary: Any, output_dir: Any, checkpoint_limit: int | 
     return path.expanduser().absolute(), checkpoint_limit
 
 
+def _settings(owners: Any, async_save: bool | None) -> tuple[dict[str, Any], bool, dict[str, Any], dict[str, Any]]:
+    """This rank's participants, whether the save runs in the background, the policies and the hook counts every
+    rank must agree on; each Accelerator's configuration (environment included) is read here."""
+    group = read_configs(participants(owners))
+    configs = {name: checkpoint_config(owner) for name, owner in group.items()}
+    background = any(c.async_save for c in configs.values()) if async_save is None else bool(async_save)
+    policies = {name: {"finite": c.check_finite, "checksum": c.checksum, "lock_timeout": c.lock_timeout}
+                for name, c in configs.items()}
+    hooks = {name: [len(save_state_pre_hooks(o)), len(load_state_pre_hooks(o))] for name, o in group.items()}
+    return group, background, policies, hooks
+
+
 def _rank_templates(group: dict[str, Any]) -> list[str]:
     return sorted({f"{name}/{t}" if name else t for name, owner in group.items() for t in rank_files(owner)})
 
@@ -332,19 +344,13 @@ def save_training_checkpoint(
     transaction runs in the background. A save in flight is always waited for first (its error raised).
     """
     # Everything that can differ between ranks (environment, configuration, arguments) is read inside a rank phase.
-    group = run_phase(lambda: read_configs(participants(owners)), "Checking checkpoint participants")
+    group, background, policies, hooks = run_phase(lambda: _settings(owners, async_save),
+                                                   "Checking checkpoint participants and settings")
     _async.settle(list(group.values()))  # at most one save in flight: wait, or raise its error (on every rank)
-    background = run_phase(lambda: any(checkpoint_config(o).async_save for o in group.values())
-                           if async_save is None else async_save, "Reading the checkpoint settings")
     run_phase(require_supported_versions, "Checking the installed versions")
     primary = next(iter(group.values()))
     path, limit = run_phase(lambda: _resolve_destination(primary, output_dir, checkpoint_limit), "Resolving the path")
     descriptors = run_phase(lambda: _preflight(group), "Checkpoint preflight")
-    policies, hooks = run_phase(lambda: (
-        {name: {"finite": checkpoint_config(o).check_finite, "checksum": checkpoint_config(o).checksum,
-                "lock_timeout": checkpoint_config(o).lock_timeout} for name, o in group.items()},
-        {name: [len(save_state_pre_hooks(o)), len(load_state_pre_hooks(o))] for name, o in group.items()}),
-        "Reading the checkpoint policies")
     agree({"path": str(path), "limit": limit, "policies": policies, "hooks": hooks, "async": bool(background),
            "arguments": [bool(safe_serialization), sorted(kwargs)]}, "the checkpoint path and policies")
     agree(descriptors, "the training configuration")
