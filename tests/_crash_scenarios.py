@@ -8,8 +8,8 @@ test can ``kill -9`` it. A run is described by a JSON spec; it may
    during the restore), compare everything restored with the reference the training run recorded for the
    selected checkpoint, then take the next save and report the checkpoint directory after it;
 3. train and save every step (automatic naming, ``total_limit=2``) in the resumed run (``continue``) or in a
-   ``fresh`` run directory, with a crash point armed during one chosen save (``kill_save``/``kill_spec``), or
-   until the parent kills the job at a random instant.
+   ``fresh`` run directory, ``saves`` times with a crash point armed during one chosen save
+   (``kill_save``/``kill_spec``), or (``saves`` null) until the parent kills the job at a random instant.
 
 Before every save each rank writes ``refs/checkpoint_<N>.rank<R>.pt``: its local state as it will be saved
 (parameter and optimizer shards, param groups, scheduler, Python/NumPy/torch RNG, ``accelerator.step``). It is
@@ -240,7 +240,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if rank == 0:
         write_json(root / "loop-started.json", {"time": time.time()})  # the sweep's kill window opens
     saved = []
-    for index in range(1, int(spec["saves"]) + 1):
+    saves = spec["saves"]  # None: until the harness kills the job, however late its kill instant lands
+    parent = os.getppid()
+    index = 0
+    while saves is None or index < int(saves):
+        if saves is None and os.getppid() != parent:
+            break  # orphaned: the harness that was to kill this job is gone
+        index += 1
         kill_spec = spec.get("kill_spec") if index == spec.get("kill_save") else None
         saved.append(_save(*built, root, kill_spec))
     obs["loop_saved"] = saved  # reached only when nothing killed this process

@@ -39,6 +39,8 @@ import pytest
 from accelerate_txn._faults import POINTS
 from tests._crash_harness import (
     KILLED,
+    LAUNCH_TIMEOUT,
+    SURVIVOR_TIMEOUT,
     Link,
     Outcome,
     restart_problems,
@@ -47,9 +49,6 @@ from tests._crash_harness import (
     sweep,
 )
 from tests._crash_scenarios import ASYNC_ENV
-
-pytestmark = pytest.mark.distributed
-
 
 _CONTINUE = {"continue": True, "saves": 1, "kill_save": 1}
 CHAIN = (
@@ -90,7 +89,7 @@ def test_kill_9_at_named_point_then_restart_restores_newest_complete_exactly(
     assert kill.returncodes[kill.first_dead] == KILLED, kill.describe()
     if link.killed_rank is not None:
         assert kill.first_dead == link.killed_rank, kill.describe()
-        # No rank hangs: the survivors fail on their own (the harness kills only what is left after 60 s).
+        # No rank hangs: the survivors fail on their own (the harness kills only what is left after SURVIVOR_TIMEOUT).
         assert not kill.survivors_killed, f"rank(s) {kill.survivors_killed} hung\n{kill.describe()}"
         assert all(code != 0 for code in kill.survivors_exited.values()), kill.describe()
     # Right after the kill: nothing published is damaged or lost, selection names the newest complete one.
@@ -136,6 +135,12 @@ def test_killed_restore_leaves_the_checkpoint_intact_and_restorable(chain: dict[
 
 
 SWEEP_TRIALS = int(os.environ.get("CRASH_SWEEP_TRIALS", "3"))
+
+# The chain runs every launch in one test's setup, a sweep its trials + 1 launches in one test: each launch has the
+# harness's hard deadline (LAUNCH_TIMEOUT, then SURVIVOR_TIMEOUT after a kill), so the pytest timeout is only a
+# backstop above them all; it never cuts a slow but progressing run short.
+pytestmark = [pytest.mark.distributed,
+              pytest.mark.timeout(int((max(len(CHAIN), SWEEP_TRIALS) + 1) * (LAUNCH_TIMEOUT + SURVIVOR_TIMEOUT)) + 60)]
 
 
 @pytest.mark.parametrize("seed", [20261130])

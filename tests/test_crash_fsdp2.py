@@ -3,7 +3,7 @@
 The FSDP1 suite (tests/test_crash.py) kills once per named point of ``accelerate_txn._faults.POINTS``; here every
 point is killed twice on an FSDP2 model (``fsdp_version=2``, ``fully_shard``, DTensor parameters; ranks:
 tests/_crash_fsdp2.py): once **one rank** dies by itself (``NAME@R``: the others must fail on their own, none may
-hang; the harness SIGKILLs only what is left after 60 s) and once the **whole job** dies (every rank that reaches
+hang; the harness SIGKILLs only what is left after SURVIVOR_TIMEOUT) and once the **whole job** dies (every rank that reaches
 the point kills itself, and the harness kills the rest at once, as torchrun does). Points only rank 0 reaches
 (``save:after-manifest``, ``save:during-retention``) kill rank 0 in both modes; the modes differ in what the
 survivor does.
@@ -36,6 +36,7 @@ from tests._crash_fsdp2 import ENTRY
 from tests._crash_harness import (
     KILLED,
     LAUNCH_TIMEOUT,
+    SURVIVOR_TIMEOUT,
     Link,
     Outcome,
     restart_problems,
@@ -68,7 +69,8 @@ UNPUBLISHED_POINTS = ("save:after-native-save", "save:during-flush", "save:after
 
 # Thirteen launches, each with its own deadline (LAUNCH_TIMEOUT kills a hung job's ranks after dumping their
 # stacks); the pytest timeout is only a backstop above them, so it never interrupts the harness's cleanup.
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(int((len(CHAIN) + 1) * LAUNCH_TIMEOUT) + 60)]
+pytestmark = [pytest.mark.distributed,
+              pytest.mark.timeout(int((len(CHAIN) + 1) * (LAUNCH_TIMEOUT + SURVIVOR_TIMEOUT)) + 60)]
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +102,7 @@ def test_fsdp2_kill_9_then_restart_restores_newest_complete_exactly(
     assert kill.first_dead is not None and kill.returncodes[kill.first_dead] == KILLED, kill.describe()
     if link.killed_rank is not None:
         assert kill.first_dead == link.killed_rank, kill.describe()
-        # No rank hangs: the survivor fails on its own (the harness kills only what is left after 60 s).
+        # No rank hangs: the survivor fails on its own (the harness kills only what is left after SURVIVOR_TIMEOUT).
         assert not kill.survivors_killed, f"rank(s) {kill.survivors_killed} hung\n{kill.describe()}"
         assert kill.survivors_exited and all(code != 0 for code in kill.survivors_exited.values()), kill.describe()
     # Right after the kill: nothing published is damaged or lost, selection names the newest complete one.

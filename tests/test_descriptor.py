@@ -466,7 +466,7 @@ def _config_in_a_fresh_process() -> dict[str, Any]:
     from pathlib import Path
 
     completed = subprocess.run([sys.executable, "-c", textwrap.dedent(_CONFIG_IN_A_FRESH_PROCESS)],
-                               cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120,
+                               cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300,
                                check=False)
     assert completed.returncode == 0, completed.stderr[-4000:]
     return json.loads(completed.stdout.strip().splitlines()[-1])

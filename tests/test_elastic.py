@@ -17,7 +17,8 @@ import torch
 from accelerate_txn._reshard import POLICY, derive_rng, derived_seed
 from accelerate_txn.testing import launch
 
-TIMEOUT = 240
+TIMEOUT = 240  # a hang guard per launch: each took about 25 s with 2 cores loaded 5 times over
+pytestmark = pytest.mark.timeout(5 * TIMEOUT + 60)  # the chain fixture runs five launches in one test's setup
 
 
 def _consolidated(checkpoint: Path) -> dict[str, Any]:

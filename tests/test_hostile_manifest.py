@@ -8,6 +8,7 @@ nothing changes before a refusal.
 from __future__ import annotations
 
 import copy
+import errno
 import fractions
 import json
 import os
@@ -16,6 +17,8 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -282,46 +285,90 @@ def test_checkpoint_directory_that_is_a_symbolic_link_is_refused(saved: Path, tm
 # --- special files ---------------------------------------------------------------------------------------------------
 
 _FIFO_PROBE = textwrap.dedent("""
-    import json, signal, sys
+    import json, os, sys
+
+    # Everything the steps use is imported before the first step: no step's outcome depends on import time.
+    import torch  # noqa: F401
+    import torch.distributed.checkpoint.metadata  # noqa: F401  (read_dcp_metadata imports it on first use)
     from accelerate_txn._manifest import read_dcp_metadata, read_manifest, verify_manifest
     from accelerate_txn._select import checkpoint_candidates
     from accelerate_txn.cli import main
 
-    class Hung(BaseException):  # not an OSError: the library must not mistake it for a refusal
-        pass
+    events = os.fdopen(int(sys.argv[1]), "w", buffering=1)  # the test's own pipe: stdout carries the CLI's output
 
-    def timeout(*_):
-        raise Hung
-
-    signal.signal(signal.SIGALRM, timeout)
-    results = {}
+    def report(*event):
+        events.write(json.dumps(event) + "\\n")
 
     def step(name, function):
-        signal.alarm(5)  # a blocked open() is interrupted: the step reports "hung" instead of hanging the test
+        report("start", name)  # the test knows which step is running should one never return
         try:
             value = function()
-            results[name] = value if isinstance(value, (int, str)) else "returned"
-        except Hung:
-            results[name] = "hung"
+            result = value if isinstance(value, (int, str)) else "returned"
         except Exception as exc:
-            results[name] = type(exc).__name__
-        finally:
-            signal.alarm(0)
+            result = type(exc).__name__
+        report("done", name, result)
 
-    run, fifo_manifest, fifo_file, dcp = sys.argv[1:5]
+    run, fifo_manifest, fifo_file, dcp = sys.argv[2:6]
     step("read_manifest", lambda: read_manifest(fifo_manifest))
     step("verify listed file", lambda: verify_manifest(fifo_file, read_manifest(fifo_file), full=True))
     step("selection", lambda: [p.name for p in checkpoint_candidates(run)[0]] == ["checkpoint_0"] and "ok")
     step("cli verify", lambda: main(["verify", fifo_manifest, "--full"]))
     step("cli latest", lambda: main(["latest", run]))
     step("read_dcp_metadata", lambda: read_dcp_metadata(dcp))
-    print(json.dumps(results))
+    report("finished")
+    sys.stdin.readline()  # alive until the test has checked that no descriptor of a named pipe is still open
 """)
+
+# Only a hang guard: the probe takes seconds even on a loaded machine, and a reader blocked on a named pipe waits
+# forever, so no limit decides the outcome; when it expires the test reports which step is stuck, and where.
+_FIFO_HANG_GUARD_S = 300.0
+
+
+def _fifos_with_a_reader(fifos: list[Path]) -> list[str]:
+    """The named pipes some process holds open for reading, including one blocked in open(): an open for writing
+    with O_NONBLOCK fails with ENXIO exactly when no reader has the pipe open, and never waits."""
+    held = []
+    for fifo in fifos:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:
+                raise
+        else:
+            os.close(fd)  # a reader blocked in open() returns now and reads end-of-file
+            held.append(str(fifo))
+    return held
+
+
+def test_the_named_pipe_check_sees_a_reader_blocked_in_open(tmp_path: Path) -> None:
+    # What the test below relies on: a reader blocked in open() on a named pipe is seen (and released) by
+    # _fifos_with_a_reader. The reader can only return once a writer appeared, so polling for it races nothing.
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    assert _fifos_with_a_reader([fifo]) == []
+    reader = subprocess.Popen([sys.executable, "-c", "import sys; assert open(sys.argv[1], 'rb').read() == b''",
+                               str(fifo)])
+    try:
+        seen: list[str] = []
+        deadline = time.monotonic() + _FIFO_HANG_GUARD_S  # a hang guard only: the reader waits forever until seen
+        while not seen:
+            assert reader.poll() is None, "the reader returned although no writer ever opened the pipe"
+            assert time.monotonic() < deadline, "the blocked reader was never seen"
+            seen = _fifos_with_a_reader([fifo])
+            time.sleep(0.01)  # polling interval, not synchronisation
+        assert seen == [str(fifo)]
+        assert reader.wait(timeout=_FIFO_HANG_GUARD_S) == 0  # released by the check: it read end-of-file
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait()
 
 
 def test_named_pipes_in_a_checkpoint_never_block_a_reader(saved: Path, tmp_path: Path) -> None:
     # A FIFO blocks open() for reading until a writer appears: in place of the manifest (or of a DCP .metadata in a
-    # manifest-less directory) a reader that opens it without O_NONBLOCK hangs, and with it every rank.
+    # manifest-less directory) a reader that opens it without O_NONBLOCK hangs, and with it every rank. Nothing
+    # here ever opens these pipes for writing while the probe runs, so a step that returns proves its reader did
+    # not block: the proof involves no clock. Once every step returned, no process may hold a pipe open either.
     run = tmp_path / "run"
     _copy(saved, run / "checkpoint_0")
     fifo_manifest = _copy(saved, run / "checkpoint_1")
@@ -333,10 +380,47 @@ def test_named_pipes_in_a_checkpoint_never_block_a_reader(saved: Path, tmp_path:
     dcp = tmp_path / "dcp"
     dcp.mkdir()
     os.mkfifo(dcp / ".metadata")
-    done = subprocess.run([sys.executable, "-c", _FIFO_PROBE, str(run), str(fifo_manifest), str(fifo_file), str(dcp)],
-                          capture_output=True, text=True, timeout=120, cwd=os.getcwd())
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == {
+    fifos = [fifo_manifest / MANIFEST, fifo_file / "scheduler.bin", dcp / ".metadata"]
+    read_end, write_end = os.pipe()
+    with (tmp_path / "probe.out").open("w") as out, (tmp_path / "probe.err").open("w") as err:
+        probe = subprocess.Popen(
+            [sys.executable, "-c", _FIFO_PROBE, str(write_end), str(run), str(fifo_manifest), str(fifo_file), str(dcp)],
+            stdin=subprocess.PIPE, stdout=out, stderr=err, text=True, pass_fds=(write_end,), cwd=os.getcwd())
+    os.close(write_end)
+    stuck: list[list[str]] = []
+
+    def hang_guard() -> None:  # runs only if the probe is still running after _FIFO_HANG_GUARD_S
+        stuck.append(_fifos_with_a_reader(fifos))  # first: a step it unblocks is killed before it can report
+        probe.kill()
+
+    guard = threading.Timer(_FIFO_HANG_GUARD_S, hang_guard)
+    guard.start()
+    events: list[list[Any]] = []
+    held_after_the_steps: list[str] | None = None
+    try:
+        with os.fdopen(read_end) as stream:
+            for line in stream:  # ends when the probe exits (or the guard killed it)
+                events.append(json.loads(line))
+                if events[-1] == ["finished"]:
+                    held_after_the_steps = _fifos_with_a_reader(fifos)  # the probe is alive, every step returned
+                    assert probe.stdin is not None
+                    probe.stdin.write("exit\n")
+                    probe.stdin.close()
+        returncode = probe.wait()
+    finally:
+        guard.cancel()
+        if probe.poll() is None:
+            probe.kill()
+            probe.wait()
+    stderr = (tmp_path / "probe.err").read_text()
+    started = [event[1] for event in events if event[0] == "start"]
+    finished = {event[1]: event[2] for event in events if event[0] == "done"}
+    unfinished = [name for name in started if name not in finished]
+    assert not stuck and not unfinished, (
+        f"the probe was still running after {_FIFO_HANG_GUARD_S:.0f} s, in step {unfinished}; named pipes held open "
+        f"for reading: {stuck[0] if stuck else '?'}\n{stderr[-3000:]}")
+    assert returncode == 0 and events[-1] == ["finished"], f"rc={returncode} events={events}\n{stderr[-3000:]}"
+    assert finished == {
         "read_manifest": "CheckpointIntegrityError",
         "verify listed file": "CheckpointIntegrityError",
         "selection": "ok",
@@ -344,6 +428,7 @@ def test_named_pipes_in_a_checkpoint_never_block_a_reader(saved: Path, tmp_path:
         "cli latest": 0,
         "read_dcp_metadata": "CheckpointIntegrityError",
     }
+    assert held_after_the_steps == [], f"named pipes still open for reading after every step: {held_after_the_steps}"
 
 
 # --- malformed manifests -------------------------------------------------------------------------------------------

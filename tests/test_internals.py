@@ -144,7 +144,7 @@ def test_thread_exit_hook_runs_before_concurrent_futures_shuts_down() -> None:
             "    with ThreadPoolExecutor(1) as pool:\n"
             "        print('pool ok', pool.submit(lambda: 42).result(), flush=True)\n"
             "assert _internals.register_thread_exit_hook(hook)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "pool ok 42" in done.stdout, done.stderr
 
 

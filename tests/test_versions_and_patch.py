@@ -33,7 +33,7 @@ from accelerate_txn._versions import (
 from accelerate_txn.errors import RestoreFailedError
 
 REPO = Path(__file__).resolve().parents[1]
-SUBPROCESS_TIMEOUT = 120
+SUBPROCESS_TIMEOUT = 300  # a hang guard only
 
 
 def _python(code: str, **env: str) -> dict[str, Any]:

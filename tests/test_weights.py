@@ -16,7 +16,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -339,6 +338,7 @@ def test_export_is_refused_while_another_writer_holds_the_directory_lock(tmp_pat
 
 KILLED_EXPORT = textwrap.dedent(
     """
+    import signal
     import sys
     from pathlib import Path
 
@@ -352,8 +352,20 @@ KILLED_EXPORT = textwrap.dedent(
             Path(directory, "config.json").write_text("{}")
 
 
-    # 512 MiB in 4 MiB tensors and 8 MiB shards: the export runs long enough to be killed mid-way.
-    state = {f"layer{i}.weight": torch.full((1024, 1024), float(i)) for i in range(128)}
+    class PausesAtTheThirdShard(dict):
+        # The export pops each shard's tensors as it writes it: the first key of shard 3 is popped once shards 1
+        # and 2 are complete on disk. There the export tells the test and waits to be killed: no clock decides
+        # where the kill lands.
+        def pop(self, key, *default):
+            if key == "layer4.weight":
+                print("two shards written", flush=True)
+                while True:
+                    signal.pause()
+            return super().pop(key, *default)
+
+
+    # 64 MiB in 4 MiB tensors and 8 MiB shards: two tensors a shard, eight shards.
+    state = PausesAtTheThirdShard({f"layer{i}.weight": torch.full((1024, 1024), float(i)) for i in range(16)})
     save_diffusers_state_dict(state, ConfigOnly(), sys.argv[1], max_shard_size=8 * 1024**2)
     """
 )
@@ -367,23 +379,21 @@ def test_killed_export_leaves_the_previous_export_intact(
     script = tmp_path / "export_big.py"
     script.write_text(KILLED_EXPORT)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen([sys.executable, str(script), str(out)], env=env)
+    process = subprocess.Popen([sys.executable, str(script), str(out)], env=env, stdout=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        staging: Path | None = None
-        while staging is None:  # kill once the staging directory holds at least one complete shard
-            assert time.monotonic() < deadline, "the export never started writing shards"
-            assert process.poll() is None, f"the export ended (rc={process.returncode}) before it could be killed"
-            staging = next(
-                (path for path, _run in staging_leftovers(tmp_path) if len(shard_files(path)) >= 2), None
-            )
-            time.sleep(0.002)  # polling interval, not synchronisation
+        assert process.stdout is not None
+        line = process.stdout.readline()  # the synchronisation point (pytest-timeout bounds a hang)
+        assert line == "two shards written\n", f"the export ended (rc={process.wait()}) before it could be killed"
+        (staging,) = [path for path, _run in staging_leftovers(tmp_path)]
+        assert len(shard_files(staging)) == 2, sorted(p.name for p in staging.iterdir())
         process.send_signal(signal.SIGKILL)
-        assert process.wait(timeout=30) == -signal.SIGKILL
+        assert process.wait(timeout=120) == -signal.SIGKILL
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
 
     assert staging.exists(), "the kill happened mid-export: its staging directory is left behind"
     assert checkpoint_fingerprint(out) == before
@@ -773,11 +783,36 @@ def test_fingerprint_is_content_identity_independent_of_location(
         checkpoint_fingerprint(tmp_path / "elsewhere")
 
 
+_CHANGED_WHEN_OPENED: set[str] = set()  # paths whose modification time the audit hook below moves on each open
+
+
+def _change_when_opened(event: str, args: tuple[Any, ...]) -> None:
+    """Audit hook: an ``open`` of a path in ``_CHANGED_WHEN_OPENED`` moves its modification time first, so a reader
+    that opens a file after taking its identity sees it change, whatever the machine's speed."""
+    if event != "open" or not _CHANGED_WHEN_OPENED or not args:
+        return
+    try:
+        name = os.fsdecode(os.fspath(args[0]))
+        if name in _CHANGED_WHEN_OPENED:
+            now = os.stat(name)
+            os.utime(name, ns=(now.st_atime_ns, now.st_mtime_ns + 1))
+    except Exception:  # an audit hook must never break the opener
+        pass
+
+
+_AUDIT_HOOK: list[bool] = []  # audit hooks cannot be removed: installed once per process
+
+
 @pytest.fixture
 def touching(tmp_path: Path) -> Iterator[Path]:
-    """A 64 MiB weight file whose modification time another thread keeps changing until the test ends."""
+    """A 64 MiB weight file that changes while it is read: each open of it moves its modification time (an audit
+    hook: deterministic), and another thread keeps changing it until the test ends (whatever order of stat and
+    open the reader uses)."""
     path = tmp_path / "weights.safetensors"
     save_file({"w": torch.zeros(16 * 1024**2)}, path)
+    if not _AUDIT_HOOK:
+        sys.addaudithook(_change_when_opened)
+        _AUDIT_HOOK.append(True)
     started, stop = threading.Event(), threading.Event()
 
     def touch() -> None:
@@ -789,10 +824,14 @@ def touching(tmp_path: Path) -> Iterator[Path]:
 
     thread = threading.Thread(target=touch, daemon=True)
     thread.start()
-    assert started.wait(10)
-    yield path
-    stop.set()
-    thread.join()
+    assert started.wait(120)  # a hang guard only: the thread sets it on its first pass
+    _CHANGED_WHEN_OPENED.add(str(path))
+    try:
+        yield path
+    finally:
+        _CHANGED_WHEN_OPENED.discard(str(path))
+        stop.set()
+        thread.join()
 
 
 def test_fingerprint_rejects_a_file_changing_while_it_is_hashed(touching: Path) -> None:
@@ -930,12 +969,12 @@ TWO_RANK_SAVE = textwrap.dedent(
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(360)  # above the hang guard of its two-rank script
 def test_export_dcp_reassembles_chunks_written_by_two_ranks(tmp_path: Path) -> None:
     script = tmp_path / "two_rank_save.py"
     script.write_text(TWO_RANK_SAVE)
     subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "dcp"), str(tmp_path / "expected.pt")], check=True, timeout=100
+        [sys.executable, str(script), str(tmp_path / "dcp"), str(tmp_path / "expected.pt")], check=True, timeout=300
     )
     metadata = _read_dcp_metadata(tmp_path / "dcp")
     assert len(metadata.state_dict_metadata["model.proj.weight"].chunks) == 2
@@ -1052,13 +1091,13 @@ DTENSOR_EXPORT = textwrap.dedent(
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(360)  # above the hang guard of its two-rank script
 def test_export_refuses_a_dtensor_and_leaves_the_dict_untouched(tmp_path: Path) -> None:
     script = tmp_path / "dtensor_export.py"
     script.write_text(DTENSOR_EXPORT)
     result = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "out"), str(tmp_path / "rendezvous")],
-        capture_output=True, text=True, timeout=100, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert result.returncode == 0, result.stderr
     assert re.search(r"REFUSED .*'b' \(DTensor\).*gather a full state dict first", result.stdout), result.stdout
