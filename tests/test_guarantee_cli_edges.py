@@ -26,29 +26,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration
 
 from accelerate_txn import load_training_checkpoint, save_training_checkpoint
 from accelerate_txn._select import checkpoint_candidates, complete_run_id, latest_training_checkpoint, prune
 from accelerate_txn._staging import DirectoryLock, retire
+from tests.test_save_single import _accelerator
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_A = "a" * 32
 
 
 def _trainer(project_dir: Path | None = None, seed: int = 0) -> Accelerator:
-    project = ProjectConfiguration(project_dir=str(project_dir), automatic_checkpoint_naming=True) if project_dir else None
-    accelerator = Accelerator(cpu=True, project_config=project)
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(4, 3)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    model(torch.randn(2, 4)).sum().backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return accelerator
+    return _accelerator(project_dir, seed)[0]
 
 
 def _cli(*args: Any, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[bytes]:

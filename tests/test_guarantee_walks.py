@@ -25,12 +25,12 @@ from typing import Any
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration
 
 from accelerate_txn import CheckpointIntegrityError, load_training_checkpoint, save_training_checkpoint
 from accelerate_txn._manifest import MANIFEST, list_tree, read_manifest, verify_manifest
 from accelerate_txn._select import checkpoint_candidates, complete_run_id, latest_training_checkpoint
 from accelerate_txn._staging import fsync_tree, remove_leftovers, retire, retired_leftovers, staging_leftovers
+from tests.test_save_single import _accelerator
 
 REPO = Path(__file__).resolve().parents[1]
 DEEP = 1100  # levels: past the interpreter's recursion limit (1000 on CPython)
@@ -66,15 +66,7 @@ def _remove_deep_trees(tmp_path: Path) -> Iterator[None]:
 
 
 def _trainer(project_dir: Path | None = None, seed: int = 0) -> tuple[Accelerator, torch.nn.Module]:
-    project = ProjectConfiguration(project_dir=str(project_dir), automatic_checkpoint_naming=True) if project_dir else None
-    accelerator = Accelerator(cpu=True, project_config=project)
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(4, 3)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    model(torch.randn(2, 4)).sum().backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    accelerator, model, _optimizer = _accelerator(project_dir, seed)
     return accelerator, model
 
 

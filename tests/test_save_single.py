@@ -15,8 +15,14 @@ from accelerate_txn import MANIFEST, save_training_checkpoint
 from accelerate_txn._staging import fsync_path
 
 
-def _accelerator() -> tuple[Accelerator, Any, Any]:
-    accelerator = Accelerator(cpu=True)
+def _accelerator(project_dir: Path | None = None, seed: int | None = None) -> tuple[Accelerator, Any, Any]:
+    """A one-process Accelerator that took one optimizer step (automatic naming under ``project_dir`` if given)."""
+    from accelerate.utils import ProjectConfiguration
+
+    project = ProjectConfiguration(project_dir=str(project_dir), automatic_checkpoint_naming=True) if project_dir else None
+    accelerator = Accelerator(cpu=True, project_config=project)
+    if seed is not None:
+        torch.manual_seed(seed)
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
