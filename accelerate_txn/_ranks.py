@@ -80,19 +80,24 @@ def raise_gathered(failures: dict[int, tuple[str, str]], context: str, cause: Ba
     raise error from cause
 
 
+def _group_destroyed(context: str) -> CheckpointRankError:
+    return CheckpointRankError(
+        f"{context}: the process group this checkpoint phase runs over was destroyed (destroy_process_group() "
+        "was called while the save was still running, or the job is shutting down). Nothing was published. Wait "
+        "for asynchronous saves (accelerate_txn.wait_for_checkpoint or accelerator.end_training()) before "
+        "destroying the process group."
+    )
+
+
 def run_phase(function: Callable[[], T], context: str = "Checkpoint phase", group: Any = None) -> T:
     """Run ``function`` on every rank; if it raises anywhere, raise the same error on every rank.
 
     ``group`` names the process group the phase runs over; if it was destroyed meanwhile (the script called
-    ``destroy_process_group`` while an asynchronous save was writing), the phase raises before ``function`` runs:
-    a rank that lost its group must never carry on as if it were alone."""
+    ``destroy_process_group`` while an asynchronous save was writing), the phase raises before ``function`` runs, or
+    right after it if the group went while it ran: a rank that lost its group must never carry on as if it were
+    alone."""
     if group is not None and not distributed():
-        raise CheckpointRankError(
-            f"{context}: the process group this checkpoint phase runs over was destroyed (destroy_process_group() "
-            "was called while the save was still running, or the job is shutting down). Nothing was published. Wait "
-            "for asynchronous saves (accelerate_txn.wait_for_checkpoint or accelerator.end_training()) before "
-            "destroying the process group."
-        )
+        raise _group_destroyed(context)
     result: Any = None
     failure: tuple[str, str, bool] | None = None
     caught: BaseException | None = None
@@ -105,6 +110,8 @@ def run_phase(function: Callable[[], T], context: str = "Checkpoint phase", grou
         agreed = isinstance(exc, CheckpointError) and bool(exc.failures)  # raised everywhere by a nested phase
         name = type(exc).__name__ if isinstance(exc, CheckpointError) else ""
         failure = (name, str(exc) if agreed else _describe(exc), agreed)
+    if group is not None and not distributed():  # destroyed while ``function`` ran: never go on as one rank alone
+        raise _group_destroyed(context) from caught
     if not distributed():
         if caught is None:
             return result
