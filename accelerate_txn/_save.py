@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +55,15 @@ from ._ranks import agree, distributed, on_main, rank, run_phase, world_size
 from ._required import check_required_files, rank_files
 from ._reshard import POLICY as RESHARD_POLICY
 from ._select import complete_run_id, numbered_checkpoints, prune
-from ._staging import DirectoryLock, StagedDirectory, fsync_path, new_id, remove_leftovers, staging_leftovers
+from ._staging import (
+    DirectoryLock,
+    StagedDirectory,
+    fsync_path,
+    new_id,
+    remove_leftovers,
+    staging_leftovers,
+    walk_tree,
+)
 from ._versions import installed_versions, require_supported_versions
 from .errors import (
     CheckpointConfigurationError,
@@ -176,16 +183,9 @@ def _gather_rows(rows: dict[str, dict[str, Any]], world: int, group: Any = None)
 
 
 def _fsync_directories(root: Path) -> None:
-    """fsync every directory of ``root``, deepest first. Iterative (an explicit stack: ``os.walk`` recurses once per
-    level on Python 3.10/3.11), never follows a symbolic link, and raises a listing error instead of skipping it."""
-    directories: list[Path] = []
-    stack = [Path(root)]
-    while stack:
-        directory = stack.pop()
-        directories.append(directory)
-        with os.scandir(directory) as listing:
-            stack.extend(Path(entry.path) for entry in listing if entry.is_dir(follow_symlinks=False))
-    for directory in reversed(directories):
+    """fsync every directory of ``root``, deepest first (``_staging.walk_tree``: iterative, never follows a symbolic
+    link, raises a listing error instead of skipping it)."""
+    for directory, _entries in reversed(list(walk_tree(root))):
         fsync_path(directory)
 
 
