@@ -141,7 +141,7 @@ class Environment:
     def check(self, job: Job) -> str | None:
         """Why this environment is not the job's pair validated by accelerate_txn, or None."""
         code = ("import json, sys, torch, accelerate\n"
-                "from accelerate_txn._versions import unvalidated\n"
+                "from accelerate_txn.accelerate.versions import unvalidated\n"
                 "print(json.dumps({'python': '%d.%d' % sys.version_info[:2], 'torch': torch.__version__,"
                 " 'accelerate': accelerate.__version__, 'unvalidated': unvalidated()}))")
         probe = subprocess.run([str(self.bin), "-c", code], cwd=ROOT, env=self.env(), capture_output=True, text=True,

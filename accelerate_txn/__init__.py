@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._autopatch import install_on_import
+from .accelerate.autopatch import install_on_import
 from .errors import (
     CheckpointConfigurationError,
     CheckpointError,
@@ -30,36 +30,36 @@ __version__ = "0.1.0.dev0"
 # The public API is loaded on first use (PEP 562): ``import accelerate_txn`` stays cheap, and the offline CLI
 # (``verify``, ``list``, ``latest``) never imports torch.
 _LAZY = {
-    "configure_checkpointing": "_config",
-    "check_finite_state": "_finite",
-    "check_finite_training_value": "_finite",
-    "load_training_checkpoint": "_load",
-    "MANIFEST": "_manifest",
-    "PROTOCOL": "_manifest",
-    "install": "_patch",
-    "uninstall": "_patch",
-    "patch_accelerate_fsdp": "_patch",
-    "unpatch_accelerate_fsdp": "_patch",
-    "register_checkpoint_state": "_rng",
-    "agree": "_ranks",
-    "on_main": "_ranks",
-    "save_training_checkpoint": "_save",
-    "latest_training_checkpoint": "_select",
-    "wait_for_checkpoint": "_async",
+    "configure_checkpointing": "accelerate.config",
+    "check_finite_state": "accelerate.finite",
+    "check_finite_training_value": "accelerate.finite",
+    "load_training_checkpoint": "accelerate.load",
+    "MANIFEST": "core.manifest",
+    "PROTOCOL": "core.manifest",
+    "install": "accelerate.patch",
+    "uninstall": "accelerate.patch",
+    "patch_accelerate_fsdp": "accelerate.patch",
+    "unpatch_accelerate_fsdp": "accelerate.patch",
+    "register_checkpoint_state": "accelerate.rng",
+    "agree": "core.ranks",
+    "on_main": "core.ranks",
+    "save_training_checkpoint": "accelerate.save",
+    "latest_training_checkpoint": "accelerate.selection",
+    "wait_for_checkpoint": "accelerate.async_save",
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from ._async import wait_for_checkpoint
-    from ._config import configure_checkpointing
-    from ._finite import check_finite_state, check_finite_training_value
-    from ._load import load_training_checkpoint
-    from ._manifest import MANIFEST, PROTOCOL
-    from ._patch import install, patch_accelerate_fsdp, uninstall, unpatch_accelerate_fsdp
-    from ._ranks import agree as agree  # rank helpers: importable, not in __all__
-    from ._ranks import on_main as on_main
-    from ._rng import register_checkpoint_state
-    from ._save import save_training_checkpoint
-    from ._select import latest_training_checkpoint
+    from .accelerate.async_save import wait_for_checkpoint
+    from .accelerate.config import configure_checkpointing
+    from .accelerate.finite import check_finite_state, check_finite_training_value
+    from .accelerate.load import load_training_checkpoint
+    from .accelerate.patch import install, patch_accelerate_fsdp, uninstall, unpatch_accelerate_fsdp
+    from .accelerate.rng import register_checkpoint_state
+    from .accelerate.save import save_training_checkpoint
+    from .accelerate.selection import latest_training_checkpoint
+    from .core.manifest import MANIFEST, PROTOCOL
+    from .core.ranks import agree as agree  # rank helpers: importable, not in __all__
+    from .core.ranks import on_main as on_main
 
 
 def __getattr__(name: str) -> Any:
@@ -82,7 +82,7 @@ def checkpoint_source_identity(path: Any) -> Any:
     """
     import os
 
-    from ._ranks import agree, on_main
+    from .core.ranks import agree, on_main
     from .weights import checkpoint_fingerprint
 
     agree(os.fspath(path), "the checkpoint source path")

@@ -1,7 +1,7 @@
 """Asynchronous protected save vs native synchronous ``save_state`` on the same FSDP model, in one invocation.
 
 ``--fsdp-version 1`` (default): FSDP1, the asynchronous save stages each rank's local flat-parameter and optimizer
-shards without collectives (``accelerate_txn._async_capture``); ``--fsdp-version 2``: Accelerate's FSDP2
+shards without collectives (``accelerate_txn.fsdp.capture``); ``--fsdp-version 2``: Accelerate's FSDP2
 (``fully_shard`` per ``Linear``, DTensor parameters; model and optimizer prepared together).
 
 2 ranks (``--world-size``), gloo, CPU. Each repeat measures, in rotating order (so drift in the machine's load and
@@ -47,7 +47,7 @@ def _barrier_time(accelerator: Any, start: float) -> float:
 def worker(root: str, million: int, repeats: int, steps: int, fsdp_version: int = 1) -> dict[str, Any]:
     import accelerate_txn
     from accelerate_txn import configure_checkpointing, wait_for_checkpoint
-    from accelerate_txn._config import checkpoint_config
+    from accelerate_txn.accelerate.config import checkpoint_config
     from accelerate_txn.testing import fsdp_accelerator
     from benchmarks.bench_checkpoint import _model
 

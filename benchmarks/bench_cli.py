@@ -26,7 +26,8 @@ _IMPORT = ("import time, gc; import accelerate.accelerator; gc.collect(); t = ti
 
 
 def _checkpoint(root: Path, gib: float) -> list[Path]:
-    from accelerate_txn._manifest import PROTOCOL, build_inventory, write_manifest
+    from accelerate_txn.core.manifest import PROTOCOL, build_inventory, write_manifest
+    from accelerate_txn.store.posix import POSIX
 
     root.mkdir()
     (root / "pytorch_model_fsdp_0").mkdir()
@@ -41,7 +42,7 @@ def _checkpoint(root: Path, gib: float) -> list[Path]:
     for rank in range(4):
         (root / f"random_states_{rank}.pkl").write_bytes(os.urandom(16_000))
     write_manifest(root, {"protocol": PROTOCOL, "status": "complete", "run_id": "a" * 32, "transaction_id": "b" * 32,
-                          "integrity": "full", "components": {}, "files": build_inventory(root, "full")})
+                          "integrity": "full", "components": {}, "files": build_inventory(root, "full")}, store=POSIX)
     return sorted(p for p in root.rglob("*") if p.is_file() and p.name != "checkpoint_manifest.json")
 
 

@@ -37,7 +37,7 @@ if (REPO / "accelerate_txn" / "__init__.py").is_file() and str(REPO) not in sys.
     sys.path.insert(0, str(REPO))
 
 from accelerate_txn import MANIFEST  # noqa: E402
-from accelerate_txn._staging import LOCK_NAME  # noqa: E402
+from accelerate_txn.store.posix import LOCK_NAME  # noqa: E402
 from accelerate_txn.testing import free_port  # noqa: E402
 
 WORLD_SIZE = 2

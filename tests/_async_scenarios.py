@@ -58,9 +58,9 @@ def async_lifecycle(root: str) -> dict[str, Any]:
     obs["second_path"] = str(second.wait())
     import torch.distributed as dist
 
-    from accelerate_txn import _async
+    from accelerate_txn.core.ranks import background_group
 
-    group = _async.background_group()
+    group = background_group()
     obs["own_group"] = group is not None and group != dist.group.WORLD and dist.get_backend(group) == "gloo"
     obs["after_two"] = _complete(checkpoints)
     obs["manifest_steps"] = [json.loads((checkpoints / name / accelerate_txn.MANIFEST).read_text())["steps"]
@@ -136,7 +136,7 @@ def _restored_state(path: str) -> dict[str, Any]:
 def _reused_staging(root: str, acc: Any, snapshot: Any, train: Any, differences: Any) -> dict[str, Any]:
     """``reuse_staging_memory``: back-to-back saves (the second called while the first may be in flight, training
     in between) copy into the same host buffers, and each checkpoint restores exactly the state it saved."""
-    from accelerate_txn._config import checkpoint_config
+    from accelerate_txn.accelerate.config import checkpoint_config
 
     def buffers() -> set[int]:
         pool = checkpoint_config(acc).staging_pool
@@ -295,7 +295,7 @@ def _tensor_collectives() -> Iterator[list[str]]:
 def fsdp2_async(root: str) -> dict[str, Any]:
     """FSDP2 (DTensor) asynchronous save: collective-free staging in the caller, exact round trip with the
     protected loader and with native Accelerate, the same DCP entries and files as a synchronous save."""
-    from accelerate_txn._native import native_method
+    from accelerate_txn.accelerate.native import native_method
     from tests._fsdp2_scenarios import _build as build2
     from tests._fsdp2_scenarios import _dcp_entries, _differences, _snapshot
     from tests._fsdp2_scenarios import _train as train2
@@ -391,9 +391,9 @@ def fsdp1_collective_free(root: str, use_orig_params: bool) -> dict[str, Any]:
     native Accelerate's load_state."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from accelerate_txn._fsdp_optimizer import _saved_groups
-    from accelerate_txn._manifest import read_dcp_metadata
-    from accelerate_txn._native import native_method
+    from accelerate_txn.accelerate.native import native_method
+    from accelerate_txn.core.manifest import read_dcp_metadata
+    from accelerate_txn.fsdp.dcp_optimizer import saved_groups as _saved_groups
 
     base = Path(root)
     obs: dict[str, Any] = {}

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from accelerate_txn import CheckpointError, configure_checkpointing, register_checkpoint_state
-from accelerate_txn._config import checkpoint_config, mark_failed
-from accelerate_txn._manifest import MANIFEST, hash_file
+from accelerate_txn.accelerate.config import checkpoint_config, mark_failed
+from accelerate_txn.core.manifest import MANIFEST, hash_file
 from accelerate_txn.testing import TinyModel, fsdp_accelerator
 
 # The file classes of a protected FSDP1 checkpoint of ``_build`` (2 ranks), by case-name prefix.
@@ -309,7 +309,7 @@ def _cases() -> list[tuple[str, Any]]:
         # A valid DCP Metadata whose payload lies outside its directory; the manifest rewritten to match it.
         import pickle
 
-        from accelerate_txn._manifest import read_dcp_metadata
+        from accelerate_txn.core.manifest import read_dcp_metadata
 
         folder = case_dir / "pytorch_model_fsdp_0"
         metadata = read_dcp_metadata(folder)

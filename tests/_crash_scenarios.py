@@ -37,9 +37,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from accelerate_txn._faults import KILL_ENV
-from accelerate_txn._manifest import MANIFEST, read_manifest, verify_manifest
-from accelerate_txn._select import checkpoint_candidates, numbered_checkpoints
+from accelerate_txn.accelerate.selection import checkpoint_candidates
+from accelerate_txn.core.faults import KILL_ENV
+from accelerate_txn.core.manifest import MANIFEST, read_manifest, verify_manifest
+from accelerate_txn.core.select import numbered_checkpoints
 from accelerate_txn.errors import CheckpointIntegrityError, NoCheckpointError
 from tests._scenarios import _build, _local_state, _same, _train
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from accelerate_txn import MANIFEST, configure_checkpointing
-from accelerate_txn._config import checkpoint_config, mark_failed
+from accelerate_txn.accelerate.config import checkpoint_config, mark_failed
 from tests import _corruption_scenarios as scenarios
 from tests._corruption_fsdp2 import build
 from tests._corruption_scenarios import snapshot

@@ -109,10 +109,10 @@ def roundtrip(root: str) -> dict[str, Any]:
     """Protected save; load right after save in the same process; exact resume into a fresh model and optimizer
     (parameters, optimizer, groups, scheduler, RNG) and the next step equal; a checkpoint saved before the first
     step into a fresh optimizer; the descriptor's FSDP2 layout."""
-    from accelerate_txn._patch import _protected
+    from accelerate_txn.accelerate.patch import _protected
 
     base = Path(root)
-    obs: dict[str, Any] = {"installed": accelerate_txn._patch.installed()}
+    obs: dict[str, Any] = {"installed": accelerate_txn.accelerate.patch.installed()}
     acc, model, opt, sched = _build(0)
     obs["dtensor"] = type(next(model.parameters())).__name__
     obs["protected"] = _protected(acc)
@@ -331,21 +331,21 @@ def refusals(root: str) -> dict[str, Any]:
 def unvalidated_and_native(root: str) -> dict[str, Any]:
     """FSDP2 on versions its path was not validated on runs native with one warning and one INFO line; and what
     native Accelerate itself does with the before-the-first-step checkpoint (for the record)."""
-    from accelerate_txn import _fsdp2
-    from accelerate_txn._patch import _protected
+    from accelerate_txn.accelerate.patch import _protected
+    from accelerate_txn.accelerate import versions as _versions
     from tests._dispatch_scenarios import _observed
 
     base = Path(root)
     obs: dict[str, Any] = {}
-    saved = _fsdp2.FSDP2_VALIDATED
-    _fsdp2.FSDP2_VALIDATED = frozenset({("0.0", "0.0")})  # the installed versions are outside it
+    saved = _versions.FSDP2_VALIDATED
+    _versions.FSDP2_VALIDATED = frozenset({("0.0", "0.0")})  # the installed versions are outside it
     try:
         acc = _build(0)[0]
         with _observed() as seen:
             obs["protected"] = [_protected(acc), _protected(acc)]
             obs["save_error"] = _error(lambda: acc.save_state(str(base / "native")))
     finally:
-        _fsdp2.FSDP2_VALIDATED = saved
+        _versions.FSDP2_VALIDATED = saved
     obs["seen"] = seen
     obs["manifest"] = (base / "native" / accelerate_txn.MANIFEST).is_file()
     obs["model_saved"] = (base / "native" / "pytorch_model_fsdp_0" / ".metadata").is_file()

@@ -120,11 +120,11 @@ def async_save_then_destroy(root: str, fsdp_version: int, bypass: bool) -> dict[
     obs["published"] = (path / accelerate_txn.MANIFEST).is_file()
     obs["staging_left"] = sorted(p.name for p in Path(root).iterdir() if ".staging-" in p.name)
     obs["library_threads"] = [t.name for t in threading.enumerate() if t.name.startswith("accelerate-txn")]
-    from accelerate_txn import _async
+    from accelerate_txn.core import ranks as _ranks
 
-    obs["background_group_dropped"] = _async._GROUP == []
+    obs["background_group_dropped"] = _ranks._BACKGROUND == []
     if obs["published"]:
-        from accelerate_txn._manifest import read_manifest, verify_manifest
+        from accelerate_txn.core.manifest import read_manifest, verify_manifest
 
         manifest = read_manifest(path)
         obs["verify_error"] = _error(lambda: verify_manifest(path, manifest, full=True, dcp=True))
@@ -186,7 +186,7 @@ def _count_collectives(calls: list[str]) -> list[tuple[Any, str, Any]]:
 def dispatch_off_is_native(root: str) -> dict[str, Any]:
     """Run with ``VIDEOX_ACCELERATE_PATCHES=0``: a save and a load make exactly the collectives (and files)
     native Accelerate makes with the library uninstalled."""
-    from accelerate_txn import _patch
+    from accelerate_txn.accelerate import patch as _patch
 
     observed: dict[str, Any] = {}
     for label in ("off", "native"):

@@ -205,11 +205,11 @@ def load_matrix(root: str) -> dict[str, Any]:
         for model, optimizer in zip(models, optimizers):
             _train(accelerator, model, optimizer, None, 1, seed=5)
     # The layout-agnostic fallback (FSDP's own conversion) restores the same optimizer state.
-    from accelerate_txn._fsdp_optimizer import _load_by_conversion
+    from accelerate_txn.fsdp.fsdp1 import load_by_conversion as _load_by_conversion
 
     for name in ("orig_adamw_groups", "flat_adam_amsgrad"):
         accelerator, models, optimizers = _build(name, 7)
-        _load_by_conversion(accelerator, optimizers[0].optimizer, models[0], Path(root) / name / "optimizer_0",
+        _load_by_conversion(optimizers[0].optimizer, models[0], Path(root) / name / "optimizer_0",
                             allow_reorder=True)
         expected = torch.load(Path(root) / f"{name}.expected_{rank}.pt", weights_only=True)
         got = _states(models, optimizers)
@@ -229,7 +229,7 @@ def load_matrix(root: str) -> dict[str, Any]:
         import pickle
         import shutil
 
-        from accelerate_txn._manifest import read_dcp_metadata
+        from accelerate_txn.core.manifest import read_dcp_metadata
 
         shutil.copytree(Path(root) / "orig_adamw_groups", legacy)
         (legacy / accelerate_txn.MANIFEST).unlink()
@@ -280,9 +280,10 @@ def conversion_preflight(root: str) -> dict[str, Any]:
 
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from accelerate_txn._fsdp_geometry import GeometryMismatch
-    from accelerate_txn._fsdp_optimizer import _owners, validate_optimizer_checkpoint
-    from accelerate_txn._manifest import read_dcp_metadata
+    from accelerate_txn.accelerate.optimizers import validate_optimizer_checkpoint
+    from accelerate_txn.core.manifest import read_dcp_metadata
+    from accelerate_txn.fsdp.fsdp1 import _owners
+    from accelerate_txn.fsdp.geometry import GeometryMismatch
 
     rank = int(os.environ["RANK"])
     obs: dict[str, Any] = {}

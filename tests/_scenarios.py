@@ -232,7 +232,7 @@ def dispatch_toggles(root: str) -> dict[str, Any]:
     obs["legacy_differences"] = _same(_local_state(model, opt), _local_state(model2, opt2))
     # An opted-in instance routes even a native (unwrapped) load_state's FSDP optimizer load through the
     # accelerate-txn loader: a fresh optimizer gets its state back, where native Accelerate restores none.
-    from accelerate_txn._native import native_method
+    from accelerate_txn.accelerate.native import native_method
 
     acc3, model3, opt3, _ = _build(6)
     accelerate_txn.patch_accelerate_fsdp(acc3)
@@ -292,7 +292,7 @@ def resume_after_kill(root: str) -> dict[str, Any]:
 
 def disagreement_and_native_gap(root: str) -> dict[str, Any]:
     """Ranks that disagree raise the same explained error; the post-restore check catches an empty optimizer."""
-    from accelerate_txn._fsdp_optimizer import verify_restored
+    from accelerate_txn.accelerate.optimizers import verify_restored
 
     obs: dict[str, Any] = {}
     rank = int(os.environ["RANK"])
@@ -315,7 +315,7 @@ def disagreement_and_native_gap(root: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.utils import _wrap_exception
 
-    from accelerate_txn._ranks import run_phase
+    from accelerate_txn.core.ranks import run_phase
 
     def dcp_failure() -> None:
         if rank == 1:
@@ -381,8 +381,8 @@ def own_files(root: str) -> dict[str, Any]:
     """A protected save, then each rank's share of the hash-and-fsync pass over a copy of the published tree."""
     import json
 
-    from accelerate_txn._manifest import list_tree
-    from accelerate_txn._save import _own_rows
+    from accelerate_txn.accelerate.save import _own_rows
+    from accelerate_txn.core.manifest import list_tree
 
     acc, model, opt, sched = _build(0)
     register_checkpoint_state(acc, {"noise": torch.Generator().manual_seed(1)}, {"batches": 0})

@@ -105,7 +105,7 @@ def _round_trip(root: Path, cpu_offload: bool) -> dict[str, Any]:
 
 def _fsdp2_async_reuse(root: Path) -> dict[str, Any]:
     from accelerate_txn import configure_checkpointing
-    from accelerate_txn._config import checkpoint_config
+    from accelerate_txn.accelerate.config import checkpoint_config
 
     accelerator, model, optimizer = _build(0, False, fsdp_version=2)
     configure_checkpointing(accelerator, async_save=True, reuse_staging_memory=True)

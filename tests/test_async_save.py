@@ -113,7 +113,7 @@ def test_configure_async_save_is_validated_first() -> None:
     owner = Owner()
     with pytest.raises(CheckpointConfigurationError, match=r"async_save='yes'.*True.*False"):
         configure_checkpointing(owner, async_save="yes", check_finite=True)
-    from accelerate_txn._config import checkpoint_config
+    from accelerate_txn.accelerate.config import checkpoint_config
 
     assert checkpoint_config(owner).async_save is False and checkpoint_config(owner).check_finite is False
     configure_checkpointing(owner, async_save=True)
@@ -163,7 +163,7 @@ def test_interpreter_exit_waits_for_the_save_in_flight_or_reports_its_failure(tm
 def test_staged_copy_is_independent_of_the_live_tensors() -> None:
     import torch
 
-    from accelerate_txn._async import staged_copy
+    from accelerate_txn.fsdp.host_memory import staged_copy
 
     live = {"weight": torch.arange(6.0).view(2, 3)[:, 1:], "state": [torch.tensor(3), {"lr": 0.1, "name": "g"}]}
     staged = staged_copy(live)

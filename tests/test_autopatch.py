@@ -15,21 +15,21 @@ _CHECKS = {
         "import accelerate_txn\n"
         "assert 'torch' not in sys.modules and 'accelerate.accelerator' not in sys.modules\n"
         "from accelerate import Accelerator\n"
-        "from accelerate_txn._patch import installed\n"
+        "from accelerate_txn.accelerate.patch import installed\n"
         "assert installed(), 'not wrapped after a later import of accelerate'\n"
         "assert type(Accelerator.__dict__['save_state']).__name__ == 'FunctionWrapper'\n"
     ),
     "accelerate first": (
         "from accelerate import Accelerator\n"
         "import accelerate_txn\n"
-        "from accelerate_txn._patch import installed\n"
+        "from accelerate_txn.accelerate.patch import installed\n"
         "assert installed()\n"
     ),
     "public names load on use": (
         "import sys\n"
         "import accelerate_txn\n"
-        "assert 'accelerate_txn._save' not in sys.modules\n"
-        "assert callable(accelerate_txn.save_training_checkpoint) and 'accelerate_txn._save' in sys.modules\n"
+        "assert 'accelerate_txn.accelerate.save' not in sys.modules\n"
+        "assert callable(accelerate_txn.save_training_checkpoint) and 'accelerate_txn.accelerate.save' in sys.modules\n"
         "assert set(accelerate_txn.__all__) <= set(dir(accelerate_txn))\n"
         "try:\n"
         "    accelerate_txn.no_such_name\n"
@@ -40,11 +40,11 @@ _CHECKS = {
     ),
     "uninstall then reinstall": (
         "import accelerate_txn, accelerate.accelerator as m\n"
-        "original = accelerate_txn._patch.ORIGINALS['Accelerator.save_state']\n"
+        "original = accelerate_txn.accelerate.patch.ORIGINALS['Accelerator.save_state']\n"
         "accelerate_txn.uninstall()\n"
         "assert m.Accelerator.__dict__['save_state'] is original\n"
         "accelerate_txn.install()\n"
-        "assert accelerate_txn._patch.installed()\n"
+        "assert accelerate_txn.accelerate.patch.installed()\n"
     ),
 }
 

@@ -20,8 +20,8 @@ from accelerate import Accelerator
 
 import accelerate_txn
 from accelerate_txn import MANIFEST, configure_checkpointing, register_checkpoint_state, save_training_checkpoint
-from accelerate_txn._staging import DirectoryLock
 from accelerate_txn.cli import main
+from accelerate_txn.store.posix import POSIX, DirectoryLock
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_A = "a" * 32  # run ids of hand-made leftovers
@@ -476,14 +476,14 @@ def test_verify_full_shows_a_progress_bar_on_a_terminal_only(tmp_path: Path) -> 
     import subprocess
     import sys
 
-    from accelerate_txn._manifest import PROTOCOL, build_inventory, write_manifest
+    from accelerate_txn.core.manifest import PROTOCOL, build_inventory, write_manifest
 
     root = tmp_path / "checkpoint_0"
     (root / "pytorch_model_fsdp_0").mkdir(parents=True)
     with (root / "pytorch_model_fsdp_0" / "__0_0.distcp").open("wb") as stream:
         stream.truncate(300 * 2**20)  # sparse: hashing reads zeros fast
     write_manifest(root, {"protocol": PROTOCOL, "status": "complete", "run_id": "a" * 32, "transaction_id": "b" * 32,
-                          "integrity": "full", "components": {}, "files": build_inventory(root, "full")})
+                          "integrity": "full", "components": {}, "files": build_inventory(root, "full")}, store=POSIX)
     command = [sys.executable, "-m", "accelerate_txn", "verify", "--full", str(root)]
     leader, follower = pty.openpty()
     try:

@@ -9,7 +9,7 @@ import pytest
 from accelerate import Accelerator
 
 from accelerate_txn import configure_checkpointing
-from accelerate_txn._config import LOCK_TIMEOUT_ENV, checkpoint_config
+from accelerate_txn.accelerate.config import LOCK_TIMEOUT_ENV, checkpoint_config
 from accelerate_txn.errors import CheckpointConfigurationError
 
 

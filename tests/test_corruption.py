@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import torch
 
-from accelerate_txn._manifest import read_manifest, verify_manifest
 from accelerate_txn.cli import main as cli
+from accelerate_txn.core.manifest import read_manifest, verify_manifest
 from accelerate_txn.testing import launch
 from tests import _corruption_scenarios as scenarios
 

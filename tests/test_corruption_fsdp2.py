@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from accelerate_txn._manifest import read_manifest
+from accelerate_txn.core.manifest import read_manifest
 from accelerate_txn.testing import launch
 from tests import test_corruption as fsdp1
 

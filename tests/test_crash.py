@@ -1,6 +1,6 @@
 """Crash consistency: real ``kill -9`` at every named phase of a protected save and of a restore, then restart.
 
-Each kill is a real ``SIGKILL`` (``accelerate_txn._faults``: the rank kills itself at the named point, so no
+Each kill is a real ``SIGKILL`` (``accelerate_txn.core.faults``: the rank kills itself at the named point, so no
 ``finally`` runs) of one rank or of the whole job, in a real 2-rank FSDP1 training loop on CPU (gloo) with
 automatic checkpoint naming and ``total_limit=2`` (retention runs), saving every step. After each kill the
 checkpoint directory is checked at file level (every ``checkpoint_N`` present verifies with every hash, no
@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 
-from accelerate_txn._faults import POINTS
+from accelerate_txn.core.faults import POINTS
 from tests._crash_harness import (
     KILLED,
     LAUNCH_TIMEOUT,

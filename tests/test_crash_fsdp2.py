@@ -1,6 +1,6 @@
 """Crash consistency on FSDP2: a real ``kill -9`` at every named point, of one rank and of the whole job, then restart.
 
-The FSDP1 suite (tests/test_crash.py) kills once per named point of ``accelerate_txn._faults.POINTS``; here every
+The FSDP1 suite (tests/test_crash.py) kills once per named point of ``accelerate_txn.core.faults.POINTS``; here every
 point is killed twice on an FSDP2 model (``fsdp_version=2``, ``fully_shard``, DTensor parameters; ranks:
 tests/_crash_fsdp2.py): once **one rank** dies by itself (``NAME@R``: the others must fail on their own, none may
 hang; the harness SIGKILLs only what is left after SURVIVOR_TIMEOUT) and once the **whole job** dies (every rank that reaches
@@ -30,8 +30,8 @@ from typing import Any
 import pytest
 import torch
 
-from accelerate_txn._faults import POINTS
-from accelerate_txn._manifest import read_manifest
+from accelerate_txn.core.faults import POINTS
+from accelerate_txn.core.manifest import read_manifest
 from tests._crash_fsdp2 import ENTRY
 from tests._crash_harness import (
     KILLED,

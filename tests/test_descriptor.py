@@ -15,8 +15,8 @@ import torch
 from accelerate import Accelerator
 
 from accelerate_txn import configure_checkpointing
-from accelerate_txn._descriptor import _callable_signature, compare_descriptor, describe, participants
-from accelerate_txn._jsondiff import differences
+from accelerate_txn.accelerate.descriptor import _callable_signature, compare_descriptor, describe, participants
+from accelerate_txn.core.jsondiff import differences
 from accelerate_txn.errors import CheckpointConfigurationError
 
 _EXEC_A = {"capturable": False, "differentiable": False, "fused": None}
@@ -450,7 +450,7 @@ class _ConfiguredNet(_Net):
 _CONFIG_IN_A_FRESH_PROCESS = """
     import json
     from accelerate import Accelerator
-    from accelerate_txn._descriptor import describe
+    from accelerate_txn.accelerate.descriptor import describe
     from tests.test_descriptor import _ConfiguredNet
 
     accelerator = Accelerator(cpu=True)

@@ -4,7 +4,7 @@ Chain per FSDP version (real gloo process groups of 1, 2 and 3 ranks): save A on
 (first without the opt-in: refused before anything changes) and re-save B1; resume A on 3 ranks, re-save B3;
 resume B1 (saved on 1 rank) on 2 ranks, re-save B2. Each re-save is the restored live state, so the consolidated
 model and optimizer state of B1, B3 and B2 must equal A's exactly. Per-rank state follows the recorded policy
-(``accelerate_txn._reshard``): kept, derived for new ranks, dropped with a warning for ranks that are gone."""
+(``accelerate_txn.accelerate.elastic``): kept, derived for new ranks, dropped with a warning for ranks that are gone."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from accelerate_txn._reshard import POLICY, derive_rng, derived_seed
+from accelerate_txn.accelerate.elastic import POLICY
+from accelerate_txn.accelerate.rng import derive_rng, derived_seed
 from accelerate_txn.testing import launch
 
 TIMEOUT = 240  # a hang guard per launch: each took about 25 s with 2 cores loaded 5 times over

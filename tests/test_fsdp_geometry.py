@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from accelerate_txn._fsdp_geometry import GeometryMismatch, Piece, boxes, flat_members
+from accelerate_txn.fsdp.geometry import GeometryMismatch, Piece, boxes, flat_members
 
 
 def test_boxes_cover_exactly_the_flat_range_in_order_with_at_most_2n_minus_1_boxes() -> None:

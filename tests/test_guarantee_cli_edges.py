@@ -29,8 +29,9 @@ import pytest
 from accelerate import Accelerator
 
 from accelerate_txn import load_training_checkpoint, save_training_checkpoint
-from accelerate_txn._select import checkpoint_candidates, complete_run_id, latest_training_checkpoint, prune
-from accelerate_txn._staging import DirectoryLock, retire
+from accelerate_txn.accelerate.selection import checkpoint_candidates, latest_training_checkpoint
+from accelerate_txn.core.select import complete_run_id, prune
+from accelerate_txn.store.posix import POSIX, DirectoryLock, retire
 from tests.test_save_single import _accelerator
 
 REPO = Path(__file__).resolve().parents[1]
@@ -120,7 +121,7 @@ def test_prune_never_counts_or_deletes_through_a_symlinked_checkpoint(linked_run
     assert complete_run_id(linked_run / "checkpoint_1") is not None and complete_run_id(tmp_path / "elsewhere")
     # The library's retention, given a link as "newest", deletes nothing through it either.
     with DirectoryLock(linked_run):
-        assert prune(linked_run, complete_run_id(linked_run / "checkpoint_1"), 1, linked_run / "checkpoint_6") == []
+        assert prune(linked_run, complete_run_id(linked_run / "checkpoint_1"), 1, linked_run / "checkpoint_6", store=POSIX) == []
     assert (tmp_path / "elsewhere").is_dir() and (linked_run / "checkpoint_1").is_dir()
 
 

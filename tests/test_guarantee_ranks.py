@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from accelerate_txn import MANIFEST
-from accelerate_txn._manifest import hash_file, read_manifest, verify_manifest
+from accelerate_txn.core.manifest import hash_file, read_manifest, verify_manifest
 from accelerate_txn.errors import CheckpointIntegrityError
 from accelerate_txn.testing import launch
 

@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 
 from accelerate_txn import save_training_checkpoint
-from accelerate_txn._manifest import MANIFEST, PROTOCOL, build_inventory, write_manifest
-from accelerate_txn._select import complete_run_id, numbered_checkpoints, prune
-from accelerate_txn._staging import DirectoryLock, StagedDirectory
 from accelerate_txn.cli import main
+from accelerate_txn.core.manifest import MANIFEST, PROTOCOL, build_inventory, write_manifest
+from accelerate_txn.core.select import complete_run_id, numbered_checkpoints, prune
+from accelerate_txn.store.posix import POSIX, DirectoryLock, StagedDirectory
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = "0123456789abcdef0123456789abcdef"
@@ -44,7 +44,7 @@ def publish_checkpoint(root: Path, number: int, run_id: str = RUN, *, log: Path 
         (staging / "random_states_0.pkl").write_bytes(number.to_bytes(8, "little") * 4)
         write_manifest(staging, {"protocol": PROTOCOL, "status": "complete", "run_id": run_id,
                                  "transaction_id": staged.txid, "integrity": "full", "hash": "xxh3_128",
-                                 "files": build_inventory(staging, "full")})
+                                 "files": build_inventory(staging, "full")}, store=POSIX)
         published = staged.publish()
         if log is not None:
             with log.open("a") as stream:
@@ -76,7 +76,7 @@ def test_prune_keeps_the_newest_it_lists_whatever_newest_the_caller_passes(tmp_p
     for number in range(1, 5):
         publish_checkpoint(tmp_path, number)
     with DirectoryLock(tmp_path):
-        deleted = prune(tmp_path, RUN, 1, tmp_path / "checkpoint_3")
+        deleted = prune(tmp_path, RUN, 1, tmp_path / "checkpoint_3", store=POSIX)
     assert deleted == [tmp_path / "checkpoint_1", tmp_path / "checkpoint_2"]
     assert _numbers(tmp_path) == [3, 4]  # the newest listed and the caller's newest both stay
     assert complete_run_id(tmp_path / "checkpoint_4") == RUN
@@ -213,8 +213,8 @@ print("published", count, flush=True)
 _PRUNER = """
 import contextlib, io, json, os, sys
 from pathlib import Path
-from accelerate_txn._select import numbered_checkpoints
-from accelerate_txn._staging import DirectoryLock
+from accelerate_txn.core.select import numbered_checkpoints
+from accelerate_txn.store.posix import DirectoryLock
 from accelerate_txn.cli import main
 
 root, log, iterations, attempts, signal = (Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),

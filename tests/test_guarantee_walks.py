@@ -27,9 +27,10 @@ import torch
 from accelerate import Accelerator
 
 from accelerate_txn import CheckpointIntegrityError, load_training_checkpoint, save_training_checkpoint
-from accelerate_txn._manifest import MANIFEST, list_tree, read_manifest, verify_manifest
-from accelerate_txn._select import checkpoint_candidates, complete_run_id, latest_training_checkpoint
-from accelerate_txn._staging import fsync_tree, remove_leftovers, retire, retired_leftovers, staging_leftovers
+from accelerate_txn.accelerate.selection import checkpoint_candidates, latest_training_checkpoint
+from accelerate_txn.core.manifest import MANIFEST, list_tree, read_manifest, verify_manifest
+from accelerate_txn.core.select import complete_run_id
+from accelerate_txn.store.posix import fsync_tree, remove_leftovers, retire, retired_leftovers, staging_leftovers
 from tests.test_save_single import _accelerator
 
 REPO = Path(__file__).resolve().parents[1]
@@ -209,7 +210,7 @@ def test_remove_leftovers_removes_a_tree_deeper_than_path_max(tmp_path: Path) ->
 
 
 def test_fsync_of_a_deep_staged_tree(tmp_path: Path) -> None:
-    from accelerate_txn._save import _fsync_directories
+    from accelerate_txn.accelerate.save import _fsync_directories
 
     root = tmp_path / "tree"
     root.mkdir()
@@ -242,7 +243,7 @@ def test_remove_tree_removes_links_themselves_and_never_their_targets(tmp_path: 
     linked.symlink_to(target, target_is_directory=True)
     assert remove_leftovers(linked.parent, None) == [linked]
     assert not linked.is_symlink() and (target / "sub" / "data.bin").read_bytes() == b"d" * 5
-    from accelerate_txn._staging import remove_tree
+    from accelerate_txn.store.posix import remove_tree
 
     # Links inside a tree: to a directory, to a file, dangling; the tree goes, the targets stay.
     tree = tmp_path / "tree"

@@ -33,10 +33,10 @@ from accelerate_txn import (
     register_checkpoint_state,
     save_training_checkpoint,
 )
-from accelerate_txn._config import checkpoint_config
-from accelerate_txn._manifest import MANIFEST, hash_file, read_manifest, verify_manifest
-from accelerate_txn._select import checkpoint_candidates, latest_training_checkpoint
+from accelerate_txn.accelerate.config import checkpoint_config
+from accelerate_txn.accelerate.selection import checkpoint_candidates, latest_training_checkpoint
 from accelerate_txn.cli import main as cli
+from accelerate_txn.core.manifest import MANIFEST, hash_file, read_manifest, verify_manifest
 from tests._corruption_scenarios import Counter, Exploit, warmup
 
 DEEP = 200_000
@@ -223,7 +223,7 @@ def test_deeply_nested_sibling_is_skipped_by_automatic_restore_and_the_next_auto
 
 _MEMORY_PROBE = textwrap.dedent("""
     import json, resource, sys
-    from accelerate_txn._manifest import read_manifest
+    from accelerate_txn.core.manifest import read_manifest
     from accelerate_txn.errors import CheckpointIntegrityError
     from accelerate_txn.cli import main
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -290,8 +290,8 @@ _FIFO_PROBE = textwrap.dedent("""
     # Everything the steps use is imported before the first step: no step's outcome depends on import time.
     import torch  # noqa: F401
     import torch.distributed.checkpoint.metadata  # noqa: F401  (read_dcp_metadata imports it on first use)
-    from accelerate_txn._manifest import read_dcp_metadata, read_manifest, verify_manifest
-    from accelerate_txn._select import checkpoint_candidates
+    from accelerate_txn.core.manifest import read_dcp_metadata, read_manifest, verify_manifest
+    from accelerate_txn.core.select import checkpoint_candidates
     from accelerate_txn.cli import main
 
     events = os.fdopen(int(sys.argv[1]), "w", buffering=1)  # the test's own pipe: stdout carries the CLI's output

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from accelerate_txn._manifest import writer_rank
+from accelerate_txn.core.manifest import writer_rank
 from accelerate_txn.testing import launch
 
 REPO = Path(__file__).resolve().parent.parent

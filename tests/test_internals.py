@@ -1,9 +1,11 @@
-"""``accelerate_txn._internals``, the one door to private Accelerate/torch/NumPy internals.
+"""The internals layers, the only doors to private Accelerate/torch/NumPy internals:
+``accelerate_txn.accelerate.internals`` (Accelerate's) and ``accelerate_txn.fsdp.internals`` (torch's, NumPy's,
+CPython's). Below, ``_internals`` is both of them together.
 
 (a) Every private dependency exists and behaves as the library assumes on the *installed* versions: each
 accessor is called on a real single-process Accelerator, and the FSDP1 and ShardedTensor ones on real FSDP1
-units in one launched 2-rank gloo group. (b) No library module other than ``_internals`` reaches a private
-name of another package, so the rule cannot silently erode.
+units in one launched 2-rank gloo group. (b) No library module other than the internals layers reaches a
+private name of another package, so the rule cannot silently erode.
 """
 
 from __future__ import annotations
@@ -22,12 +24,26 @@ import pytest
 import torch
 
 import accelerate_txn
-from accelerate_txn import _internals
+from accelerate_txn.accelerate import internals as _accelerate_internals
+from accelerate_txn.fsdp import internals as _torch_internals
 from accelerate_txn.testing import launch
 
 TIMEOUT = 300
 PACKAGE = Path(accelerate_txn.__file__).parent
-INTERNALS = PACKAGE / "_internals.py"
+INTERNALS_MODULES = (_accelerate_internals, _torch_internals)
+INTERNALS = {Path(module.__file__) for module in INTERNALS_MODULES}
+
+
+class _Layers:
+    """Both internals layers as one namespace (each accessor is defined in exactly one of them)."""
+
+    def __getattr__(self, name: str) -> Any:
+        owners = [module for module in INTERNALS_MODULES if hasattr(module, name)]
+        assert len(owners) == 1, f"{name} is defined in {len(owners)} internals layers"
+        return getattr(owners[0], name)
+
+
+_internals = _Layers()
 
 # Library modules that still reach a private name outside _internals, with exactly what they reach. Only for
 # files this change could not edit; each entry is a to-do: route the access through _internals, then delete it.
@@ -139,7 +155,7 @@ def test_thread_exit_hook_runs_before_concurrent_futures_shuts_down() -> None:
     import sys
 
     code = ("from concurrent.futures import ThreadPoolExecutor\n"  # registers its own exit hook first
-            "import accelerate_txn._internals as _internals\n"
+            "import accelerate_txn.fsdp.internals as _internals\n"
             "def hook():\n"
             "    with ThreadPoolExecutor(1) as pool:\n"
             "        print('pool ok', pool.submit(lambda: 42).result(), flush=True)\n"
@@ -217,7 +233,7 @@ def test_store_loaded_bytes_puts_entries_where_dcp_default_planner_would(tmp_pat
 
 def test_private_pickle_globals_of_dcp_metadata_resolve() -> None:
     # _manifest allowlists them by name (not reached through _internals); each must still exist.
-    from accelerate_txn._manifest import _MetadataUnpickler
+    from accelerate_txn.core.manifest import MetadataUnpickler as _MetadataUnpickler
 
     for module, name in sorted(_MetadataUnpickler._NAMES):
         if module == "pathlib._local" and sys.version_info < (3, 13):
@@ -231,7 +247,7 @@ def _unit_observations(model: Any, reference: dict[str, torch.Size]) -> list[dic
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from accelerate_txn._fsdp_geometry import flat_members
+    from accelerate_txn.fsdp.geometry import flat_members
 
     names = _internals.param_to_fqns(model)
     rows = []
@@ -271,7 +287,7 @@ def _sharded_tensor_observations(root: str, rank: int) -> dict[str, Any]:
     and then read them straight into the given local tensors."""
     import torch.distributed.checkpoint as dcp
 
-    from accelerate_txn._fsdp_optimizer import _SafePlanner
+    from accelerate_txn.fsdp.dcp_optimizer import SafePlanner as _SafePlanner
 
     def build(fill: float) -> tuple[dict[str, Any], list[torch.Tensor]]:
         boxes = [([0, 0], [3, 3], "rank:0/cpu"), ([3, 0], [2, 3], "rank:1/cpu")]
@@ -397,7 +413,7 @@ def test_sharded_tensor_helpers_build_what_dcp_reads_in_place(fsdp_observed: lis
 
 def _own_private_names() -> set[str]:
     """Underscore names accelerate-txn defines itself (its own modules, functions, classes, attributes)."""
-    names = {path.stem for path in PACKAGE.rglob("_*.py") if path != INTERNALS}
+    names = {path.stem for path in PACKAGE.rglob("_*.py") if path not in INTERNALS}
     for path in PACKAGE.rglob("*.py"):
         if path == INTERNALS:
             continue
@@ -410,7 +426,8 @@ def _own_private_names() -> set[str]:
                 names.add(node.attr)
             elif isinstance(node, ast.alias):
                 names.add(node.asname or node.name.split(".")[0])
-    reached = {node.attr for node in ast.walk(ast.parse(INTERNALS.read_text())) if isinstance(node, ast.Attribute)}
+    reached = {node.attr for path in INTERNALS for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.Attribute)}
     # A name _internals reaches on another package's object is never "ours", even if we also use it ourselves.
     return {name for name in names - reached if name.startswith("_") and not name.startswith("__")}
 
@@ -460,12 +477,13 @@ def test_host_dtensor_keeps_the_sharding_spec_around_the_given_local_tensor(
 def test_no_module_but_internals_reaches_a_private_name_of_another_package() -> None:
     own = _own_private_names()
     reached = {str(path.relative_to(PACKAGE)): _private_accesses(path, own)
-               for path in sorted(PACKAGE.rglob("*.py")) if path != INTERNALS}
+               for path in sorted(PACKAGE.rglob("*.py")) if path not in INTERNALS}
     offenders = {name: sorted(found - PENDING.get(name, set())) for name, found in reached.items()}
     offenders = {name: found for name, found in offenders.items() if found}
     assert not offenders, (
-        f"Private Accelerate/torch/NumPy internals reached outside accelerate_txn/_internals.py: {offenders}. Add an "
-        "accessor to _internals.py (with the versions it was checked against) and call it instead.")
+        f"Private Accelerate/torch/NumPy internals reached outside the internals layers (accelerate_txn/accelerate/"
+        f"internals.py, accelerate_txn/fsdp/internals.py): {offenders}. Add an accessor to the right one (with the "
+        "versions it was checked against) and call it instead.")
     stale = {name: sorted(expected - reached.get(name, set())) for name, expected in PENDING.items()}
     assert not any(stale.values()), f"PENDING lists accesses that are gone, delete them: {stale}"
 
@@ -493,8 +511,8 @@ def test_the_erosion_check_sees_each_kind_of_private_access(tmp_path: Path) -> N
 
 
 def test_every_internals_accessor_is_exercised_here() -> None:
-    public = {name for name, value in vars(_internals).items()
-              if inspect.isfunction(value) and value.__module__ == _internals.__name__ and not name.startswith("_")}
+    public = {name for module in INTERNALS_MODULES for name, value in vars(module).items()
+              if inspect.isfunction(value) and value.__module__ == module.__name__ and not name.startswith("_")}
     source = Path(__file__).read_text()
     unexercised = sorted(name for name in public if f"_internals.{name}(" not in source)
     assert not unexercised, f"Accessors without a check on the installed versions in {Path(__file__).name}: {unexercised}"

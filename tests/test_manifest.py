@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 
-from accelerate_txn._manifest import (
+from accelerate_txn.core.manifest import (
     MANIFEST,
     PROTOCOL,
     build_inventory,
@@ -27,6 +27,7 @@ from accelerate_txn._manifest import (
     write_manifest,
 )
 from accelerate_txn.errors import CheckpointIntegrityError
+from accelerate_txn.store.posix import POSIX
 
 LARGE = 17 * 1024 * 1024  # above the 16 MiB threshold under which payloads are always hashed
 
@@ -133,7 +134,7 @@ def test_build_inventory_leaves_out_the_manifest_itself(tmp_path: Path) -> None:
 def test_write_manifest_then_read_manifest_round_trips_and_leaves_no_temporary(tmp_path: Path) -> None:
     root = _checkpoint(tmp_path / "ckpt")
     manifest = _manifest_for(root)
-    write_manifest(root, manifest)
+    write_manifest(root, manifest, store=POSIX)
     assert read_manifest(root) == manifest
     assert not (root / (MANIFEST + ".tmp")).exists()
 
@@ -158,7 +159,7 @@ def test_read_manifest_non_object_raises_integrity_error(tmp_path: Path) -> None
 
 def test_verify_manifest_accepts_intact_checkpoint(tmp_path: Path) -> None:
     root = _checkpoint(tmp_path / "ckpt")
-    write_manifest(root, _manifest_for(root, "full"))
+    write_manifest(root, _manifest_for(root, "full"), store=POSIX)
     manifest = read_manifest(root)
     assert manifest is not None
     verify_manifest(root, manifest, full=False)

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from accelerate_txn._fsdp_optimizer import _check_saved_state
-from accelerate_txn._optimizer_state import unsupported_checkpoint, unsupported_state
 from accelerate_txn.errors import CheckpointIntegrityError
+from accelerate_txn.fsdp.dcp_optimizer import check_saved_state as _check_saved_state
+from accelerate_txn.fsdp.optimizer_state import unsupported_checkpoint, unsupported_state
 from tests._dispatch_scenarios import Blocky, Counting
 from tests._optimizer_matrix import OPTIMIZERS
 
@@ -67,7 +67,7 @@ def test_nested_entries_in_a_checkpoint_are_named(tmp_path: Path) -> None:
 
     import torch.distributed.checkpoint as dcp
 
-    from accelerate_txn._manifest import read_dcp_metadata
+    from accelerate_txn.core.manifest import read_dcp_metadata
 
     state = {"optimizer": {"state": {"w": {"step": torch.tensor(2.0), "stats": {"updates": 3}}},
                            "param_groups": [{"lr": 0.1, "params": ["w"]}]}}

@@ -16,29 +16,29 @@ from accelerate import Accelerator
 
 import accelerate_txn
 from accelerate_txn import errors, register_checkpoint_state
-from accelerate_txn._config import checkpoint_config
-from accelerate_txn._descriptor import describe
-from accelerate_txn._rng import RNG_FILE, apply_rng, read_rng_file
+from accelerate_txn.accelerate.config import checkpoint_config
+from accelerate_txn.accelerate.descriptor import describe
+from accelerate_txn.accelerate.rng import RNG_FILE, apply_rng, read_rng_file
 from accelerate_txn.errors import CheckpointConfigurationError, CheckpointIntegrityError
 
 # Where each public name is defined (names defined in __init__ itself map to None).
 _ORIGINS: dict[str, str | None] = {
-    "MANIFEST": "_manifest",
-    "PROTOCOL": "_manifest",
+    "MANIFEST": "core.manifest",
+    "PROTOCOL": "core.manifest",
     "__version__": None,
-    "check_finite_state": "_finite",
-    "check_finite_training_value": "_finite",
+    "check_finite_state": "accelerate.finite",
+    "check_finite_training_value": "accelerate.finite",
     "checkpoint_source_identity": None,
-    "configure_checkpointing": "_config",
-    "install": "_patch",
-    "latest_training_checkpoint": "_select",
-    "load_training_checkpoint": "_load",
-    "patch_accelerate_fsdp": "_patch",
-    "register_checkpoint_state": "_rng",
-    "save_training_checkpoint": "_save",
-    "unpatch_accelerate_fsdp": "_patch",
-    "uninstall": "_patch",
-    "wait_for_checkpoint": "_async",
+    "configure_checkpointing": "accelerate.config",
+    "install": "accelerate.patch",
+    "latest_training_checkpoint": "accelerate.selection",
+    "load_training_checkpoint": "accelerate.load",
+    "patch_accelerate_fsdp": "accelerate.patch",
+    "register_checkpoint_state": "accelerate.rng",
+    "save_training_checkpoint": "accelerate.save",
+    "unpatch_accelerate_fsdp": "accelerate.patch",
+    "uninstall": "accelerate.patch",
+    "wait_for_checkpoint": "accelerate.async_save",
     **dict.fromkeys(errors.__all__, "errors"),
 }
 
@@ -62,7 +62,7 @@ def test_reexport_is_the_same_object_as_in_its_private_module(name: str) -> None
 
 
 def test_agree_and_on_main_are_the_rank_helpers() -> None:
-    from accelerate_txn import _ranks
+    from accelerate_txn.core import ranks as _ranks
 
     assert accelerate_txn.agree is _ranks.agree and accelerate_txn.on_main is _ranks.on_main
 

@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from accelerate_txn import agree, errors, on_main
-from accelerate_txn._ranks import distributed, rank, run_phase, world_size
+from accelerate_txn.core.ranks import distributed, rank, run_phase, world_size
 from accelerate_txn.errors import (
     CheckpointError,
     CheckpointIntegrityError,

@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 from accelerate import Accelerator
 
-from accelerate_txn import MANIFEST, _faults, latest_training_checkpoint, save_training_checkpoint
-from accelerate_txn._select import complete_run_id, numbered_checkpoints, prune
-from accelerate_txn._staging import retire, retired_leftovers
+from accelerate_txn import MANIFEST, latest_training_checkpoint, save_training_checkpoint
+from accelerate_txn.core import faults as _faults
+from accelerate_txn.core.select import complete_run_id, numbered_checkpoints, prune
+from accelerate_txn.store.posix import POSIX, retire, retired_leftovers
 from tests.test_save_single import _accelerator as _stepped_accelerator
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,9 +26,10 @@ REPO = Path(__file__).resolve().parents[1]
 _PRUNE = """
 import sys
 from pathlib import Path
-from accelerate_txn._select import prune
+from accelerate_txn.core.select import prune
+from accelerate_txn.store.posix import POSIX
 root = Path(sys.argv[1])
-prune(root, sys.argv[2], 1, root / sys.argv[3])
+prune(root, sys.argv[2], 1, root / sys.argv[3], store=POSIX)
 print("pruned", flush=True)
 """
 
@@ -61,7 +63,7 @@ def test_retention_renames_aside_before_it_deletes(tmp_path: Path, monkeypatch: 
             seen.append((_visible(tmp_path), leftovers, all((path / MANIFEST).is_file() for path in leftovers)))
 
     monkeypatch.setattr(_faults, "point", spy)
-    deleted = prune(tmp_path, run_id, 1, tmp_path / "checkpoint_2")
+    deleted = prune(tmp_path, run_id, 1, tmp_path / "checkpoint_2", store=POSIX)
     assert deleted == [tmp_path / "checkpoint_0", tmp_path / "checkpoint_1"]
     first, second = seen
     assert first[0] == ["checkpoint_1", "checkpoint_2"]  # checkpoint_0 is gone by name

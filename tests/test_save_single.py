@@ -12,7 +12,7 @@ from accelerate import Accelerator
 
 import accelerate_txn
 from accelerate_txn import MANIFEST, save_training_checkpoint
-from accelerate_txn._staging import fsync_path
+from accelerate_txn.store.posix import fsync_path
 
 
 def _accelerator(project_dir: Path | None = None, seed: int | None = None) -> tuple[Accelerator, Any, Any]:

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from accelerate_txn._staging import (
+from accelerate_txn.errors import CheckpointConfigurationError, CheckpointExistsError, CheckpointLockedError
+from accelerate_txn.store.posix import (
     LOCK_NAME,
     DirectoryLock,
     StagedDirectory,
@@ -29,14 +30,13 @@ from accelerate_txn._staging import (
     retired_leftovers,
     staging_leftovers,
 )
-from accelerate_txn.errors import CheckpointConfigurationError, CheckpointExistsError, CheckpointLockedError
 
 REPO = Path(__file__).resolve().parents[1]
 
 # Holds DirectoryLock(argv[1]) until a line arrives on stdin (or until it is killed).
 _HOLDER = """
 import sys
-from accelerate_txn._staging import DirectoryLock
+from accelerate_txn.store.posix import DirectoryLock
 lock = DirectoryLock(sys.argv[1])
 lock.acquire()
 print("locked", flush=True)
@@ -138,7 +138,7 @@ class _Waiting(logging.Handler):
 @pytest.fixture
 def waiting() -> Iterator[_Waiting]:
     handler = _Waiting()
-    logger = logging.getLogger("accelerate_txn._staging")
+    logger = logging.getLogger("accelerate_txn.store.posix")
     logger.addHandler(handler)
     try:
         yield handler
@@ -237,7 +237,7 @@ def test_lock_works_without_the_filelock_package(tmp_path: Path) -> None:
     # It now uses flock itself, so no filelock version (or none at all) can break it.
     script = (
         "import sys; sys.modules['filelock'] = None\n"
-        "from accelerate_txn._staging import DirectoryLock\n"
+        "from accelerate_txn.store.posix import DirectoryLock\n"
         "with DirectoryLock(sys.argv[1], timeout=1.0) as lock: print(lock.is_locked)\n"
     )
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, capture_output=True, text=True,

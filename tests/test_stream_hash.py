@@ -12,9 +12,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from accelerate_txn import CheckpointIntegrityError
-from accelerate_txn._host_memory import StagingPool, staged_tensor, staging_into
-from accelerate_txn._manifest import HASH, hash_file, hash_rows
-from accelerate_txn._stream_hash import hash_while_writing
+from accelerate_txn.core.hashing import hash_while_writing
+from accelerate_txn.core.manifest import HASH, hash_file, hash_rows
+from accelerate_txn.fsdp.host_memory import StagingPool, staged_tensor, staging_into
 
 
 def _dcp_save(directory: Path, state: dict[str, Any], record: dict[Path, tuple[int, str]], **options: Any) -> None:
@@ -97,7 +97,7 @@ def test_reused_staging_buffers_are_copied_into_again_and_unused_ones_released()
 
 
 def test_during_a_protected_save_only_dcp_writes_into_its_staging_directory_are_hashed(tmp_path: Path) -> None:
-    from accelerate_txn._async import capture_dcp_saves
+    from accelerate_txn.accelerate.async_save import capture_dcp_saves
 
     staging = tmp_path / "staging"
     inside = dcp.FileSystemWriter(str(staging / "model"))

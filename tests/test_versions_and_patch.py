@@ -21,15 +21,10 @@ from accelerate_txn import (
     load_training_checkpoint,
     save_training_checkpoint,
 )
-from accelerate_txn._config import mark_failed
-from accelerate_txn._manifest import read_manifest, verify_manifest
-from accelerate_txn._patch import PATCH_ENV
-from accelerate_txn._versions import (
-    OVERRIDE_ENV,
-    checkpoint_compatibility,
-    installed_versions,
-    override_requested,
-)
+from accelerate_txn.accelerate.config import mark_failed
+from accelerate_txn.accelerate.patch import PATCH_ENV
+from accelerate_txn.accelerate.versions import OVERRIDE_ENV, checkpoint_compatibility, installed_versions, override_requested
+from accelerate_txn.core.manifest import read_manifest, verify_manifest
 from accelerate_txn.errors import RestoreFailedError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -167,7 +162,7 @@ _UNVALIDATED = """
         obs["patch_error"] = None
     except UnsupportedVersionError as exc:
         obs["patch_error"] = str(exc)
-    obs["opted_in_after_refusal"] = acc in _native._OPTED_IN
+    obs["opted_in_after_refusal"] = acc in _native.OPTED_IN
     acc.state.distributed_type = DistributedType.FSDP
     PartialState().distributed_type = DistributedType.FSDP
     acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT")
@@ -188,7 +183,7 @@ _UNVALIDATED = """
     obs["versions_ok_with_override"] = _versions.versions_ok()
     obs["protected_with_override"] = _patch._protected(acc)
     accelerate_txn.patch_accelerate_fsdp(acc)
-    obs["opted_in_with_override"] = acc in _native._OPTED_IN
+    obs["opted_in_with_override"] = acc in _native.OPTED_IN
     print(json.dumps(obs))
 """
 

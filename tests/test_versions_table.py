@@ -1,5 +1,5 @@
 """The one validated-version table (accelerate_txn/validated.json) and everything that reads it: the version
-policy by minor series in accelerate_txn._versions, the README copy, constraints.txt's default pair, the CI
+policy by minor series in accelerate_txn.accelerate.versions, the README copy, constraints.txt's default pair, the CI
 matrix (.ci/matrix.py) and the matrix subset defined in the Makefile."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import accelerate
 import pytest
 import torch
 
-from accelerate_txn import _versions
-from accelerate_txn._versions import (
+from accelerate_txn.accelerate import versions as _versions
+from accelerate_txn.accelerate.versions import (
     OVERRIDE_ENV,
     TESTED,
     describe_table,

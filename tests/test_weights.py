@@ -27,8 +27,7 @@ from diffusers import UNet2DModel
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from accelerate_txn._manifest import PROTOCOL, build_inventory, write_manifest
-from accelerate_txn._staging import DirectoryLock, staging_leftovers
+from accelerate_txn.core.manifest import PROTOCOL, build_inventory, write_manifest
 from accelerate_txn.errors import (
     CheckpointConfigurationError,
     CheckpointExistsError,
@@ -36,6 +35,7 @@ from accelerate_txn.errors import (
     CheckpointLockedError,
     NoCheckpointError,
 )
+from accelerate_txn.store.posix import POSIX, DirectoryLock, staging_leftovers
 from accelerate_txn.weights import (
     _publish,
     checkpoint_fingerprint,
@@ -911,7 +911,7 @@ def test_export_dcp_verifies_a_protected_checkpoint_against_its_manifest(tmp_pat
         "transaction_id": "0b",
         "files": build_inventory(checkpoint, "metadata"),
     }
-    write_manifest(checkpoint, manifest)
+    write_manifest(checkpoint, manifest, store=POSIX)
     out = export_dcp_to_diffusers(checkpoint, ConfigOnly(), tmp_path / "export")
     assert_same(read_diffusers_state_dict(out), state)
 
@@ -1123,7 +1123,7 @@ def test_readers_never_mix_two_exports_when_a_reexport_swaps_the_directory_after
 
     out, first = duck_export(tmp_path / "export", seed=1)
     second = seeded(DuckModel(), 9)
-    scan = _loaders._scan
+    scan = _loaders.scan
     reexports: list[Path] = []
 
     def scan_then_reexport(*args: Any, **kwargs: Any) -> Any:
@@ -1131,7 +1131,7 @@ def test_readers_never_mix_two_exports_when_a_reexport_swaps_the_directory_after
         reexports.append(save_diffusers_state_dict(snapshot(second), second, out, max_shard_size=max_shard_size))
         return found
 
-    monkeypatch.setattr(_loaders, "_scan", scan_then_reexport)
+    monkeypatch.setattr(_loaders, "scan", scan_then_reexport)
     model = DuckModel()
     if reader == "load_model_checkpoint":
         assert load_model_checkpoint(model, out) == ([], [])

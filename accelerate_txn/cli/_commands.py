@@ -45,7 +45,7 @@ def _json_option(function: Callable[..., Any]) -> Callable[..., Any]:
 
 def _run_directory(path: Path) -> Path:
     """``path`` as a run directory, or a usage error saying what it is instead."""
-    from .._manifest import MANIFEST
+    from ..core.manifest import MANIFEST
 
     if not path.is_dir():
         raise click.UsageError(f"{path} is a file, not a run directory (a directory of checkpoint_N)")
@@ -78,12 +78,12 @@ def list_command(directory: Path, as_json: bool) -> int:
     load_state() would resume from (the newest complete checkpoint; load_state() also checks that it fits the
     live Accelerator).
     """
-    from .._select import latest_training_checkpoint
+    from ..accelerate.selection import latest_training_checkpoint
 
     root = _run_directory(directory)
     entries = scan_run_directory(root)
     try:
-        with out.quiet("accelerate_txn._select"):  # its skip reasons are in the table already
+        with out.quiet("accelerate_txn.core.select"):  # its skip reasons are in the table already
             pick = latest_training_checkpoint(root, full=True)
     except NoCheckpointError:
         pick = None
@@ -125,7 +125,7 @@ def list_command(directory: Path, as_json: bool) -> int:
 @contextlib.contextmanager
 def _hash_progress(manifest: dict[str, Any], full: bool, *, enabled: bool) -> Iterator[Any]:
     """A progress bar on stderr over the bytes to re-hash, only on a terminal and for more than 256 MiB."""
-    from .._manifest import hashed_names
+    from ..core.manifest import hashed_names
 
     try:
         files = manifest["files"]
@@ -164,7 +164,7 @@ def verify_command(checkpoint: Path, full: bool, dcp: bool, as_json: bool) -> in
     and the content hashes of control files and small payloads (of every hashed file with --full). Says what it
     did not check.
     """
-    from .._select import symlink_reason
+    from ..core.select import symlink_reason
 
     try:
         link = symlink_reason(checkpoint)
@@ -336,7 +336,7 @@ def diff_command(saved: Path, other: Path, allow_reshard: bool, as_json: bool) -
 def _prune_plan(entries: list[Any], run_id: str, keep: int) -> tuple[list[Any], list[Any]]:
     """(deleted, kept) complete checkpoints of ``run_id`` under retention ``keep``, oldest first: the rule of
     ``accelerate_txn._select.prune`` (``retention_victims``: oldest first, never the newest listed)."""
-    from .._select import retention_victims
+    from ..core.select import retention_victims
 
     ours = sorted((e for e in entries if e.status == COMPLETE and e.run_id == run_id), key=lambda e: e.number)
     doomed = set(retention_victims([entry.path for entry in ours], keep))
@@ -346,7 +346,7 @@ def _prune_plan(entries: list[Any], run_id: str, keep: int) -> tuple[list[Any], 
 def _prune_run(root: Path, entries: list[Any], run_id: str | None) -> str | None:
     """The run to prune (usage error if it is ambiguous or absent); refuses while a published checkpoint of it fails
     verification."""
-    from .._select import complete_run_id
+    from ..core.select import complete_run_id
 
     runs = sorted({entry.run_id for entry in entries if entry.status == COMPLETE and entry.run_id})
     if run_id is None and len(runs) > 1:
@@ -383,8 +383,8 @@ def prune_command(directory: Path, keep: int, run_id: str | None, dry_run: bool,
     and decides from what it lists while holding it, so it never races a save (it fails at once if a save is in
     progress).
     """
-    from .._select import prune
-    from .._staging import DirectoryLock
+    from ..core.select import prune
+    from ..store.posix import POSIX, DirectoryLock
 
     root = _run_directory(directory)
     if dry_run:  # no lock: the same rule applied to what is there now
@@ -401,7 +401,7 @@ def prune_command(directory: Path, keep: int, run_id: str | None, dry_run: bool,
             run = _prune_run(root, entries, run_id)
             doomed, kept = _prune_plan(entries, run, keep) if run else ([], [])
             # prune lists the directory again (still under the lock) and never deletes the newest it lists.
-            deleted = prune(root, run, keep, kept[-1].path) if run and doomed else []  # type: ignore[arg-type]
+            deleted = prune(root, run, keep, kept[-1].path, store=POSIX) if run and doomed else []  # type: ignore[arg-type]
         finally:
             lock.release()
         kept_paths = [e.path for e in sorted(kept + doomed, key=lambda e: e.number) if e.path not in deleted]
@@ -429,7 +429,7 @@ def latest_command(directory: Path, as_json: bool) -> int:
 
     Exit 1 if the directory holds no complete checkpoint; why each newer one was skipped goes to stderr.
     """
-    from .._select import latest_training_checkpoint
+    from ..accelerate.selection import latest_training_checkpoint
 
     root = _run_directory(directory)
     try:
@@ -478,11 +478,10 @@ def export_command(checkpoint: Path, config: Path, output: Path, max_shard_size:
     import torch
 
     from ..errors import CheckpointConfigurationError
-    from ..weights import export_dcp_to_diffusers
-    from ..weights._export import _resolve_shard_size
+    from ..weights import export_dcp_to_diffusers, resolve_shard_size
 
     try:
-        size = _resolve_shard_size(int(max_shard_size) if max_shard_size.strip().isdigit() else max_shard_size)
+        size = resolve_shard_size(int(max_shard_size) if max_shard_size.strip().isdigit() else max_shard_size)
     except CheckpointConfigurationError as exc:
         raise click.BadParameter(str(exc), param_hint="'--max-shard-size'") from None
     cast = getattr(torch, dtype) if dtype else None

@@ -76,7 +76,7 @@ def resume_blockers(saved: dict[str, Any], other: dict[str, Any], *, allow_resha
                     ) -> list[dict[str, Any]]:
     """Why a run configured as ``other`` was saved would be refused when resuming ``saved``, per component, in the
     library's own words (the same comparison load_state() runs). Empty when it would resume."""
-    from .._descriptor import compare_descriptor
+    from ..accelerate.descriptor import compare_descriptor
     from ..errors import CheckpointConfigurationError
 
     saved_parts, other_parts = _dict(saved.get("components")), _dict(other.get("components"))

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import _manifest
-from .._manifest import MANIFEST, read_manifest, verify_manifest
-from .._staging import _RETIRED, _STAGING, retired_leftovers, staging_leftovers, walk_tree
+from ..core import manifest as _manifest
+from ..core.manifest import MANIFEST, read_manifest, verify_manifest
 from ..errors import CheckpointError, CheckpointIntegrityError
+from ..store.posix import RETIRED_NAME, STAGING_NAME, retired_leftovers, staging_leftovers, walk_tree
 
 COMPLETE, STAGING, RETIRED, LEGACY, CORRUPT = "complete", "staging leftover", "retired leftover", "legacy", "corrupt"
 _PAYLOAD_SUFFIXES = (".distcp", ".safetensors", ".bin")
@@ -31,7 +31,7 @@ class PathKindError(CheckpointError):
 
 def looks_like_run_directory(path: Path) -> bool:
     """A directory holding ``checkpoint_N`` directories or a save's staging/retired leftovers."""
-    from .._select import numbered_checkpoints
+    from ..core.select import numbered_checkpoints
 
     return bool(numbered_checkpoints(path) or staging_leftovers(path) or retired_leftovers(path))
 
@@ -64,7 +64,7 @@ def checkpoint_manifest(path: Path, command: str) -> dict[str, Any]:
     if path.is_file():
         hint = f"; pass its directory: accelerate-txn {command} {path.parent}" if path.name == MANIFEST else ""
         raise PathKindError(f"{path} is a file, not a checkpoint directory{hint}")
-    if _STAGING.fullmatch(path.name) or _RETIRED.fullmatch(path.name):  # even with a manifest: unpublished
+    if STAGING_NAME.fullmatch(path.name) or RETIRED_NAME.fullmatch(path.name):  # even with a manifest: unpublished
         raise CheckpointIntegrityError(
             f"{path} is a staging (or retired) directory: a save that did not finish or a checkpoint being deleted, "
             f"never a loadable checkpoint. See the run directory with 'accelerate-txn list {path.parent}'"
@@ -221,7 +221,7 @@ class Entry:
     def short_name(self, ellipsis: str = "\u2026") -> str:
         """The name for a table: leftovers' long random suffixes elided with ``ellipsis`` (the run id has its own
         column)."""
-        for pattern, word in ((_STAGING, "staging"), (_RETIRED, "deleting")):
+        for pattern, word in ((STAGING_NAME, "staging"), (RETIRED_NAME, "deleting")):
             match = pattern.fullmatch(self.name)
             if match:
                 return f".{match.group('name')}.{word}-{ellipsis}"
@@ -270,7 +270,7 @@ class Entry:
 
 
 def _checkpoint_entry(number: int, path: Path) -> Entry:
-    from .._select import symlink_reason
+    from ..core.select import symlink_reason
 
     link = symlink_reason(path)
     if link is not None:  # listed, never followed: no manifest, run id or size read through it
@@ -299,16 +299,16 @@ def _leftover_number(name: str) -> int:
 
 def scan_run_directory(root: Path) -> list[Entry]:
     """Every checkpoint and leftover of ``root``, newest first (a leftover of ``checkpoint_9`` ranks as 9)."""
-    from .._select import numbered_checkpoints
+    from ..core.select import numbered_checkpoints
 
     entries = [_checkpoint_entry(number, path) for number, path in numbered_checkpoints(root)]
     for path, run in staging_leftovers(root):
-        target = _STAGING.fullmatch(path.name).group("name")  # type: ignore[union-attr]
+        target = STAGING_NAME.fullmatch(path.name).group("name")  # type: ignore[union-attr]
         entries.append(Entry(path, _leftover_number(target), STAGING,
                              f"unpublished save of {target}: in progress, or left by a writer that died (the next "
                              "save of this run removes it)", run_id=run))
     for path in retired_leftovers(root):
-        match = _RETIRED.fullmatch(path.name)
+        match = RETIRED_NAME.fullmatch(path.name)
         target = match.group("name") if match else path.name
         entries.append(Entry(path, _leftover_number(target), RETIRED,
                              f"{target} taken out of service by retention, deletion interrupted (the next save "

@@ -34,6 +34,7 @@ Layout (one concern per private module; this package only re-exports):
 """
 
 from ._dcp import export_dcp_to_diffusers
+from ._export import resolve_shard_size as resolve_shard_size  # for the CLI; not in __all__
 from ._export import save_diffusers_state_dict
 from ._fingerprint import FingerprintEntry, checkpoint_fingerprint
 from ._layout import safetensor_checkpoint_files

@@ -23,23 +23,23 @@ ACCELERATE_FSDP_MODEL_DIR = "pytorch_model_fsdp_0"
 
 _EXAMPLES = 5  # how many keys an error message lists before "and N more"
 #: The files of an export besides its ``diffusion_pytorch_model*`` weights (kept by re-exports, fingerprinted).
-_EXPORT_FILES = (CONFIG_NAME, SAFETENSORS_INDEX_NAME, BIN_INDEX_NAME)
+EXPORT_FILES = (CONFIG_NAME, SAFETENSORS_INDEX_NAME, BIN_INDEX_NAME)
 
 
-def _examples(keys: list[str]) -> str:
+def examples(keys: list[str]) -> str:
     shown = ", ".join(keys[:_EXAMPLES])
     return f"{shown}, and {len(keys) - _EXAMPLES} more" if len(keys) > _EXAMPLES else shown
 
 
-def _strip(key: str, prefix: str | None) -> str:
+def strip(key: str, prefix: str | None) -> str:
     return key[len(prefix):] if prefix and key.startswith(prefix) else key
 
 
-def _shapes(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+def shapes(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     return {key: tuple(value.shape) for key, value in state.items()}
 
 
-def _check_dtype(dtype: torch.dtype | None) -> None:
+def check_dtype(dtype: torch.dtype | None) -> None:
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise CheckpointConfigurationError(
             f"dtype={dtype!r} is not a floating torch.dtype: pass e.g. torch.bfloat16, or None to keep each tensor's "
@@ -47,6 +47,6 @@ def _check_dtype(dtype: torch.dtype | None) -> None:
         )
 
 
-def _output_dtype(dtype: torch.dtype | None, stored: torch.dtype) -> torch.dtype:
+def output_dtype(dtype: torch.dtype | None, stored: torch.dtype) -> torch.dtype:
     """The dtype a tensor is exported in: ``dtype`` for floating tensors when given, else unchanged."""
     return dtype if dtype is not None and stored.is_floating_point else stored

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .._manifest import check_dcp_payloads, read_manifest, verify_manifest
+from ..core.manifest import check_dcp_payloads, read_manifest, verify_manifest
 from ..errors import CheckpointConfigurationError, CheckpointIntegrityError, NoCheckpointError
 from ._common import (
     ACCELERATE_FSDP_MODEL_DIR,
@@ -23,24 +23,24 @@ from ._common import (
     DCP_MODEL_PREFIX,
     DEFAULT_MAX_SHARD_SIZE,
     PathLike,
-    _check_dtype,
-    _examples,
-    _output_dtype,
-    _shapes,
+    check_dtype,
+    examples,
+    output_dtype,
+    shapes,
 )
-from ._export import _config_writer, _resolve_shard_size, _ShardPlan, _write_shards
-from ._publish import _publish_export
-from ._read import _check_matches_model
+from ._export import ShardPlan, config_writer, resolve_shard_size, write_shards
+from ._publish import publish_export
+from ._read import check_matches_model
 
 
 def _read_dcp_metadata(directory: PathLike) -> Any:
     """``Metadata`` of a ``torch.distributed.checkpoint`` directory, read without trusting the pickle.
 
     DCP's own ``FileSystemReader.read_metadata`` calls ``pickle.load``, which runs whatever code the file names.
-    This delegates to the project's restricted reader (``_manifest.read_dcp_metadata``: only DCP's metadata
+    This delegates to the project's restricted reader (``core.manifest.read_dcp_metadata``: only DCP's metadata
     classes and the torch/pathlib types they are built from may be constructed; the globals real files use were
     listed with ``pickletools``), which also checks that every payload range the metadata names exists in full
-    (``_manifest.check_dcp_payloads``). Anything else raises :class:`CheckpointIntegrityError` without running it.
+    (``core.manifest.check_dcp_payloads``). Anything else raises :class:`CheckpointIntegrityError` without running it.
     """
     from torch.distributed.checkpoint.metadata import Metadata
 
@@ -79,7 +79,7 @@ def _dcp_tensors(metadata: Any, directory: Path, prefix: str) -> dict[str, Any]:
 
     entries = {fqn: entry for fqn, entry in metadata.state_dict_metadata.items() if fqn.startswith(prefix)}
     if not entries:
-        sample = _examples(sorted(metadata.state_dict_metadata))
+        sample = examples(sorted(metadata.state_dict_metadata))
         raise CheckpointIntegrityError(
             f"{directory} holds no entries under the prefix {prefix!r} (it has: {sample or 'nothing'}). Pass the model "
             "DCP directory, or the prefix its keys use."
@@ -87,7 +87,7 @@ def _dcp_tensors(metadata: Any, directory: Path, prefix: str) -> dict[str, Any]:
     not_tensors = sorted(fqn for fqn, entry in entries.items() if not isinstance(entry, TensorStorageMetadata))
     if not_tensors:
         raise CheckpointIntegrityError(
-            f"{directory} stores {len(not_tensors)} non-tensor model entr(ies) ({_examples(not_tensors)}), which "
+            f"{directory} stores {len(not_tensors)} non-tensor model entr(ies) ({examples(not_tensors)}), which "
             "safetensors cannot hold: export those weights another way."
         )
     # Payload files and ranges were checked with the metadata; here: every chunk of every tensor is recorded.
@@ -100,7 +100,7 @@ def _dcp_tensors(metadata: Any, directory: Path, prefix: str) -> dict[str, Any]:
     ]
     if problems:
         raise CheckpointIntegrityError(
-            f"DCP checkpoint {directory} is incomplete or corrupt: {_examples(problems)}. Use a complete checkpoint."
+            f"DCP checkpoint {directory} is incomplete or corrupt: {examples(problems)}. Use a complete checkpoint."
         )
     return entries
 
@@ -150,8 +150,8 @@ def _config_source_writer(source: Any) -> tuple[Callable[[Path], None], dict[str
             (directory / CONFIG_NAME).write_text(text)
 
         return copy_config, None
-    expected = _shapes(source.state_dict()) if isinstance(source, torch.nn.Module) else None
-    return _config_writer(source), expected
+    expected = shapes(source.state_dict()) if isinstance(source, torch.nn.Module) else None
+    return config_writer(source), expected
 
 
 def export_dcp_to_diffusers(
@@ -180,20 +180,20 @@ def export_dcp_to_diffusers(
     unpickler, tensors with ``weights_only=True``.
     """
     where = Path(output_dir)
-    _check_dtype(dtype)
-    shard_size = _resolve_shard_size(max_shard_size)
+    check_dtype(dtype)
+    shard_size = resolve_shard_size(max_shard_size)
     directory = _locate_dcp(Path(dcp_dir))
     metadata = _read_dcp_metadata(directory)
     entries = _dcp_tensors(metadata, directory, prefix)
     write_config, expected = _config_source_writer(model_or_config_source)
     names = {fqn[len(prefix):]: fqn for fqn in entries}
     if expected is not None:
-        _check_matches_model({name: tuple(entries[fqn].size) for name, fqn in names.items()}, expected, directory)
+        check_matches_model({name: tuple(entries[fqn].size) for name, fqn in names.items()}, expected, directory)
     sizes = [
-        (name, entries[fqn].size.numel() * _output_dtype(dtype, entries[fqn].properties.dtype).itemsize)
+        (name, entries[fqn].size.numel() * output_dtype(dtype, entries[fqn].properties.dtype).itemsize)
         for name, fqn in names.items()
     ]
-    plan = _ShardPlan.build(sizes, shard_size, where)
+    plan = ShardPlan.build(sizes, shard_size, where)
     loader = _DCPSingleProcessLoader(directory, metadata)
 
     def fetch(keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -206,6 +206,6 @@ def export_dcp_to_diffusers(
 
     def write(staging: Path) -> None:
         write_config(staging)
-        _write_shards(staging, plan, fetch, dtype)
+        write_shards(staging, plan, fetch, dtype)
 
-    return _publish_export(output_dir, write)
+    return publish_export(output_dir, write)

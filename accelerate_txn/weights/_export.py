@@ -21,11 +21,11 @@ from ._common import (
     DEFAULT_MAX_SHARD_SIZE,
     SAFETENSORS_INDEX_NAME,
     PathLike,
-    _check_dtype,
-    _examples,
-    _output_dtype,
+    check_dtype,
+    examples,
+    output_dtype,
 )
-from ._publish import _publish_export
+from ._publish import publish_export
 
 
 def _file_mode() -> int:
@@ -47,7 +47,7 @@ def _shard_name(index: int, count: int) -> str:
     return f"diffusion_pytorch_model-{index:05d}-of-{count:05d}.safetensors"
 
 
-def _resolve_shard_size(max_shard_size: int | str) -> int:
+def resolve_shard_size(max_shard_size: int | str) -> int:
     """Bytes per shard; accepts an int or a size string such as ``"5GB"`` (as ``save_pretrained`` does)."""
     if isinstance(max_shard_size, str):
         from accelerate.utils import convert_file_size_to_int
@@ -77,7 +77,7 @@ def _for_safetensors(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None
     ready: dict[str, torch.Tensor] = {}
     storages: set[int] = set()
     for key, value in tensors.items():
-        value = value.detach().to(device="cpu", dtype=_output_dtype(dtype, value.dtype)).contiguous()
+        value = value.detach().to(device="cpu", dtype=output_dtype(dtype, value.dtype)).contiguous()
         pointer = value.untyped_storage().data_ptr()
         if value.numel() and pointer in storages:
             value = value.clone()
@@ -90,20 +90,20 @@ def _for_safetensors(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None
 
 
 @dataclass(frozen=True)
-class _ShardPlan:
+class ShardPlan:
     """Which keys go into which shard file, decided from sizes alone before anything is written."""
 
     shards: tuple[tuple[str, ...], ...]
     total_size: int
 
     @classmethod
-    def build(cls, sizes: list[tuple[str, int]], max_shard_size: int, where: Path) -> _ShardPlan:
+    def build(cls, sizes: list[tuple[str, int]], max_shard_size: int, where: Path) -> ShardPlan:
         """Greedy, in key order. Reports every tensor larger than ``max_shard_size`` at once."""
         too_big = [f"{key} ({size} bytes)" for key, size in sizes if size > max_shard_size]
         if too_big:
             raise CheckpointConfigurationError(
                 f"Cannot export to {where}: {len(too_big)} tensor(s) exceed max_shard_size={max_shard_size} bytes "
-                f"({_examples(too_big)}). A tensor cannot be split across shards: raise max_shard_size to at least "
+                f"({examples(too_big)}). A tensor cannot be split across shards: raise max_shard_size to at least "
                 f"{max(size for _key, size in sizes)}."
             )
         shards: list[list[str]] = [[]]
@@ -125,9 +125,9 @@ class _ShardPlan:
         return {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(weight_map.items()))}
 
 
-def _write_shards(
+def write_shards(
     staging: Path,
-    plan: _ShardPlan,
+    plan: ShardPlan,
     fetch: Callable[[tuple[str, ...]], dict[str, torch.Tensor]],
     dtype: torch.dtype | None,
 ) -> None:
@@ -165,7 +165,7 @@ def _check_state_dict(state_dict: Mapping[str, Any], where: Path) -> None:
     if wrapped:
         raise CheckpointConfigurationError(
             f"Cannot export to {where}: {len(wrapped)} entr(ies) are tensor subclasses such as DTensor or a sharded "
-            f"parameter, which hold only part of the tensor ({_examples(wrapped)}): gather a full state dict first "
+            f"parameter, which hold only part of the tensor ({examples(wrapped)}): gather a full state dict first "
             "(e.g. get_model_state_dict with full_state_dict=True, cpu_offload=True) and export plain tensors."
         )
     bad = [
@@ -179,11 +179,11 @@ def _check_state_dict(state_dict: Mapping[str, Any], where: Path) -> None:
     if bad:
         raise CheckpointConfigurationError(
             f"Cannot export to {where}: {len(bad)} entr(ies) are not dense, materialised tensors with string "
-            f"names ({_examples(bad)}). Pass a full state dict (not meta tensors, sparse tensors or nested dicts)."
+            f"names ({examples(bad)}). Pass a full state dict (not meta tensors, sparse tensors or nested dicts)."
         )
 
 
-def _config_writer(model: Any) -> Callable[[Path], None]:
+def config_writer(model: Any) -> Callable[[Path], None]:
     save_config = getattr(model, "save_config", None)
     if not callable(save_config):
         raise CheckpointConfigurationError(
@@ -220,15 +220,15 @@ def save_diffusers_state_dict(
     Returns ``output_dir`` as an absolute path. Call it on one process (rank 0, after gathering).
     """
     where = Path(output_dir)
-    _check_dtype(dtype)
-    shard_size = _resolve_shard_size(max_shard_size)
+    check_dtype(dtype)
+    shard_size = resolve_shard_size(max_shard_size)
     _check_state_dict(state_dict, where)
-    write_config = _config_writer(model)
-    sizes = [(key, value.numel() * _output_dtype(dtype, value.dtype).itemsize) for key, value in state_dict.items()]
-    plan = _ShardPlan.build(sizes, shard_size, where)
+    write_config = config_writer(model)
+    sizes = [(key, value.numel() * output_dtype(dtype, value.dtype).itemsize) for key, value in state_dict.items()]
+    plan = ShardPlan.build(sizes, shard_size, where)
 
     def write(staging: Path) -> None:
         write_config(staging)  # first: a failing save_config must not cost the caller's state dict
-        _write_shards(staging, plan, lambda keys: {key: state_dict.pop(key) for key in keys}, dtype)
+        write_shards(staging, plan, lambda keys: {key: state_dict.pop(key) for key in keys}, dtype)
 
-    return _publish_export(output_dir, write)
+    return publish_export(output_dir, write)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TypedDict
 
-from .._manifest import sha256_file
+from ..core.manifest import sha256_file
 from ..errors import CheckpointError, CheckpointIntegrityError
-from ._common import _EXPORT_FILES, PathLike, _examples
-from ._layout import _locate_weights
+from ._common import EXPORT_FILES, PathLike, examples
+from ._layout import locate_weights
 
 
 class FingerprintEntry(TypedDict):
@@ -38,9 +38,9 @@ _IDENTITY = ("st_dev", "st_ino", "st_size", "st_mtime_ns")
 
 def _files(path: Path) -> list[Path]:
     """The files a fingerprint covers: the weights exactly as the loaders find them, plus config and indexes."""
-    files = list(_locate_weights(path).files)
+    files = list(locate_weights(path).files)
     if path.is_dir():
-        files += [path / name for name in _EXPORT_FILES if (path / name).is_file()]
+        files += [path / name for name in EXPORT_FILES if (path / name).is_file()]
     return sorted(set(files))
 
 
@@ -83,7 +83,7 @@ def checkpoint_fingerprint(path: PathLike) -> list[FingerprintEntry]:
     if before != after:
         changed = sorted(str(entry) for entry in before.keys() | after.keys() if before.get(entry) != after.get(entry))
         raise CheckpointIntegrityError(
-            f"{path} changed while it was being fingerprinted ({_examples(changed)}): the model source is not "
+            f"{path} changed while it was being fingerprinted ({examples(changed)}): the model source is not "
             "frozen (a concurrent export, sync or download). Fingerprint it again once nothing writes it."
         )
     return entries

@@ -17,12 +17,12 @@ from ._common import (
     SAFETENSORS_INDEX_NAME,
     SAFETENSORS_WEIGHTS_NAME,
     PathLike,
-    _examples,
+    examples,
 )
 
 
 @dataclass(frozen=True)
-class _WeightFiles:
+class WeightFiles:
     """The weight files of one checkpoint and, for an indexed directory, its index."""
 
     source: Path
@@ -48,13 +48,13 @@ def _read_index(index: Path) -> dict[str, str]:
     )
     if bad:
         raise CheckpointIntegrityError(
-            f"Index {index} maps tensors to files outside its directory or to invalid names ({_examples(bad)}): "
+            f"Index {index} maps tensors to files outside its directory or to invalid names ({examples(bad)}): "
             "an index may only name shard files next to it. Re-export the weights."
         )
     return weight_map
 
 
-def _indexed(directory: Path, index_name: str) -> _WeightFiles | None:
+def _indexed(directory: Path, index_name: str) -> WeightFiles | None:
     """The shards an index in ``directory`` names, all present; ``None`` without that index."""
     index = directory / index_name
     if not index.is_file():
@@ -64,13 +64,13 @@ def _indexed(directory: Path, index_name: str) -> _WeightFiles | None:
     missing = [file.name for file in files if not file.is_file()]
     if missing:
         raise CheckpointIntegrityError(
-            f"Index {index} names {len(missing)} shard(s) that do not exist ({_examples(missing)}): the export is "
+            f"Index {index} names {len(missing)} shard(s) that do not exist ({examples(missing)}): the export is "
             "incomplete (interrupted or partly copied). Re-export or re-copy the whole directory."
         )
-    return _WeightFiles(directory, files, index, weight_map)
+    return WeightFiles(directory, files, index, weight_map)
 
 
-def _locate_weights(path: Path, *, any_safetensors: bool = False) -> _WeightFiles:
+def locate_weights(path: Path, *, any_safetensors: bool = False) -> WeightFiles:
     """Find a checkpoint's weight files: a single file, or a Diffusers directory (index first, then one file).
 
     Directory precedence: safetensors index, ``diffusion_pytorch_model.safetensors``, (with ``any_safetensors``)
@@ -80,17 +80,17 @@ def _locate_weights(path: Path, *, any_safetensors: bool = False) -> _WeightFile
     if not path.exists():
         raise NoCheckpointError(f"No checkpoint at {path}: the path does not exist.")
     if not path.is_dir():
-        return _WeightFiles(path, (path,))
+        return WeightFiles(path, (path,))
     if found := _indexed(path, SAFETENSORS_INDEX_NAME):
         return found
     if (path / SAFETENSORS_WEIGHTS_NAME).is_file():
-        return _WeightFiles(path, (path / SAFETENSORS_WEIGHTS_NAME,))
+        return WeightFiles(path, (path / SAFETENSORS_WEIGHTS_NAME,))
     if any_safetensors and (files := tuple(sorted(file for file in path.glob("*.safetensors") if file.is_file()))):
-        return _WeightFiles(path, files)
+        return WeightFiles(path, files)
     if found := _indexed(path, BIN_INDEX_NAME):
         return found
     if (path / BIN_WEIGHTS_NAME).is_file():
-        return _WeightFiles(path, (path / BIN_WEIGHTS_NAME,))
+        return WeightFiles(path, (path / BIN_WEIGHTS_NAME,))
     raise NoCheckpointError(
         f"No model weights in {path}: expected {SAFETENSORS_INDEX_NAME} with its shards, {SAFETENSORS_WEIGHTS_NAME}, "
         f"{BIN_INDEX_NAME} or {BIN_WEIGHTS_NAME}. Pass the directory save_diffusers_state_dict wrote, or a weight file."
@@ -111,7 +111,7 @@ def safetensor_checkpoint_files(path: PathLike) -> list[str] | None:
     if not path.is_dir():
         return [str(path)] if path.suffix == ".safetensors" else None
     try:
-        weights = _locate_weights(path, any_safetensors=True)
+        weights = locate_weights(path, any_safetensors=True)
     except NoCheckpointError:
         return None
     if weights.files[0].suffix != ".safetensors":

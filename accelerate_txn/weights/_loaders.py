@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointConfigurationError, CheckpointIntegrityError, NoCheckpointError
-from ._common import CONFIG_NAME, PathLike, _check_dtype, _examples, _shapes, _strip
-from ._layout import _locate_weights
-from ._read import _check_matches_model, _iter_tensors, _OpenWeights, _read_file, _scan
+from ._common import CONFIG_NAME, PathLike, check_dtype, examples, shapes, strip
+from ._layout import locate_weights
+from ._read import OpenWeights, check_matches_model, iter_tensors, read_file, scan
 
 
 def read_diffusers_state_dict(directory: PathLike) -> dict[str, torch.Tensor]:
@@ -25,11 +25,11 @@ def read_diffusers_state_dict(directory: PathLike) -> dict[str, torch.Tensor]:
     Validates the index and every header (duplicates, index entries, missing shards) before reading any payload.
     The result holds the whole model: use :func:`load_model_checkpoint` to load shard by shard into a model.
     """
-    with _OpenWeights(_locate_weights(Path(directory))) as opened:
-        _scan(opened)
+    with OpenWeights(locate_weights(Path(directory))) as opened:
+        scan(opened)
         state: dict[str, torch.Tensor] = {}
         for file in opened.weights.files:
-            state.update(_read_file(opened, file))
+            state.update(read_file(opened, file))
     return state
 
 
@@ -42,14 +42,14 @@ def load_model_checkpoint(model: torch.nn.Module, checkpoint: PathLike) -> tuple
     ``model.load_state_dict`` so model-specific load hooks run. Returns ``(missing_keys, unexpected_keys)``, both
     empty after a successful validation (kept for callers that expect ``load_state_dict``'s result).
     """
-    with _OpenWeights(_locate_weights(Path(checkpoint))) as opened:
-        found = _scan(opened)
-        expected = _shapes(model.state_dict())
-        _check_matches_model(found, expected, opened.weights.source)
+    with OpenWeights(locate_weights(Path(checkpoint))) as opened:
+        found = scan(opened)
+        expected = shapes(model.state_dict())
+        check_matches_model(found, expected, opened.weights.source)
         loaded: set[str] = set()
         unexpected: set[str] = set()
         for file in opened.weights.files:
-            tensors = _read_file(opened, file)
+            tensors = read_file(opened, file)
             result = model.load_state_dict(tensors, strict=False)
             loaded.update(tensors)
             unexpected.update(result.unexpected_keys)
@@ -75,15 +75,15 @@ def copy_diffusers_checkpoint(
     device. All names and shapes are validated first: on any mismatch :class:`CheckpointIntegrityError` is raised
     and ``model`` is untouched.
     """
-    _check_dtype(weight_dtype)
-    with _OpenWeights(_locate_weights(Path(path), any_safetensors=True)) as opened, torch.no_grad():
-        found = _scan(opened, strip_prefix=strip_prefix, state_dict_key=state_dict_key)
+    check_dtype(weight_dtype)
+    with OpenWeights(locate_weights(Path(path), any_safetensors=True)) as opened, torch.no_grad():
+        found = scan(opened, strip_prefix=strip_prefix, state_dict_key=state_dict_key)
         destination = model.state_dict()
-        _check_matches_model(found, _shapes(destination), opened.weights.source)
-        for key, value in _iter_tensors(opened, state_dict_key):
+        check_matches_model(found, shapes(destination), opened.weights.source)
+        for key, value in iter_tensors(opened, state_dict_key):
             if weight_dtype is not None and value.is_floating_point():
                 value = value.to(weight_dtype)
-            destination[_strip(key, strip_prefix)].copy_(value)
+            destination[strip(key, strip_prefix)].copy_(value)
 
 
 def _meta_model(model_cls: Any, config: Mapping[str, Any]) -> Any:
@@ -125,15 +125,15 @@ def load_diffusers_checkpoint(
     checkpoint = Path(checkpoint)
     config = model_cls.load_config(model_name, subfolder=subfolder)
     base_model = _meta_model(model_cls, config)
-    expected = _shapes(base_model.state_dict())
+    expected = shapes(base_model.state_dict())
     if checkpoint.is_dir() and not (checkpoint / CONFIG_NAME).is_file():
         raise CheckpointIntegrityError(
             f"{checkpoint} has no {CONFIG_NAME}: it is not a complete Diffusers model directory. Export it with "
             "save_diffusers_state_dict (which writes the config) or pass a single weight file."
         )
-    weights = _locate_weights(checkpoint)
-    with _OpenWeights(weights) as opened:
-        _check_matches_model(_scan(opened), expected, weights.source)
+    weights = locate_weights(checkpoint)
+    with OpenWeights(weights) as opened:
+        check_matches_model(scan(opened), expected, weights.source)
     if checkpoint.is_dir():
         try:
             candidate_model = _meta_model(model_cls, model_cls.load_config(checkpoint))
@@ -146,7 +146,7 @@ def load_diffusers_checkpoint(
         if differing:
             raise CheckpointConfigurationError(
                 f"{checkpoint / CONFIG_NAME} differs from the base model's ({model_name}"
-                f"{'/' + subfolder if subfolder else ''}) on {len(differing)} key(s): {_examples(differing)}. The "
+                f"{'/' + subfolder if subfolder else ''}) on {len(differing)} key(s): {examples(differing)}. The "
                 "checkpoint would be built with its own config: pass the base model it was trained from, or load "
                 "it as a model of its own."
             )
@@ -194,11 +194,11 @@ def is_complete_diffusers_checkpoint(model_cls: Any, path: PathLike, base_config
     if not path.is_dir() or not (path / CONFIG_NAME).is_file():
         return False
     try:
-        weights = _locate_weights(path)
+        weights = locate_weights(path)
         if weights.files[0].suffix != ".safetensors":
             return False
-        with _OpenWeights(weights) as opened:
-            found = _scan(opened)
+        with OpenWeights(weights) as opened:
+            found = scan(opened)
     except (CheckpointIntegrityError, NoCheckpointError):
         return False
     expected_model = _meta_model(model_cls, base_config)
@@ -206,4 +206,4 @@ def is_complete_diffusers_checkpoint(model_cls: Any, path: PathLike, base_config
         candidate_model = _meta_model(model_cls, model_cls.load_config(path))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False  # config.json is not valid JSON, or not a config of this class
-    return not _config_differences(expected_model, candidate_model) and found == _shapes(expected_model.state_dict())
+    return not _config_differences(expected_model, candidate_model) and found == shapes(expected_model.state_dict())

@@ -15,9 +15,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .._staging import DirectoryLock, StagedDirectory, fsync_path, fsync_tree, new_id, remove_tree, staging_leftovers
 from ..errors import CheckpointExistsError
-from ._common import _EXPORT_FILES, PathLike, _examples
+from ..store.posix import DirectoryLock, StagedDirectory, fsync_path, fsync_tree, new_id, remove_tree, staging_leftovers
+from ._common import EXPORT_FILES, PathLike, examples
 
 logger = logging.getLogger(__name__.rpartition(".")[0])  # "accelerate_txn.weights", as before the split
 
@@ -29,7 +29,7 @@ _EXCHANGE_UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOT
 def _exchange_directories(first: Path, second: Path) -> bool:
     """Atomically swap two paths with Linux ``renameat2(RENAME_EXCHANGE)``; ``False`` where unsupported.
 
-    Generic: could live in ``_staging.py``. Unsupported means a non-Linux OS, an old libc or kernel, or a
+    Generic: could live in ``store/posix.py``. Unsupported means a non-Linux OS, an old libc or kernel, or a
     filesystem without exchange support; the caller then falls back to two renames (see :func:`_swap_in`).
     """
     if not sys.platform.startswith("linux"):
@@ -85,11 +85,11 @@ def _check_replaceable(final: Path) -> None:
     foreign = sorted(
         entry.name + ("/" if entry.is_dir() else "")
         for entry in final.iterdir()
-        if entry.is_dir() or not (entry.name in _EXPORT_FILES or entry.name.startswith("diffusion_pytorch_model"))
+        if entry.is_dir() or not (entry.name in EXPORT_FILES or entry.name.startswith("diffusion_pytorch_model"))
     )
     if foreign:
         raise CheckpointExistsError(
-            f"Refusing to replace {final}: besides model weights it holds {_examples(foreign)}, which a re-export "
+            f"Refusing to replace {final}: besides model weights it holds {examples(foreign)}, which a re-export "
             "would delete. Move them away or export to another directory."
         )
 
@@ -121,7 +121,7 @@ def _swap_in(staged: StagedDirectory) -> None:
         logger.warning("Published %s but could not remove the previous export %s: %s", final, old, exc)
 
 
-def _publish_export(output_dir: PathLike, write: Callable[[Path], None]) -> Path:
+def publish_export(output_dir: PathLike, write: Callable[[Path], None]) -> Path:
     """Run ``write(staging)`` and publish the staged directory onto ``output_dir`` atomically.
 
     Holds ``DirectoryLock(parent)`` throughout, so two exporters never interleave (the second raises

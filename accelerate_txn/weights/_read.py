@@ -3,7 +3,7 @@
 Shared by the loaders (:mod:`._loaders`) and the DCP export (:mod:`._dcp`). Every check reads headers only
 (``.bin`` files are memory-mapped) and reports every problem in one error.
 
-A checkpoint's files are opened once (:class:`_OpenWeights`, relative to one open directory descriptor) and both
+A checkpoint's files are opened once (:class:`OpenWeights`, relative to one open directory descriptor) and both
 the scan and the payload reads go through those descriptors, so a re-export that swaps the directory meanwhile
 cannot mix two exports: the reader keeps reading the export it validated.
 """
@@ -22,8 +22,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointIntegrityError
-from ._common import _examples, _shapes, _strip
-from ._layout import _WeightFiles
+from ._common import examples, shapes, strip
+from ._layout import WeightFiles
 
 _ADAPTER_MARKERS = ("lora", "lokr", "loha", "adapter", ".alpha")
 
@@ -37,8 +37,8 @@ def _select(state: object, path: Path, state_dict_key: str | None) -> object:
         return state[state_dict_key]
     if isinstance(nested, dict) and isinstance(nested.get(state_dict_key), dict):
         return nested[state_dict_key]
-    top = _examples(sorted(repr(key) for key in state)) if isinstance(state, dict) else f"none (a {type(state).__name__})"
-    under = f"; under 'state_dict': {_examples(sorted(repr(key) for key in nested))}" if isinstance(nested, dict) else ""
+    top = examples(sorted(repr(key) for key in state)) if isinstance(state, dict) else f"none (a {type(state).__name__})"
+    under = f"; under 'state_dict': {examples(sorted(repr(key) for key in nested))}" if isinstance(nested, dict) else ""
     raise CheckpointIntegrityError(
         f"{path} has no state dict under {state_dict_key!r} (looked at the top level, then under 'state_dict'). Keys "
         f"at the top level: {top}{under}. Pass one of them as state_dict_key, or None for the plain state dict."
@@ -71,7 +71,7 @@ def _load_bin(path: Path, state_dict_key: str | None = None, source: Path | None
     bad = sorted(repr(key) for key, value in state.items() if not (isinstance(key, str) and torch.is_tensor(value)))
     if bad:
         raise CheckpointIntegrityError(
-            f"{source} is not a flat state dict: {_examples(bad)} are not name -> tensor entries. Pass state_dict_key "
+            f"{source} is not a flat state dict: {examples(bad)} are not name -> tensor entries. Pass state_dict_key "
             "to select the nested model weights, or a weights-only file."
         )
     return state
@@ -85,7 +85,7 @@ def _descriptor_path(fd: int) -> str | None:
     return None
 
 
-class _OpenWeights:
+class OpenWeights:
     """The weight files of one checkpoint, each opened exactly once, relative to one open directory.
 
     Used as a context manager. :meth:`path` names an open file (through its descriptor where the platform allows),
@@ -93,11 +93,11 @@ class _OpenWeights:
     in the meantime. A file that vanishes before it is opened raises :class:`CheckpointIntegrityError`.
     """
 
-    def __init__(self, weights: _WeightFiles) -> None:
+    def __init__(self, weights: WeightFiles) -> None:
         self.weights = weights
         self._fds: dict[Path, int] = {}
 
-    def __enter__(self) -> _OpenWeights:
+    def __enter__(self) -> OpenWeights:
         source = self.weights.source
         directory = None
         try:
@@ -134,10 +134,10 @@ class _OpenWeights:
         return _descriptor_path(self._fds[file]) or str(file)
 
 
-def _file_shapes(opened: _OpenWeights, file: Path, state_dict_key: str | None = None) -> dict[str, tuple[int, ...]]:
+def _file_shapes(opened: OpenWeights, file: Path, state_dict_key: str | None = None) -> dict[str, tuple[int, ...]]:
     """Key -> shape of one open weight file, from the safetensors header (no tensor payload is read)."""
     if file.suffix != ".safetensors":
-        return _shapes(_load_bin(Path(opened.path(file)), state_dict_key, source=file))
+        return shapes(_load_bin(Path(opened.path(file)), state_dict_key, source=file))
     try:
         with safe_open(opened.path(file), framework="pt", device="cpu") as reader:
             return {key: tuple(reader.get_slice(key).get_shape()) for key in reader.keys()}
@@ -147,12 +147,12 @@ def _file_shapes(opened: _OpenWeights, file: Path, state_dict_key: str | None = 
         ) from None
 
 
-def _read_file(opened: _OpenWeights, file: Path, state_dict_key: str | None = None) -> dict[str, torch.Tensor]:
+def read_file(opened: OpenWeights, file: Path, state_dict_key: str | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of one open weight file, on CPU."""
     return dict(_iter_file(opened, file, state_dict_key))
 
 
-def _iter_file(opened: _OpenWeights, file: Path, state_dict_key: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_file(opened: OpenWeights, file: Path, state_dict_key: str | None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(key, tensor)`` for every tensor of one open file; a safetensors file is read one tensor at a time."""
     if file.suffix != ".safetensors":
         yield from _load_bin(Path(opened.path(file)), state_dict_key, source=file).items()
@@ -165,8 +165,8 @@ def _iter_file(opened: _OpenWeights, file: Path, state_dict_key: str | None) -> 
         raise CheckpointIntegrityError(f"{file} could not be read ({exc}): re-export it.") from None
 
 
-def _scan(
-    opened: _OpenWeights, *, strip_prefix: str | None = None, state_dict_key: str | None = None
+def scan(
+    opened: OpenWeights, *, strip_prefix: str | None = None, state_dict_key: str | None = None
 ) -> dict[str, tuple[int, ...]]:
     """Key (``strip_prefix`` removed) -> shape over all open files, validated: no duplicates, index matches exactly.
 
@@ -181,7 +181,7 @@ def _scan(
     weight_map = weights.weight_map
     for file in weights.files:
         for source_key, shape in _file_shapes(opened, file, state_dict_key).items():
-            key = _strip(source_key, strip_prefix)
+            key = strip(source_key, strip_prefix)
             if key in found:
                 duplicates.append(f"{key} (in {origin[key]} and {file.name})")
                 continue
@@ -191,12 +191,12 @@ def _scan(
             stored.add(source_key)
     problems = []
     if duplicates:
-        problems.append(f"{len(duplicates)} tensor(s) stored twice: {_examples(duplicates)}")
+        problems.append(f"{len(duplicates)} tensor(s) stored twice: {examples(duplicates)}")
     if misplaced:
-        problems.append(f"{len(misplaced)} tensor(s) not where the index {weights.index} says: {_examples(misplaced)}")
+        problems.append(f"{len(misplaced)} tensor(s) not where the index {weights.index} says: {examples(misplaced)}")
     unbacked = sorted(set(weight_map or ()) - stored)
     if unbacked:
-        problems.append(f"the index lists {len(unbacked)} tensor(s) that no shard holds: {_examples(unbacked)}")
+        problems.append(f"the index lists {len(unbacked)} tensor(s) that no shard holds: {examples(unbacked)}")
     if not found:
         problems.append("it holds no tensors")
     if problems:
@@ -211,7 +211,7 @@ def _looks_like_adapter(keys: list[str]) -> bool:
     return any(marker in key.lower() for key in keys for marker in _ADAPTER_MARKERS)
 
 
-def _check_matches_model(
+def check_matches_model(
     found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], source: Path
 ) -> None:
     """Raise :class:`CheckpointIntegrityError` unless ``found`` has exactly the model's keys and shapes."""
@@ -226,11 +226,11 @@ def _check_matches_model(
         return
     parts = []
     if missing:
-        parts.append(f"missing {len(missing)} of {len(expected)} model tensor(s): {_examples(missing)}")
+        parts.append(f"missing {len(missing)} of {len(expected)} model tensor(s): {examples(missing)}")
     if unexpected:
-        parts.append(f"{len(unexpected)} unexpected tensor(s): {_examples(unexpected)}")
+        parts.append(f"{len(unexpected)} unexpected tensor(s): {examples(unexpected)}")
     if mismatched:
-        parts.append(f"{len(mismatched)} shape mismatch(es): {_examples(mismatched)}")
+        parts.append(f"{len(mismatched)} shape mismatch(es): {examples(mismatched)}")
     if unexpected and _looks_like_adapter(unexpected):
         advice = (
             "It looks like an adapter (LoRA) file, not full model weights: load it with the adapter loader "
@@ -243,7 +243,7 @@ def _check_matches_model(
     raise CheckpointIntegrityError(f"Checkpoint {source} does not match the model: {'; '.join(parts)}. {advice}")
 
 
-def _iter_tensors(opened: _OpenWeights, state_dict_key: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(opened: OpenWeights, state_dict_key: str | None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(key, tensor)`` for every tensor of every open file; safetensors files are read one tensor at a time."""
     for file in opened.weights.files:
         yield from _iter_file(opened, file, state_dict_key)

@@ -1,0 +1,72 @@
+"""Install the patch when ``accelerate.accelerator`` is imported (standard library only, no torch at import).
+
+``import accelerate_txn`` must wrap ``Accelerator.save_state``/``load_state``. If Accelerate is already imported,
+:func:`install_on_import` installs at once; otherwise a meta-path finder waits for ``accelerate.accelerator`` to be
+imported and installs right after its module code ran, so ``import accelerate_txn`` before ``import accelerate``
+works the same, and a process that never imports Accelerate (the offline CLI) never pays for torch.
+
+An installation failure never breaks the user's ``import accelerate``: it is reported as a warning saying that
+checkpoints are not protected.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import warnings
+from types import ModuleType
+from typing import Any
+
+_TARGET = "accelerate.accelerator"
+
+
+def _install() -> None:
+    try:
+        from .patch import install
+
+        install()
+    except Exception as exc:  # never turn the user's import of Accelerate into an error
+        warnings.warn(f"accelerate-txn could not wrap Accelerator.save_state/load_state ({type(exc).__name__}: "
+                      f"{exc}): checkpoints are NOT protected in this process.", RuntimeWarning, stacklevel=2)
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        _remove_finder()
+        _install()
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != _TARGET:
+            return None
+        for finder in sys.meta_path:
+            if isinstance(finder, _Finder) or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _Loader(spec.loader)
+                return spec
+            if spec is not None:
+                return spec
+        return None
+
+
+def _remove_finder() -> None:
+    sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _Finder)]
+
+
+def install_on_import() -> None:
+    """Install now if ``accelerate.accelerator`` is imported, else as soon as it is (once)."""
+    if _TARGET in sys.modules:
+        _install()
+    elif not any(isinstance(finder, _Finder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())

@@ -1,0 +1,313 @@
+"""Per-Accelerator checkpoint configuration (``configure_checkpointing``) and the failed-restore guard.
+
+Configuration lives beside the Accelerator in a ``WeakKeyDictionary``: nothing is stored on the Accelerator
+itself and nothing keeps it alive.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from weakref import WeakKeyDictionary, ref
+
+import torch
+
+from ..errors import CheckpointConfigurationError, RestoreFailedError
+from ..fsdp.optimizer_state import raw_optimizer
+from .internals import prepared_optimizers
+
+FINITE_ENV = "VIDEOX_CHECKPOINT_FINITE"
+LOCK_TIMEOUT_ENV = "VIDEOX_CHECKPOINT_LOCK_TIMEOUT"
+#: Seconds rank 0 waits for the directory lock: a writer that died on another node of NFS or Lustre keeps its
+#: lock until the server notices (tens of seconds); a live writer's save usually takes longer than this.
+DEFAULT_LOCK_TIMEOUT = 60.0
+CHECKSUM_MODES = ("metadata", "full")
+
+
+def plain(value: Any, where: str = "value") -> Any:
+    """A JSON-able, key-sorted copy of ``value`` (one-element tensors become numbers); raises on anything else."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise CheckpointConfigurationError(
+            f"Checkpoint metadata {where} is {value!r}: a non-finite number never compares equal, so no resume could "
+            "ever match it. Record it as a string or leave it out."
+        )
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return [plain(item, f"{where}[{index}]") for index, item in enumerate(value)]
+    if isinstance(value, Mapping):
+        return {str(key): plain(item, f"{where}.{key}") for key, item in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    raise CheckpointConfigurationError(
+        f"Checkpoint metadata {where} has type {type(value).__module__}.{type(value).__qualname__}, which cannot be "
+        "recorded in a manifest: use str, int, float, bool, None, lists and dicts of those."
+    )
+
+
+Validator = Callable[[Path, int], Any]
+
+
+@dataclass
+class CheckpointConfig:
+    model_ids: WeakKeyDictionary = field(default_factory=WeakKeyDictionary)
+    allow_legacy: bool = True
+    check_finite: bool = False
+    checksum: str = "full"
+    trust_custom_objects: bool = False
+    metadata: dict[str, Any] = field(default_factory=dict)
+    legacy_metadata_keys: tuple[str, ...] = ()
+    legacy_metadata_groups: tuple[tuple[str, ...], ...] = ()
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT
+    # File-name template -> schema recorded in the descriptor; and -> validator(directory, rank).
+    private_states: dict[str, dict[str, Any]] = field(default_factory=dict)
+    validators: dict[str, Validator] = field(default_factory=dict)
+    run_id: str | None = None
+    async_save: bool = False
+    reuse_staging_memory: bool = False
+    staging_pool: Any = None  # ``fsdp.host_memory.StagingPool`` while reuse_staging_memory is on
+    allow_reshard: bool = False
+    reshard_rank_map: dict[int, int] | None = None
+    # During a restore: where this run's per-rank state comes from (``accelerate.elastic.RankPlan``); after an elastic
+    # resume, what the next save records as ``resharded_from`` (then cleared).
+    rank_plan: Any = None
+    resharded_from: dict[str, Any] | None = None
+    failed: bool = False
+    step_guards: list[Any] = field(default_factory=list)
+
+
+_CONFIGS: WeakKeyDictionary = WeakKeyDictionary()
+
+
+def checkpoint_config(accelerator: Any) -> CheckpointConfig:
+    """The configuration of ``accelerator`` (created with defaults on first use)."""
+    config = _CONFIGS.get(accelerator)
+    if config is None:
+        config = CheckpointConfig(
+            check_finite=os.environ.get(FINITE_ENV, "0").strip() == "1", lock_timeout=_lock_timeout_from_env()
+        )
+        _CONFIGS[accelerator] = config
+    return config
+
+
+def read_configs(group: dict[str, Any]) -> dict[str, Any]:
+    """Create the configuration of every Accelerator of ``group`` now, reading the environment, and return
+    ``group``. Call it inside the first rank phase of a save or load: a setting that is invalid on one rank only
+    (``VIDEOX_CHECKPOINT_LOCK_TIMEOUT``) then raises the same error on every rank instead of raising on that rank
+    alone before the first agreement, where the others would wait for it."""
+    for owner in group.values():
+        checkpoint_config(owner)
+    return group
+
+
+def _valid_lock_timeout(value: Any, where: str) -> float:
+    """``value`` as seconds to wait for the directory lock: a finite number >= 0, else a configuration error."""
+    from ..store.posix import wait_seconds
+
+    seconds = wait_seconds(value)
+    if seconds is None:
+        raise CheckpointConfigurationError(
+            f"{where} is {value!r}: the directory-lock wait must be a finite number of seconds >= 0 (0 = fail at "
+            f"once if another writer holds the lock; default {DEFAULT_LOCK_TIMEOUT:g})."
+        )
+    return seconds
+
+
+def _lock_timeout_from_env() -> float:
+    raw = os.environ.get(LOCK_TIMEOUT_ENV, "").strip()
+    return _valid_lock_timeout(raw, f"The environment variable {LOCK_TIMEOUT_ENV}") if raw else DEFAULT_LOCK_TIMEOUT
+
+
+def configure_checkpointing(
+    accelerator: Any,
+    *,
+    model_ids: Mapping[str, torch.nn.Module] | None = None,
+    allow_legacy: bool | None = None,
+    check_finite: bool | None = None,
+    checksum: str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    legacy_metadata_keys: Iterable[str] | None = None,
+    legacy_metadata_groups: Iterable[Iterable[str]] | None = None,
+    lock_timeout: float | None = None,
+    trust_custom_objects: bool | None = None,
+    async_save: bool | None = None,
+    reuse_staging_memory: bool | None = None,
+    allow_reshard: bool | None = None,
+    reshard_rank_map: Mapping[int, int] | None = None,
+) -> Any:
+    """Configure protected checkpoints of one Accelerator; returns it.
+
+    Each call changes only what it names: an argument left out (``None``) keeps its current value. Every
+    argument is validated, against the configuration that would result, before anything changes.
+
+    * ``model_ids``: stable role names for the prepared models (``{"transformer": model}``); required when
+      several models share a class, since native order alone cannot prove which weights belong where.
+    * ``allow_legacy``: load checkpoints without a completion manifest (with a warning). Default True.
+    * ``check_finite``: refuse to save (and to finish a restore of) NaN/Inf parameters and optimizer state.
+      Default from ``VIDEOX_CHECKPOINT_FINITE=1``.
+    * ``checksum``: ``"full"`` (default) hashes every file, verified by every restore; ``"metadata"`` hashes
+      control files and small payloads and records only the size of payloads over 16 MiB.
+    * ``metadata``: JSON-able user training configuration recorded in the manifest and compared on load.
+    * ``legacy_metadata_keys`` / ``legacy_metadata_groups``: metadata fields added after older checkpoints
+      were written. A checkpoint lacking a whole group loads with a warning (current values are assumed);
+      lacking part of a group is an error; present values must still match.
+    * ``lock_timeout``: seconds rank 0 waits for the output directory's lock held by another writer (a writer
+      that died on another node of NFS or Lustre holds it until the server notices). Finite, >= 0; default
+      60, or ``VIDEOX_CHECKPOINT_LOCK_TIMEOUT``.
+    * ``trust_custom_objects``: let Accelerate unpickle registered custom objects (``custom_checkpoint_N.pkl``)
+      with ``weights_only=False``, for objects whose state holds arbitrary Python types. Default False: they are
+      read with ``weights_only=True`` in the restore preflight and restored from that state, so nothing in a
+      checkpoint runs code. Only for checkpoints you trust: a crafted file then runs its code.
+    * ``async_save``: ``save_state`` returns once this rank's state is copied to host memory; writing, hashing,
+      flushing, the manifest, the atomic publish and retention run in a background thread (one save in flight;
+      the next save, ``wait_for_checkpoint`` and ``end_training`` wait for it and raise its error). Costs one
+      host copy of this rank's model and optimizer shards while the write runs (released after the write).
+      Default False.
+    * ``reuse_staging_memory``: with ``async_save``, keep that host copy allocated between saves and copy into it
+      again: the blocking copy skips the kernel's page allocation (several times faster), at the cost of holding
+      one copy of this rank's model and optimizer shards for as long as the Accelerator lives. Applies to
+      FSDP2 and to FSDP1's collective-free staging (FSDP1 setups staged natively still take fresh memory).
+      Default False.
+    * ``allow_reshard``: elastic resume. A checkpoint saved on N ranks may load on M ranks: model and optimizer
+      are resharded, every other check still applies, and per-rank state (RNG, data-loader position, private
+      state) follows the policy of ``accelerate_txn.accelerate.elastic`` (ranks in both runs keep theirs; new ranks take
+      saved rank ``r % N``'s progress with derived random generators; the state of ranks that are gone is
+      dropped, with a warning). Default False: a world-size change is refused before anything is restored.
+    * ``reshard_rank_map``: ``{this run's rank: saved rank}`` for an elastic resume: the named ranks take that
+      saved rank's per-rank state exactly (random generators included) instead of the default policy.
+    """
+    config = checkpoint_config(accelerator)
+    changes: dict[str, Any] = {}
+    if model_ids is not None:
+        if not all(isinstance(name, str) and name for name in model_ids):
+            raise CheckpointConfigurationError("configure_checkpointing(model_ids=...): every role must be a non-empty str")
+        if len({id(model) for model in model_ids.values()}) != len(model_ids):
+            raise CheckpointConfigurationError("configure_checkpointing(model_ids=...): each model needs exactly one role")
+        changes["model_ids"] = WeakKeyDictionary((model, name) for name, model in model_ids.items())
+    if metadata is not None:
+        changes["metadata"] = plain(dict(metadata), "metadata")
+    if legacy_metadata_keys is not None:
+        changes["legacy_metadata_keys"] = _names(legacy_metadata_keys, "legacy_metadata_keys")
+    if legacy_metadata_groups is not None:
+        changes["legacy_metadata_groups"] = tuple(
+            _names(group, "legacy_metadata_groups[...]") for group in _iterable(legacy_metadata_groups, "legacy_metadata_groups")
+        )
+    _check_legacy_keys(
+        changes.get("metadata", config.metadata),
+        changes.get("legacy_metadata_keys", config.legacy_metadata_keys),
+        changes.get("legacy_metadata_groups", config.legacy_metadata_groups),
+    )
+    if allow_legacy is not None:
+        changes["allow_legacy"] = bool(allow_legacy)
+    if check_finite is not None:
+        changes["check_finite"] = bool(check_finite)
+    if checksum is not None:
+        if checksum not in CHECKSUM_MODES:
+            raise CheckpointConfigurationError(f"configure_checkpointing(checksum={checksum!r}): use 'metadata' or 'full'")
+        changes["checksum"] = checksum
+    if trust_custom_objects is not None:
+        changes["trust_custom_objects"] = bool(trust_custom_objects)
+    if async_save is not None:
+        if not isinstance(async_save, bool):
+            raise CheckpointConfigurationError(
+                f"configure_checkpointing(async_save={async_save!r}): use True (save in the background) or False")
+        changes["async_save"] = async_save
+    if reuse_staging_memory is not None:
+        if not isinstance(reuse_staging_memory, bool):
+            raise CheckpointConfigurationError(
+                f"configure_checkpointing(reuse_staging_memory={reuse_staging_memory!r}): use True (keep the "
+                "staged host copy between asynchronous saves) or False (release it after each write)")
+        changes["reuse_staging_memory"] = reuse_staging_memory
+        if not reuse_staging_memory:
+            changes["staging_pool"] = None  # released once the save in flight (if any) drops its copy
+    if allow_reshard is not None:
+        if not isinstance(allow_reshard, bool):
+            raise CheckpointConfigurationError(
+                f"configure_checkpointing(allow_reshard={allow_reshard!r}): use True (elastic resume) or False")
+        changes["allow_reshard"] = allow_reshard
+    if reshard_rank_map is not None:
+        changes["reshard_rank_map"] = check_rank_map(reshard_rank_map)
+    if lock_timeout is not None:
+        changes["lock_timeout"] = _valid_lock_timeout(lock_timeout, "configure_checkpointing(lock_timeout=...)")
+    for name, value in changes.items():  # everything validated: now change it
+        setattr(config, name, value)
+    return accelerator
+
+
+def _iterable(value: Any, where: str) -> tuple[Any, ...]:
+    # A bare string is iterable too, but "seed" meaning ("s", "e", "e", "d") is never what the caller meant.
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise CheckpointConfigurationError(
+            f"configure_checkpointing({where}=...) must be a list of metadata key names, got {value!r}"
+        )
+    return tuple(value)
+
+
+def _names(value: Any, where: str) -> tuple[str, ...]:
+    names = _iterable(value, where)
+    if not all(isinstance(name, str) and name for name in names):
+        raise CheckpointConfigurationError(f"configure_checkpointing({where}): every key must be a non-empty str, got {names!r}")
+    return names
+
+
+def _check_legacy_keys(
+    metadata: Mapping[str, Any], keys: tuple[str, ...], groups: tuple[tuple[str, ...], ...]
+) -> None:
+    unknown = sorted({key for group in (keys, *groups) for key in group} - set(metadata))
+    if unknown:
+        raise CheckpointConfigurationError(
+            f"configure_checkpointing: legacy metadata keys {unknown} are not in metadata=...; a migrated field "
+            "must have a current value to fall back on. Add them to metadata, or drop them from "
+            "legacy_metadata_keys/legacy_metadata_groups (pass () to clear them)."
+        )
+
+
+def mark_failed(accelerator: Any, failed: bool) -> None:
+    """Mark a restore as failed (``optimizer.step()`` and saving raise) or clear the mark."""
+    config = checkpoint_config(accelerator)
+    config.failed = failed
+    if failed and not config.step_guards:
+        owner = ref(accelerator)
+
+        def guard(optimizer: Any, args: Any, kwargs: Any) -> None:
+            target = owner()
+            if target is not None and checkpoint_config(target).failed:
+                raise RestoreFailedError(
+                    "The last load_state() failed part-way, so parameters and optimizer state may be inconsistent: "
+                    "load a checkpoint successfully before calling optimizer.step()."
+                )
+
+        for optimizer in prepared_optimizers(accelerator):
+            config.step_guards.append(raw_optimizer(optimizer).register_step_pre_hook(guard))
+    elif not failed:
+        for handle in config.step_guards:
+            handle.remove()
+        config.step_guards.clear()
+
+
+def ensure_not_failed(accelerator: Any) -> None:
+    if checkpoint_config(accelerator).failed:
+        raise RestoreFailedError(
+            "Refusing to save: the last load_state() failed part-way and the training state may be inconsistent. "
+            "Load a checkpoint successfully first."
+        )
+
+
+def check_rank_map(rank_map: Any) -> dict[int, int] | None:
+    """Validate the shape of ``reshard_rank_map`` (ranges are checked against a checkpoint on load)."""
+    if rank_map is None:
+        return None
+    if not isinstance(rank_map, Mapping) or not all(
+            type(k) is int and type(v) is int and k >= 0 and v >= 0 for k, v in rank_map.items()):
+        raise CheckpointConfigurationError(
+            f"configure_checkpointing(reshard_rank_map={rank_map!r}): use a dict {{this run's rank: saved rank}} "
+            "of non-negative ints"
+        )
+    return dict(rank_map)
+

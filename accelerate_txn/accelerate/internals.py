@@ -1,0 +1,109 @@
+"""Every private Accelerate internal accelerate-txn relies on, in one file (the Accelerate front end's internals layer).
+
+The rest of the library reaches Accelerate internals only through these functions; private torch, NumPy and
+CPython pieces live in :mod:`accelerate_txn.fsdp.internals` (tests/test_internals.py fails on a private access
+anywhere else, and calls every function of both on the installed versions). Supporting a new Accelerate release
+means reading this file against the new source, and running that test.
+
+Checked against (source of each release read side by side): Accelerate 1.7.0, 1.8.1, 1.9.0, 1.10.1, 1.11.0, 1.12.0,
+1.13.0, 1.14.0, 1.15.0: everything below is the same in all of them (attributes initialised in
+``Accelerator.__init__``, the module globals ``load_state`` calls). Where a later release differs, branch here on
+the installed version (``packaging.version.Version(accelerate.__version__)``) and note both sides; callers stay
+unchanged.
+
+Not here: attributes with public names that the code uses as they are (``accelerator.state.fsdp_plugin``,
+``AcceleratedOptimizer.optimizer``). Imports of Accelerate are lazy: importing this module costs nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, MutableMapping
+from types import ModuleType
+from typing import Any
+
+# --- Accelerator state ------------------------------------------------------------------------------------------
+# What ``accelerator.prepare()`` and ``register_for_checkpointing()`` collected: the lists ``save_state`` and
+# ``load_state`` iterate, in their order (index i of each is ``<kind>_<i>`` in a checkpoint). Public Accelerate
+# has no accessor for them. Returned as the live lists: callers read them, never mutate them.
+# Accelerate 1.7.0-1.15.0: plain lists set in ``Accelerator.__init__``; ``free_memory()`` rebinds the four prepared
+# ones to new empty lists (so never keep a returned list across it).
+
+
+def prepared_models(accelerator: Any) -> list[Any]:
+    """The prepared (wrapped: FSDP/DDP) models, in ``prepare()`` order."""
+    return accelerator._models
+
+
+def prepared_optimizers(accelerator: Any) -> list[Any]:
+    """The prepared optimizers (``AcceleratedOptimizer``; the torch optimizer is ``.optimizer``)."""
+    return accelerator._optimizers
+
+
+def prepared_schedulers(accelerator: Any) -> list[Any]:
+    """The prepared LR schedulers (``AcceleratedScheduler``; the torch scheduler is ``.scheduler``)."""
+    return accelerator._schedulers
+
+
+def prepared_dataloaders(accelerator: Any) -> list[Any]:
+    """The prepared data loaders."""
+    return accelerator._dataloaders
+
+
+def custom_objects(accelerator: Any) -> list[Any]:
+    """Objects registered with ``register_for_checkpointing`` (``custom_checkpoint_<i>.pkl``)."""
+    return accelerator._custom_objects
+
+
+# --- Accelerator hooks ------------------------------------------------------------------------------------------
+# ``register_save_state_pre_hook``/``register_load_state_pre_hook`` store hooks in these dicts (handle id -> hook),
+# called in order by ``save_state``/``load_state``. Returned live and mutable: ``accelerate.native.synchronized_hooks``
+# swaps entries for the duration of one call and puts them back.
+# Accelerate 1.7.0-1.15.0: ``OrderedDict`` attributes set in ``Accelerator.__init__``, keyed by
+# ``torch.utils.hooks.RemovableHandle.id`` (so a swapped entry is still removed by the user's handle).
+
+
+def save_state_pre_hooks(accelerator: Any) -> MutableMapping[Any, Callable[..., Any]]:
+    """The live save-state pre-hooks of ``accelerator``."""
+    return accelerator._save_model_state_pre_hook
+
+
+def load_state_pre_hooks(accelerator: Any) -> MutableMapping[Any, Callable[..., Any]]:
+    """The live load-state pre-hooks of ``accelerator``."""
+    return accelerator._load_model_state_pre_hook
+
+
+# --- Accelerate checkpointing module ----------------------------------------------------------------------------
+# ``Accelerator.load_state`` calls these functions through the globals of ``accelerate.accelerator`` (imported
+# there with ``from .utils import ...`` / ``from .checkpointing import ...``), so rebinding them in that module
+# (wrapt in ``accelerate.patch``, the swap below) changes what ``load_state`` calls, and rebinding them anywhere else
+# does not. Accelerate 1.7.0-1.15.0: called as ``load_fsdp_model(self.state.fsdp_plugin, self, model, input_dir,
+# i)``, ``load_fsdp_optimizer(self.state.fsdp_plugin, self, opt, self._models[i], input_dir, i)`` and
+# ``load_custom_state(obj, input_dir, index)``.
+
+LOAD_STATE_GLOBALS = ("load_fsdp_model", "load_fsdp_optimizer", "load_custom_state")
+
+
+def accelerator_module() -> ModuleType:
+    """``accelerate.accelerator``: the module whose globals ``Accelerator.load_state`` calls."""
+    import accelerate.accelerator as module
+
+    return module
+
+
+@contextlib.contextmanager
+def custom_state_loader(loader: Callable[..., None]) -> Iterator[bool]:
+    """Within the block, ``Accelerator.load_state`` restores each registered custom object with
+    ``loader(obj, path, index)`` instead of Accelerate's ``load_custom_state`` (which unpickles with
+    ``weights_only=False``). Yields False, replacing nothing, where Accelerate binds no such function. Not
+    thread-safe (a module global): one load per process at a time, as ``load_state`` itself."""
+    module = accelerator_module()
+    original = getattr(module, "load_custom_state", None)
+    if original is None:
+        yield False
+        return
+    module.load_custom_state = loader
+    try:
+        yield True
+    finally:
+        module.load_custom_state = original

@@ -1,0 +1,343 @@
+"""The import-time patch (wrapt), per-instance opt-in/out, and the dispatch decision.
+
+``install()`` wraps ``Accelerator.save_state``/``load_state`` and Accelerate's ``load_fsdp_model`` /
+``load_fsdp_optimizer`` / ``save_fsdp_optimizer`` (as bound in ``accelerate.accelerator``) exactly once;
+``uninstall()`` puts the originals back. The wrappers only decide and hand off.
+
+Protected path when all hold (and every rank agrees, else every rank raises):
+automatic dispatch is on (``VIDEOX_ACCELERATE_PATCHES`` unset or truthy) or the instance was opted in with
+:func:`patch_accelerate_fsdp`; it was not opted out with :func:`unpatch_accelerate_fsdp`; the installed
+versions are validated (or the override is set); the backend is FSDP1 or FSDP2 with ``SHARDED_STATE_DICT`` (FSDP2
+only on the versions its path was validated on, ``accelerate.versions.FSDP2_VALIDATED``, else native with one warning); and the
+protected path can handle this setup (``accelerate.descriptor.unsupported_reason``: optimizer state made of
+parameter-shaped tensors and scalars, a supported sharding strategy, ...; on load also the checkpoint's
+optimizer state), decided from the live state at each call and agreed on by every rank.
+
+Never does importing the library make a working native save fail: under automatic dispatch an unsupported
+setup runs native Accelerate with one ``RuntimeWarning`` per Accelerator saying why and what is unprotected.
+An instance opted in with :func:`patch_accelerate_fsdp` is refused instead (``CheckpointConfigurationError``).
+Every FSDP setup that runs native logs one INFO line per Accelerator (logger ``accelerate_txn``) naming the
+condition that failed.
+
+Caveats: a subclass that overrides ``save_state``/``load_state`` without calling ``super()`` bypasses the
+patch; wrapped methods do not pickle.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import warnings
+from typing import Any
+from weakref import WeakSet
+
+import wrapt
+
+from ..core.ranks import agree, any_rank, distributed, run_phase, world_size
+from ..errors import CheckpointConfigurationError, UnsupportedVersionError
+from .config import read_configs
+from .descriptor import is_fsdp1_sharded, is_fsdp2_sharded, is_fsdp_sharded, unsupported_reason
+from .internals import accelerator_module, prepared_optimizers
+from .native import OPTED_IN, OPTED_OUT, ORIGINALS, fsdp_routing, routed
+from .versions import override_requested, unsupported_message, versions_ok
+
+logger = logging.getLogger(__name__)
+notices = logging.getLogger("accelerate_txn")  # the "protection is off" line: one per Accelerator
+_NOTED: WeakSet = WeakSet()  # Accelerators whose native FSDP run was logged
+_WARNED: WeakSet = WeakSet()  # Accelerators warned that an unsupported setup runs native
+PATCH_ENV = "VIDEOX_ACCELERATE_PATCHES"
+_TARGETS = ("Accelerator.save_state", "Accelerator.load_state", "load_fsdp_model", "load_fsdp_optimizer",
+            "save_fsdp_optimizer")
+_warned_versions = False
+_warned_fsdp2 = False
+
+
+def automatic_dispatch_requested() -> bool:
+    return os.environ.get(PATCH_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _native_condition(accelerator: Any, enabled: bool, eligible: bool, validated: bool) -> str:
+    """Which dispatch condition sends an FSDP setup to native Accelerate (the first that fails)."""
+    if not enabled:
+        if accelerator in OPTED_OUT:
+            return "opted out with unpatch_accelerate_fsdp()"
+        return f"automatic dispatch is off ({PATCH_ENV}={os.environ.get(PATCH_ENV, '')!r})"
+    if not eligible:
+        plugin = accelerator.state.fsdp_plugin
+        if is_fsdp2_sharded(accelerator):
+            from .versions import fsdp2_validated_message
+
+            return f"FSDP2 is not validated on these versions ({fsdp2_validated_message()})"
+        if plugin is not None and getattr(plugin, "fsdp_version", 1) not in (1, 2):
+            return f"FSDP{plugin.fsdp_version} is not protected (FSDP1 and FSDP2 only)"
+        kind = getattr(getattr(plugin, "state_dict_type", None), "name", None)
+        return f"state_dict_type is {kind} (protected: SHARDED_STATE_DICT only)"
+    if not validated:
+        return f"versions not validated ({unsupported_message()})"
+    return "unsupported setup"
+
+
+def _note_native(accelerator: Any, condition: str) -> None:
+    if accelerator in _NOTED:
+        return
+    _NOTED.add(accelerator)
+    if getattr(accelerator, "is_main_process", True):
+        notices.info("accelerate-txn: FSDP checkpoints of this Accelerator are NOT protected (native "
+                     "save_state/load_state): %s", condition)
+
+
+def _checkpoint_reason(accelerator: Any, input_dir: Any) -> str | None:
+    """Load only: optimizer state in the checkpoint that the protected path cannot restore (a native checkpoint
+    of an unsupported optimizer), read from each optimizer's DCP metadata. Local; unreadable metadata is left to
+    the protected load, which refuses it with the reason."""
+    from pathlib import Path
+
+    from ..core.manifest import read_dcp_metadata
+    from ..fsdp.optimizer_state import unsupported_checkpoint
+
+    if input_dir is None:
+        return None  # automatic selection: only published (protected, hence supported) checkpoints or legacy
+    for index in range(len(prepared_optimizers(accelerator))):
+        directory = Path(input_dir) / f"optimizer_{index}"
+        try:
+            metadata = read_dcp_metadata(directory)
+        except Exception:  # the protected load reports it
+            continue
+        reason = unsupported_checkpoint(metadata, str(directory))
+        if reason:
+            return reason
+    return None
+
+
+def _agreed_reason(accelerator: Any, input_dir: Any, loading: bool) -> str | None:
+    """The first rank's reason the protected path cannot take this call, the same on every rank (one
+    fixed-size exchange; reasons travel only when some rank has one)."""
+    import torch.distributed as dist
+
+    try:
+        reason = unsupported_reason(accelerator) or (_checkpoint_reason(accelerator, input_dir) if loading else None)
+    except Exception as exc:  # an unreadable setup is a reason, never a hang
+        reason = f"the setup could not be inspected ({type(exc).__name__}: {exc})"
+    if not any_rank(reason is not None) or not distributed() or world_size() == 1:
+        return reason
+    gathered: list[Any] = [None] * world_size()
+    dist.all_gather_object(gathered, reason)
+    return next((f"rank {r}: {text}" for r, text in enumerate(gathered) if text), None)
+
+
+def _fsdp2_eligible() -> bool:
+    """FSDP2 is protected only on the versions its path was validated on (or with the override); elsewhere it
+    runs native after one warning (asked only when dispatch is on for this Accelerator: the user expects
+    protection)."""
+    global _warned_fsdp2
+    from .versions import fsdp2_validated, fsdp2_validated_message
+
+    if fsdp2_validated() or override_requested():
+        return True
+    if not _warned_fsdp2:
+        _warned_fsdp2 = True
+        warnings.warn(f"accelerate-txn: FSDP2 checkpoints run native Accelerate save_state/load_state, UNPROTECTED: "
+                      f"{fsdp2_validated_message()}.", RuntimeWarning, stacklevel=7)
+    return False
+
+
+def _eligibility(accelerator: Any) -> tuple[bool, bool]:
+    """(eligible, validated) on this rank, with the settings the protected path will use read now (inside the
+    caller's rank phase: a setting invalid on one rank raises the same error on every rank)."""
+    eligible = is_fsdp1_sharded(accelerator) or (is_fsdp2_sharded(accelerator) and _fsdp2_eligible())
+    validated = versions_ok()
+    if eligible and validated:
+        read_configs({"": accelerator})
+    return eligible, validated
+
+
+def _protected(accelerator: Any, input_dir: Any = None, *, loading: bool = False) -> bool:
+    """The dispatch decision; for FSDP with dispatch on, a collective (all ranks must agree)."""
+    global _warned_versions
+    if accelerator.distributed_type.name != "FSDP":
+        # Native, and without any collective: the backend is the same on every rank, and users of other
+        # backends may call save_state on the main process only, which a collective here would hang.
+        return False
+    opted_in = accelerator in OPTED_IN
+    enabled = (opted_in or automatic_dispatch_requested()) and accelerator not in OPTED_OUT
+    if not enabled:
+        # Off is exactly native: no collective, no file, nothing beyond the environment read above (and the one
+        # INFO line per Accelerator that says protection is off).
+        _note_native(accelerator, _native_condition(accelerator, enabled, False, False))
+        return False
+    eligible, validated = run_phase(functools.partial(_eligibility, accelerator),
+                                    "Deciding whether to use the protected checkpoint path")
+    agree({"enabled": enabled, "eligible": eligible, "validated": validated,
+           "backend": accelerator.distributed_type.name}, "whether to use the protected checkpoint path")
+    if enabled and eligible and not validated:
+        if not _warned_versions:
+            _warned_versions = True
+            warnings.warn(f"{unsupported_message()} Using native save_state/load_state.", RuntimeWarning, stacklevel=4)
+    if not (enabled and eligible and validated):
+        _note_native(accelerator, _native_condition(accelerator, enabled, eligible, validated))
+        return False
+    reason = _agreed_reason(accelerator, input_dir, loading)
+    if reason is None:
+        return True
+    if opted_in:
+        raise CheckpointConfigurationError(
+            f"This Accelerator was opted in with patch_accelerate_fsdp(), but the protected path cannot handle it: "
+            f"{reason} Unpatch it (unpatch_accelerate_fsdp) to use native save_state/load_state, unprotected.")
+    if accelerator not in _WARNED:
+        _WARNED.add(accelerator)
+        warnings.warn(
+            f"accelerate-txn: this Accelerator's FSDP checkpoints run native Accelerate save_state/load_state, "
+            f"UNPROTECTED (no manifest, no atomic publish, no verification before restore): {reason}",
+            RuntimeWarning, stacklevel=4)
+    _note_native(accelerator, reason)
+    return False
+
+
+def _save_state(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    if instance is None or not _protected(instance):
+        return wrapped(*args, **kwargs)
+    return _protected_save(instance, *args, **kwargs)
+
+
+def _protected_save(instance: Any, output_dir: Any = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
+    from .save import save_training_checkpoint
+
+    with fsdp_routing(instance):  # FSDP2 optimizer saves go through _save_fsdp_optimizer's own writer
+        return save_training_checkpoint(instance, output_dir, safe_serialization=safe_serialization, **kwargs)
+
+
+def _load_state(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    if instance is None or not _protected(instance, args[0] if args else kwargs.get("input_dir"), loading=True):
+        return wrapped(*args, **kwargs)
+    _protected_load(instance, *args, **kwargs)
+    return None  # as native load_state
+
+
+def _protected_load(instance: Any, input_dir: Any = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
+    from .load import load_training_checkpoint
+
+    if load_kwargs is not None:  # the parameter exists from Accelerate 1.8 on; pass it only when given
+        kwargs["load_kwargs"] = load_kwargs
+    load_training_checkpoint(instance, input_dir, **kwargs)
+
+
+def _load_fsdp_model(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    # (fsdp_plugin, accelerator, model, input_dir, model_index=0, ...). Accelerate 1.7-1.14 pick the DCP
+    # directory by substring ("pytorch_model_fsdp" anywhere in the path); pass the exact directory instead.
+    accelerator = args[1] if len(args) > 1 else kwargs.get("accelerator")
+    if accelerator is None or not routed(accelerator) or not is_fsdp_sharded(accelerator):
+        return wrapped(*args, **kwargs)
+    args = list(args)
+    index = args[4] if len(args) > 4 else kwargs.get("model_index", 0)
+    if len(args) > 3:
+        args[3] = os.path.join(args[3], f"pytorch_model_fsdp_{index}")
+    else:
+        kwargs["input_dir"] = os.path.join(kwargs["input_dir"], f"pytorch_model_fsdp_{index}")
+    return wrapped(*args, **kwargs)
+
+
+def _load_fsdp_optimizer(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    # (fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index=0, ...)
+    names = ("fsdp_plugin", "accelerator", "optimizer", "model", "input_dir", "optimizer_index")
+    bound = dict(zip(names, args))
+    bound.update({key: value for key, value in kwargs.items() if key in names})
+    accelerator = bound.get("accelerator")
+    if accelerator is None or not routed(accelerator) or not is_fsdp_sharded(accelerator):
+        return wrapped(*args, **kwargs)
+    if is_fsdp2_sharded(accelerator):
+        from .optimizers import load_fsdp2_optimizer
+        from .versions import fsdp2_validated
+
+        if not (fsdp2_validated() or override_requested()):
+            return wrapped(*args, **kwargs)
+        return load_fsdp2_optimizer(accelerator, bound["optimizer"], bound["model"], bound["input_dir"],
+                                    bound.get("optimizer_index", 0))
+    from .optimizers import load_sharded_optimizer
+
+    # No barrier here (native has one): a bare collective inside a phase could pair with another rank's phase
+    # exchange; load_sharded_optimizer's first phase synchronises the ranks.
+    return load_sharded_optimizer(accelerator, bound["optimizer"], bound["model"], bound["input_dir"],
+                                  bound.get("optimizer_index", 0))
+
+
+def _save_fsdp_optimizer(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    # (fsdp_plugin, accelerator, optimizer, model, output_dir, optimizer_index=0, use_dcp=True). FSDP2 only: the
+    # native writer calls get_optimizer_state_dict, which steps an optimizer without state once (see fsdp.fsdp2).
+    names = ("fsdp_plugin", "accelerator", "optimizer", "model", "output_dir", "optimizer_index", "use_dcp")
+    bound = dict(zip(names, args))
+    bound.update({key: value for key, value in kwargs.items() if key in names})
+    accelerator = bound.get("accelerator")
+    if (accelerator is None or not routed(accelerator) or not is_fsdp2_sharded(accelerator)
+            or not bound.get("use_dcp", True)):
+        return wrapped(*args, **kwargs)
+    from ..fsdp.fsdp2 import save_fsdp2_optimizer
+    from .versions import fsdp2_validated
+
+    if not (fsdp2_validated() or override_requested()):
+        return wrapped(*args, **kwargs)
+    return save_fsdp2_optimizer(bound["optimizer"], bound["model"], bound["output_dir"],
+                                bound.get("optimizer_index", 0))
+
+
+_WRAPPERS = {
+    "Accelerator.save_state": _save_state,
+    "Accelerator.load_state": _load_state,
+    "load_fsdp_model": _load_fsdp_model,
+    "load_fsdp_optimizer": _load_fsdp_optimizer,
+    "save_fsdp_optimizer": _save_fsdp_optimizer,
+}
+
+
+def installed() -> bool:
+    module = accelerator_module()
+
+    return isinstance(module.Accelerator.__dict__.get("save_state"), wrapt.FunctionWrapper)
+
+
+def install() -> None:
+    """Wrap the Accelerate entry points once (idempotent)."""
+    module = accelerator_module()
+
+    if installed():
+        return
+    for target in _TARGETS:
+        _parent, _attribute, original = wrapt.resolve_path(module, target)
+        ORIGINALS[target] = original
+        wrapt.wrap_function_wrapper(module, target, _WRAPPERS[target])
+
+
+def uninstall() -> None:
+    """Restore the original Accelerate functions (for tests and tools)."""
+    module = accelerator_module()
+
+    if not installed():
+        return
+    for target in _TARGETS:
+        parent, attribute, _current = wrapt.resolve_path(module, target)
+        setattr(parent, attribute, ORIGINALS.pop(target))
+
+
+def patch_accelerate_fsdp(accelerator: Any) -> Any:
+    """Opt ``accelerator`` in to the protected path (also with ``VIDEOX_ACCELERATE_PATCHES=0``); returns it.
+
+    Its FSDP1 (and, on validated versions, FSDP2) sharded optimizer loads, even through a native ``load_state``,
+    use accelerate-txn's loaders.
+    Raises :class:`UnsupportedVersionError` outside the validated version table unless
+    ``VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1``.
+    """
+    if not versions_ok():
+        raise UnsupportedVersionError(unsupported_message())
+    if override_requested():
+        logger.warning("accelerate-txn: unvalidated versions allowed by override; you accept the risk")
+    install()
+    OPTED_OUT.discard(accelerator)
+    OPTED_IN.add(accelerator)
+    return accelerator
+
+
+def unpatch_accelerate_fsdp(accelerator: Any) -> Any:
+    """Opt ``accelerator`` out: its save_state/load_state run native Accelerate unchanged; returns it."""
+    OPTED_IN.discard(accelerator)
+    OPTED_OUT.add(accelerator)
+    return accelerator

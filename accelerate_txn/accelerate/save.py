@@ -1,0 +1,425 @@
+"""``save_training_checkpoint``: publish one Accelerator (or a named group) as one atomic checkpoint.
+
+Order (each step a rank phase: a failure anywhere raises the same error everywhere):
+
+1. preflight on every rank: descriptor, no pending gradients, not mid-accumulation, optional finite check;
+2. every rank agrees on the path, descriptors, policies, retention and hook counts (fixed-size digests);
+3. rank 0 takes the directory lock, refuses to overwrite or to mix runs, removes dead writers' leftovers and
+   creates the staging sibling;
+4. native ``save_state`` of every component into staging (user hooks synchronised);
+5. every rank checks its required files, then hashes and fsyncs the files it wrote (its DCP shards, its RNG and
+   private state; rank 0 also every shared file): the flush and the content hashes cost one read of each file,
+   spread over the ranks;
+6. rank 0 gathers the rows, checks that they cover exactly the staged tree and every rank's files, fsyncs the
+   directories, writes the manifest last (fsynced), renames staging onto the final name, fsyncs the parent,
+   then prunes older complete checkpoints of the same run (renamed aside first, then deleted).
+
+``core.faults.point`` marks the instants the crash-consistency tests kill a rank at.
+
+On failure the iteration counters are restored and staging is removed; nothing is published.
+
+With ``async_save`` (see ``accelerate.async_save``) steps 1-4 run in the caller (the DCP writes of step 4 staged in memory)
+and the DCP writes, then steps 5-6 (``_finish``) run in a background thread over a dedicated process group.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from ..core import faults as _faults
+from ..core.manifest import (
+    HASH,
+    MANIFEST,
+    PROTOCOL,
+    add_schemas,
+    check_dcp_inventory,
+    check_rank_coverage,
+    hash_rows,
+    list_tree,
+    write_manifest,
+    writer_rank,
+)
+from ..core.ranks import agree, distributed, on_main, rank, run_phase, world_size
+from ..core.select import complete_run_id, numbered_checkpoints, prune
+from ..errors import (
+    CheckpointConfigurationError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointIntegrityError,
+    CheckpointRankError,
+)
+from ..fsdp.host_memory import StagingPool
+from ..fsdp.optimizer_state import raw_optimizer
+from ..store.posix import (
+    POSIX,
+    DirectoryLock,
+    StagedDirectory,
+    fsync_path,
+    new_id,
+    remove_leftovers,
+    staging_leftovers,
+    walk_tree,
+)
+from . import async_save as _async
+from .config import checkpoint_config, ensure_not_failed, read_configs
+from .descriptor import describe, participants
+from .elastic import POLICY as RESHARD_POLICY
+from .finite import check_finite_state
+from .internals import load_state_pre_hooks, prepared_models, prepared_optimizers, save_state_pre_hooks
+from .loader_state import write_loader_states
+from .native import automatic_naming_off, fsdp_routing, native_method, synchronized_hooks
+from .required import check_required_files, rank_files
+from .versions import installed_versions, require_supported_versions
+
+logger = logging.getLogger(__name__)
+
+
+def _preflight(owners: dict[str, Any]) -> dict[str, Any]:
+    descriptors = {}
+    for name, owner in owners.items():
+        ensure_not_failed(owner)
+        descriptors[name] = describe(owner)
+        if not owner.sync_gradients:
+            raise CheckpointConfigurationError(
+                "save_state() was called in the middle of gradient accumulation (accelerator.sync_gradients is "
+                "False): save after the optimizer step of a full accumulation cycle."
+            )
+        pending = [n for model in prepared_models(owner) for n, p in model.named_parameters() if p.grad is not None]
+        if pending:
+            raise CheckpointConfigurationError(
+                f"save_state() found pending gradients (e.g. {pending[0]}): a checkpoint must be taken after "
+                "optimizer.step() and optimizer.zero_grad(set_to_none=True), or resumed training would differ."
+            )
+        if checkpoint_config(owner).check_finite:
+            check_finite_state([list(model.parameters()) for model in prepared_models(owner)], "model parameters")
+            check_finite_state([raw_optimizer(opt).state for opt in prepared_optimizers(owner)], "optimizer state")
+    return descriptors
+
+
+def _resolve_destination(primary: Any, output_dir: Any, checkpoint_limit: int | None) -> tuple[Path, int | None]:
+    project = primary.project_configuration
+    if project.automatic_checkpoint_naming:
+        # As native Accelerate: automatic naming decides the directory.
+        path = Path(primary.project_dir) / "checkpoints" / f"checkpoint_{primary.save_iteration}"
+        if checkpoint_limit is None:
+            checkpoint_limit = project.total_limit
+    elif output_dir is None:
+        raise CheckpointConfigurationError(
+            "save_state() needs an output_dir unless ProjectConfiguration(automatic_checkpoint_naming=True) is set"
+        )
+    else:
+        path = Path(output_dir)
+    if checkpoint_limit is not None and checkpoint_limit < 1:
+        raise CheckpointConfigurationError(f"checkpoint_limit/total_limit must be at least 1, got {checkpoint_limit}")
+    return path.expanduser().absolute(), checkpoint_limit
+
+
+def _settings(owners: Any, async_save: bool | None) -> tuple[dict[str, Any], bool, dict[str, Any], dict[str, Any]]:
+    """This rank's participants, whether the save runs in the background, the policies and the hook counts every
+    rank must agree on; each Accelerator's configuration (environment included) is read here."""
+    group = read_configs(participants(owners))
+    configs = {name: checkpoint_config(owner) for name, owner in group.items()}
+    background = any(c.async_save for c in configs.values()) if async_save is None else bool(async_save)
+    policies = {name: {"finite": c.check_finite, "checksum": c.checksum, "lock_timeout": c.lock_timeout}
+                for name, c in configs.items()}
+    hooks = {name: [len(save_state_pre_hooks(o)), len(load_state_pre_hooks(o))] for name, o in group.items()}
+    return group, background, policies, hooks
+
+
+def _rank_templates(group: dict[str, Any]) -> list[str]:
+    return sorted({f"{name}/{t}" if name else t for name, owner in group.items() for t in rank_files(owner)})
+
+
+def _own_rows(staging: Path, templates: list[str], integrity: str,
+              written: dict[Path, tuple[int, str]] | None = None) -> dict[str, dict[str, Any]]:
+    """Hash and fsync the staged files this rank wrote (see ``core.manifest.writer_rank``); files hashed while DCP
+    wrote them (``written``, by absolute path) are only fsynced and their size checked."""
+    world, me = world_size(), rank()
+    bases = [template.rsplit("/", 1)[-1] for template in templates]
+    mine = [name for name in list_tree(staging) if writer_rank(name, world, bases) == me]
+    return hash_rows(staging, mine, algorithm=HASH, integrity=integrity, flush=True,
+                     after_first=lambda: _faults.point("save:during-flush"), written=_relative(written, staging))
+
+
+def _relative(written: dict[Path, tuple[int, str]] | None, staging: Path) -> dict[str, tuple[int, str]]:
+    """``written`` keyed by inventory names (relative to ``staging``); entries outside it are dropped."""
+    root = staging.absolute()
+    return {path.relative_to(root).as_posix(): value for path, value in (written or {}).items()
+            if path.is_relative_to(root)}
+
+
+def _staging_pool(owner: Any) -> StagingPool | None:
+    """The Accelerator's pool of reused staging buffers (``reuse_staging_memory``), created on first use."""
+    config = checkpoint_config(owner)
+    if config.reuse_staging_memory and config.staging_pool is None:
+        config.staging_pool = StagingPool()
+    return config.staging_pool if config.reuse_staging_memory else None
+
+
+def _gather_rows(rows: dict[str, dict[str, Any]], world: int, group: Any = None) -> dict[str, dict[str, Any]]:
+    """Rank 0 receives every rank's rows (the other ranks get ``{}``), and proves that each of the ``world`` ranks
+    of the saving world contributed: a rank that lost its process group must never publish alone."""
+    if not distributed():
+        if world != 1:
+            raise CheckpointRankError(
+                f"The checkpoint was started on {world} ranks, but this process no longer belongs to a process group "
+                "(destroy_process_group() was called during the save): nothing was published.")
+        return rows
+    gathered: list[Any] = [None] * world_size(group) if rank(group) == 0 else []
+    dist.gather_object((rank(), rows), gathered if rank(group) == 0 else None, dst=dist.get_global_rank(group, 0)
+                       if group is not None else 0, group=group)
+    merged: dict[str, dict[str, Any]] = {}
+    if rank(group) == 0:
+        contributed = sorted(part[0] for part in gathered)
+        if contributed != list(range(world)):
+            raise CheckpointRankError(
+                f"The checkpoint was started on ranks 0..{world - 1}, but ranks {contributed} contributed their "
+                "files: nothing was published.")
+        for _rank, part in gathered:
+            merged.update(part)
+    return merged
+
+
+def _fsync_directories(root: Path) -> None:
+    """fsync every directory of ``root``, deepest first (``store.posix.walk_tree``: iterative, never follows a symbolic
+    link, raises a listing error instead of skipping it)."""
+    for directory, _entries in reversed(list(walk_tree(root))):
+        fsync_path(directory)
+
+
+class _Reservation:
+    """Rank 0's side of the transaction: the lock and the staged directory (constructed inside a phase)."""
+
+    def __init__(self, path: Path, run_id: str, lock_timeout: float) -> None:
+        self.lock = DirectoryLock(path.parent, lock_timeout)
+        self.staged = StagedDirectory(path, run_id)
+
+    def open(self) -> str:
+        path = self.staged.final
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.lock.acquire()
+        try:
+            if path.exists():
+                raise CheckpointExistsError(
+                    f"Refusing to overwrite {path}: it already exists. Resume from it, or save to a new directory "
+                    "(with automatic naming, set accelerator.project_configuration.iteration past it)."
+                )
+            runs = {complete_run_id(p) for _, p in numbered_checkpoints(path.parent)} - {None}
+            strangers = runs - {self.staged.run_id}
+            if strangers:
+                raise CheckpointExistsError(
+                    f"{path.parent} holds checkpoints of another training run ({sorted(strangers)[0]}); "
+                    "resume that run with load_state() first, or save into a new directory."
+                )
+            # Under the lock no other writer is alive: leftovers of our run, or of runs that never published
+            # here, are dead. Another run's leftovers (it owns checkpoints here) are reported, not touched.
+            abandoned = {run for _, run in staging_leftovers(path.parent)} - runs
+            remove_leftovers(path.parent, abandoned | {self.staged.run_id})
+            return str(self.staged.create())
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def publish(self, owners: dict[str, Any], descriptors: dict[str, Any], run_id: str, integrity: str,
+                rows: dict[str, dict[str, Any]], steps: dict[str, int] | None = None,
+                lineage: dict[str, Any] | None = None) -> str:
+        staging = self.staged.staging
+        rank_templates = sorted({t for owner in owners.values() for t in rank_files(owner)})
+        for name, owner in owners.items():
+            check_required_files(owner, staging / name, range(owner.num_processes), read_custom=False)
+        present = list_tree(staging)
+        vanished = sorted(set(rows) - set(present))
+        changed = sorted(name for name in set(rows) & set(present) if rows[name]["size"] != present[name])
+        if vanished or changed:
+            raise CheckpointIntegrityError(
+                f"Staged file {staging / (vanished or changed)[0]} {'vanished' if vanished else 'changed size'} after "
+                "it was hashed: something else writes into the staging directory. Nothing was published."
+            )
+        unclaimed = sorted(set(present) - set(rows))  # written after the ranks listed the tree: rank 0 takes them
+        rows.update(hash_rows(staging, unclaimed, algorithm=HASH, integrity=integrity, flush=True))
+        add_schemas(staging, rows)
+        # The publish proof, from the files themselves (what every verification re-checks): each rank of the saving
+        # world wrote its per-rank files and its DCP payloads, and every tensor of every DCP .metadata is covered
+        # completely by chunks stored in listed files.
+        check_rank_coverage(staging, rows, descriptors, rank_templates)
+        check_dcp_inventory(staging, {"files": rows})
+        _fsync_directories(staging)
+        manifest: dict[str, Any] = {
+            "protocol": PROTOCOL,
+            "status": "complete",
+            "run_id": run_id,
+            "transaction_id": self.staged.txid,
+            "components": descriptors,
+            "steps": steps if steps is not None else {name: owner.step for name, owner in owners.items()},
+            "versions": installed_versions(),
+            "integrity": integrity,
+            "hash": HASH,
+            "files": dict(sorted(rows.items())),
+            # How per-rank state maps onto another world size on an elastic resume (``accelerate.elastic``).
+            "rank_state": {"policy": RESHARD_POLICY, "files": rank_templates},
+        }
+        if lineage:
+            manifest["resharded_from"] = lineage
+        write_manifest(staging, manifest, store=POSIX)
+        _faults.point("save:after-manifest")
+        return str(self.staged.publish(synced=True))  # every file and directory was fsynced above
+
+    def close(self) -> None:
+        try:
+            self.staged.discard()
+        finally:
+            self.lock.release()
+
+
+def _give_back(iterations: dict[int, tuple[Any, int]], lineages: dict[str, Any], group: dict[str, Any]) -> None:
+    """After an asynchronous save failed: give back what it consumed, as a failed synchronous save does: the
+    reserved checkpoint number and the elastic-resume lineage the next save records (unless training moved on:
+    another save advanced the number, another resume set a lineage)."""
+    for owner, iteration in iterations.values():
+        if owner.project_configuration.iteration == iteration + 1:
+            owner.project_configuration.iteration = iteration
+    for name, owner in group.items():
+        if lineages[name] and checkpoint_config(owner).resharded_from is None:
+            checkpoint_config(owner).resharded_from = lineages[name]
+
+
+def _on_main(function: Any, context: str, group: Any = None) -> Any:
+    """``core.ranks.on_main`` over ``group`` (rank 0 of the default group is rank 0 of the background group)."""
+    value = run_phase(lambda: function() if rank() == 0 else None, context, group)
+    if distributed():
+        holder = [value]
+        dist.broadcast_object_list(holder, src=0, group=group)
+        value = holder[0]
+    return value
+
+
+def _finish(group: Any, owners: dict[str, Any], staging: Path, templates: list[str], integrity: str,
+            reservation: _Reservation | None, descriptors: dict[str, Any], run_id: str, path: Path,
+            limit: int | None, steps: dict[str, int], world: int, record: dict[str, str] | None = None,
+            lineage: dict[str, Any] | None = None, written: dict[Path, tuple[int, str]] | None = None) -> str:
+    """Steps 5-6 over ``group`` (None: the default group): hash and flush, publish (noted in ``record`` at once),
+    retention."""
+    for name, owner in owners.items():
+        # This rank's own files only: rank 0 checks every file (shared ones included) before publishing.
+        run_phase(lambda owner=owner, target=staging / name: check_required_files(
+            owner, target, (owner.process_index,), read_custom=False, shared=False),
+            "Checking this rank's staged files", group)
+    # Every rank hashes and flushes what it wrote (on a shared filesystem only the writer's fsync is reliable).
+    rows = _gather_rows(run_phase(lambda: _own_rows(staging, templates, integrity, written),
+                                  "Hashing and flushing the staged checkpoint", group), world, group)
+    published: str = _on_main(lambda: reservation.publish(owners, descriptors, run_id, integrity,  # type: ignore[union-attr]
+                                                          rows, steps, lineage), f"Publishing {path}", group)
+    if record is not None:
+        record["published"] = published
+    _faults.point("save:after-rename")
+    if limit is not None:
+        try:
+            _on_main(lambda: [str(p) for p in prune(path.parent, run_id, limit, path, store=POSIX)], "Retention", group)
+        except CheckpointError as exc:  # the new checkpoint is published: report, don't fail the save
+            if rank() == 0:
+                logger.warning("Checkpoint %s is published, but retention failed: %s", published, exc)
+    logger.info("Published checkpoint %s (%s)", published, MANIFEST)
+    return published
+
+
+def save_training_checkpoint(
+    owners: Any,
+    output_dir: str | Path | None = None,
+    *,
+    checkpoint_limit: int | None = None,
+    safe_serialization: bool = True,
+    async_save: bool | None = None,
+    **kwargs: Any,
+) -> Path | _async.AsyncCheckpoint:
+    """Atomically save one Accelerator, or ``{component: Accelerator}`` as one checkpoint; returns its path.
+
+    Collective: every rank calls it. Either a complete, verified checkpoint is published at the returned path
+    and older complete checkpoints of the same run beyond ``checkpoint_limit`` (default: ``total_limit`` with
+    automatic naming) are pruned, or every rank raises the same error and nothing is published.
+
+    ``async_save`` (default: ``configure_checkpointing(async_save=...)``): return once this rank's state is
+    staged in memory, with an ``AsyncCheckpoint`` handle (a path-like; ``.wait()``, ``.done()``); the rest of the
+    transaction runs in the background. A save in flight is always waited for first (its error raised).
+    """
+    # Everything that can differ between ranks (environment, configuration, arguments) is read inside a rank phase.
+    group, background, policies, hooks = run_phase(lambda: _settings(owners, async_save),
+                                                   "Checking checkpoint participants and settings")
+    _async.settle(list(group.values()))  # at most one save in flight: wait, or raise its error (on every rank)
+    run_phase(require_supported_versions, "Checking the installed versions")
+    primary = next(iter(group.values()))
+    path, limit = run_phase(lambda: _resolve_destination(primary, output_dir, checkpoint_limit), "Resolving the path")
+    descriptors = run_phase(lambda: _preflight(group), "Checkpoint preflight")
+    agree({"path": str(path), "limit": limit, "policies": policies, "hooks": hooks, "async": bool(background),
+           "arguments": [bool(safe_serialization), sorted(kwargs)]}, "the checkpoint path and policies")
+    agree(descriptors, "the training configuration")
+    run_ids = sorted({checkpoint_config(o).run_id for o in group.values()} - {None})
+    agree(run_ids, "the run id")
+    if len(run_ids) > 1:
+        raise CheckpointConfigurationError(
+            f"These Accelerators were restored from different runs {run_ids}: save them separately."
+        )
+    run_id: str = on_main(lambda: run_ids[0] if run_ids else new_id(), "Choosing the run id")
+    iterations = {id(o): (o, o.project_configuration.iteration) for o in group.values()}
+    lineages = {name: checkpoint_config(o).resharded_from for name, o in group.items()}  # consumed by a publish
+    integrity = "full" if any(checkpoint_config(o).checksum == "full" for o in group.values()) else "metadata"
+    templates = _rank_templates(group)
+    reservation = run_phase(lambda: _Reservation(path, run_id, checkpoint_config(primary).lock_timeout)
+                            if rank() == 0 else None, "Preparing the directory lock")
+    published: str | None = None
+    handle: _async.AsyncCheckpoint | None = None
+    done: dict[str, str] = {}  # the synchronous tail notes its publish here (before retention)
+    try:
+        staging = Path(on_main(lambda: reservation.open(), f"Reserving {path}"))  # type: ignore[union-attr]
+        steps = {name: owner.step for name, owner in group.items()}
+        comm = run_phase(_async.background_group, "Creating the background process group") if background else None
+        with _async.capture_dcp_saves(bool(background), staging, _staging_pool(primary)) as capture:
+            for name, owner in group.items():
+                target = staging / name
+                save = native_method(owner, "save_state")
+
+                def native_save(owner: Any = owner, target: Path = target, save: Any = save) -> None:
+                    # fsdp_routing: FSDP2 optimizer state is written by accelerate-txn's writer (no dummy step)
+                    with automatic_naming_off(owner), synchronized_hooks(owner), fsdp_routing(owner):
+                        save(str(target), safe_serialization=safe_serialization, **kwargs)
+
+                run_phase(native_save, f"Saving {name or 'the checkpoint'} into {staging}")
+                # After every rank's native save returned: per-rank data-loader state (native writes one file
+                # from every rank, last writer wins).
+                run_phase(lambda owner=owner, target=target: write_loader_states(owner, target),
+                          "Saving per-rank data-loader state")
+                _faults.point("save:after-native-save")
+        finish = functools.partial(_finish, owners=group, staging=staging, templates=templates, integrity=integrity,
+                                   reservation=reservation, descriptors=descriptors, run_id=run_id, path=path,
+                                   limit=limit, steps=steps, world=world_size(), written=capture.hashes,
+                                   lineage={name: lineage for name, lineage in lineages.items() if lineage}
+                                   or None)
+        if background:
+            _async.install_exit_handling()
+            handle = _async.AsyncCheckpoint(path, list(group.values()),
+                                            functools.partial(_give_back, iterations, lineages, group))
+            handle.start(capture.writes, finish, reservation.close if reservation is not None else lambda: None, comm)
+        else:
+            published = finish(None, record=done)
+    except BaseException:
+        if done:  # published, then interrupted during retention: the checkpoint stands, and so does its run id
+            for owner in group.values():
+                checkpoint_config(owner).run_id = run_id
+        elif handle is None:
+            for owner, iteration in iterations.values():
+                owner.project_configuration.iteration = iteration
+        raise
+    finally:
+        if reservation is not None and handle is None:
+            reservation.close()
+    for owner in group.values():
+        checkpoint_config(owner).run_id = run_id
+        checkpoint_config(owner).resharded_from = None  # recorded by this save (or the one in flight)
+    # Native save_state advanced each iteration counter once per call: keep exactly one advance.
+    for owner, iteration in iterations.values():
+        owner.project_configuration.iteration = iteration + 1
+    return handle if handle is not None else Path(published)  # type: ignore[arg-type]

@@ -1,0 +1,231 @@
+"""Selecting the newest complete checkpoint, and retention. File logic only: callers run these on rank 0
+(or every rank) and agree on the result themselves.
+
+What a front end requires of a checkpoint beyond its manifest (the components of the live training objects and
+the files its loader reads) comes in as :class:`CandidateRules`; deleting goes through a :class:`~..store.base.Store`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..errors import CheckpointIntegrityError, NoCheckpointError
+from ..store.base import Store
+from . import faults
+from .manifest import MANIFEST, READABLE_PROTOCOLS, read_manifest, verify_manifest
+
+logger = logging.getLogger(__name__)
+CHECKPOINT_NAME = re.compile(r"checkpoint[-_](\d+)\Z")
+
+
+def numbered_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """``(number, path)`` of every ``checkpoint_N`` directory under ``root``, oldest first, and of every symbolic link
+    named ``checkpoint_N`` (whatever it points to): links are never followed, so selection skips one with its reason
+    (:func:`check_candidate`), retention never counts or deletes one, and the CLI lists it as not a checkpoint."""
+    if not Path(root).is_dir():
+        return []
+    found = []
+    for path in Path(root).iterdir():
+        match = CHECKPOINT_NAME.fullmatch(path.name)
+        if match and (path.is_symlink() or path.is_dir()):
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def symlink_reason(path: Path) -> str | None:
+    """Why ``path`` is not a checkpoint if it is a symbolic link, else ``None``."""
+    if not Path(path).is_symlink():
+        return None
+    try:
+        target = os.readlink(path)
+    except OSError:
+        target = "?"
+    return (f"a symbolic link (to {target}), not a checkpoint directory: links are not followed, so it is never "
+            "selected, verified through or pruned. Copy the checkpoint in place of the link, or load its real path")
+
+
+def complete_run_id(path: Path) -> str | None:
+    """The run id of a published checkpoint with a readable manifest, else ``None`` (never raises for a corrupt
+    or hostile sibling: one bad directory must not block saving or selection). A symbolic link is not a published
+    checkpoint: ``None``."""
+    if Path(path).is_symlink():
+        return None
+    try:
+        manifest = read_manifest(path)
+    except (CheckpointIntegrityError, OSError):
+        return None
+    if not manifest or manifest.get("protocol") not in READABLE_PROTOCOLS or manifest.get("status") != "complete":
+        return None
+    run_id = manifest.get("run_id")
+    return run_id if isinstance(run_id, str) and run_id else None
+
+
+def _intact(path: Path) -> bool:
+    """Whether a published checkpoint passes the quick check (tree, sizes, control-file hashes): retention counts
+    and deletes only those, so a corrupt checkpoint never takes the place of a good one it would delete."""
+    try:
+        manifest = read_manifest(path)
+        if manifest is None:
+            return False
+        verify_manifest(path, manifest, full=False, dcp=False)
+    except (CheckpointIntegrityError, OSError) as exc:
+        logger.warning("Retention: keeping %s out of the count (it is not intact: %s)", path, exc)
+        return False
+    return True
+
+
+def is_transient(path: Path) -> bool:
+    """A staging directory (a save in progress or killed) or one being deleted by retention: never loadable."""
+    name = Path(path).name
+    return name.startswith(".") and (".staging-" in name or ".deleting-" in name)
+
+
+def refuse_transient(path: Path) -> None:
+    if is_transient(path):
+        raise CheckpointIntegrityError(
+            f"{path} is a staging (or retired) directory of accelerate-txn: a save that did not finish, or a checkpoint "
+            "being deleted. It is never loadable; load a published checkpoint_N (accelerate-txn list shows them)."
+        )
+    if (Path(path) / (MANIFEST + ".tmp")).exists() and not (Path(path) / MANIFEST).exists():
+        raise CheckpointIntegrityError(
+            f"{path} holds a partly written manifest ({MANIFEST}.tmp): a save was interrupted. It is not loadable."
+        )
+
+
+class CandidateRules(Protocol):
+    """What a front end requires of a candidate beyond its manifest, for the live objects it would restore."""
+
+    #: The components (sub-directories, ``""`` for the root) a checkpoint must hold, exactly.
+    components: set[str]
+
+    def private_patterns(self) -> list[re.Pattern[str]]:
+        """Names of registered private files the loader reads (allowed in the tree, checked by the manifest)."""
+        ...
+
+    def allow_legacy(self) -> bool:
+        """Whether a manifest-less (native) checkpoint may be resumed from."""
+        ...
+
+    def check_required(self, path: Path, manifest: dict[str, Any] | None) -> None:
+        """Every file the loader will read is present for every saved rank; raises
+        :class:`~accelerate_txn.errors.CheckpointIntegrityError`."""
+        ...
+
+
+def check_candidate(path: Path, rules: CandidateRules | None) -> dict[str, Any] | None:
+    """Quick check of one candidate (no collectives): the manifest and the tree against its inventory, the hashes
+    of control files and small payloads, every rank's files and, with ``rules`` (live training objects: torch is
+    loaded), the DCP chunk coverage, the components and every required file. Returns the
+    manifest (``None`` for a legacy directory that ``rules`` allows); raises :class:`CheckpointIntegrityError`."""
+    refuse_transient(path)
+    reason = symlink_reason(path)
+    if reason is not None:
+        raise CheckpointIntegrityError(f"it is {reason}")
+    manifest = read_manifest(path)
+    patterns = rules.private_patterns() if rules is not None else []
+    if manifest is not None:
+        verify_manifest(path, manifest, full=False, dcp=rules is not None, private_patterns=patterns)
+        if rules is not None and set(manifest.get("components", {})) != set(rules.components):
+            raise CheckpointIntegrityError(
+                f"it holds components {sorted(manifest.get('components', {}))}, not {sorted(rules.components)}"
+            )
+    elif rules is None or not rules.allow_legacy():
+        raise CheckpointIntegrityError("it has no completion manifest")
+    if rules is not None:
+        rules.check_required(path, manifest)
+    return manifest
+
+
+def checkpoint_candidates(output_dir: str | Path, rules: CandidateRules | None = None
+                          ) -> tuple[list[Path], list[str]]:
+    """Loadable candidates under ``output_dir``, best first, and the reasons others were skipped.
+
+    Published checkpoints with a manifest come first (newest first); manifest-less (legacy) directories follow,
+    only when ``rules`` allow them, so a legacy directory is never preferred over a complete checkpoint.
+    """
+    complete: list[Path] = []
+    legacy: list[Path] = []
+    reasons: list[str] = []
+    for _number, path in reversed(numbered_checkpoints(Path(output_dir))):
+        try:
+            manifest = check_candidate(path, rules)
+        except CheckpointIntegrityError as exc:  # configuration errors are not a reason to pick an older one
+            reasons.append(f"{path.name}: {exc}")
+            logger.warning("Skipping checkpoint %s: %s", path, exc)
+            continue
+        (complete if manifest is not None else legacy).append(path)
+    return complete + legacy, reasons
+
+
+def latest_checkpoint(output_dir: str | Path, rules: CandidateRules | None = None, *, full: bool = False
+                      ) -> str | None:
+    """The newest complete checkpoint under ``output_dir`` (a directory of ``checkpoint_N``), or ``None``.
+
+    Candidates are tried newest first; a broken one (no or invalid manifest, missing, truncated or extra files,
+    a wrong control-file hash) is skipped with a log line saying why. With ``rules`` (a front end's, for live
+    training objects) it also requires their components and required files, and considers legacy
+    (manifest-less) checkpoints, after every complete one, when the rules allow them.
+    Uses no collectives. Large payload hashes are checked by the restore itself (every rank its own files), which
+    skips a candidate that fails them; ``full=True`` checks them here too (one process: the CLI), so the answer is
+    the checkpoint ``load_state()`` would resume from.
+    Raises :class:`NoCheckpointError` if candidates exist but none is complete.
+    """
+    candidates, reasons = checkpoint_candidates(output_dir, rules)
+    for path in candidates:
+        if full:
+            try:
+                manifest = read_manifest(path)
+                if manifest is not None:
+                    verify_manifest(path, manifest, full=True, dcp=False)
+            except CheckpointIntegrityError as exc:
+                reasons.append(f"{path.name}: {exc}")
+                logger.warning("Skipping checkpoint %s: %s", path, exc)
+                continue
+        return str(path)
+    if reasons:
+        raise NoCheckpointError(
+            f"No complete checkpoint in {output_dir}; skipped " + "; ".join(reasons)
+            + ". Restore an intact copy or start a new run directory."
+        )
+    return None
+
+
+def retention_victims(checkpoints: list[Path], limit: int, newest: Path | None = None) -> list[Path]:
+    """The checkpoints retention deletes: ``checkpoints`` are the complete, intact checkpoints of one run, oldest
+    first, as listed under the lock; the oldest go until ``limit`` remain, but never the newest of them (the last) nor
+    ``newest`` (the one a save just published), so a caller's stale idea of "newest" can never cost the real one."""
+    if not checkpoints:
+        return []
+    protected = {Path(checkpoints[-1]).resolve()}
+    if newest is not None:
+        protected.add(Path(newest).resolve())
+    excess = max(0, len(checkpoints) - limit)
+    return [path for path in checkpoints if Path(path).resolve() not in protected][:excess]
+
+
+def prune(root: Path, run_id: str, limit: int, newest: Path | None = None, *, store: Store) -> list[Path]:
+    """Delete the oldest complete checkpoints of ``run_id`` beyond ``limit`` (counting ``newest``).
+
+    Decides from what it lists itself (call while holding the parent's ``DirectoryLock``: no save publishes
+    meanwhile, and a save in progress holds it). Never deletes the newest complete, intact checkpoint of the run it
+    lists, ``newest`` (the one a save just published), an incomplete directory (a save may be in progress, or it is
+    evidence), another run's checkpoint, or anything through a symlink. Returns the deleted paths.
+
+    Each checkpoint is first renamed aside to a hidden ``.checkpoint_N.deleting-<run>-<txid>`` (parent fsynced),
+    then deleted: a crash mid-delete leaves a retired leftover that the next save's cleanup removes, never a
+    manifest-less ``checkpoint_N`` that selection would skip and retention never prune.
+    """
+    ours = [path for _number, path in numbered_checkpoints(root)
+            if not path.is_symlink() and complete_run_id(path) == run_id and _intact(path)]
+    deleted = []
+    for path in retention_victims(ours, limit, newest):
+        logger.info("Retention (total_limit=%d): deleting %s", limit, path)
+        aside = store.retire(path, run_id)
+        faults.point("save:during-retention")
+        store.remove_tree(aside)
+        deleted.append(path)
+    return deleted

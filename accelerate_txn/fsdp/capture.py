@@ -1,0 +1,365 @@
+"""Collective-free staging of FSDP1 sharded state dicts for asynchronous saves.
+
+Native FSDP1 builds its ``SHARDED_STATE_DICT`` model and optimizer state dicts in the caller with collectives:
+``model.state_dict()`` unshards (all-gathers) every flat parameter and re-chunks each original parameter along
+dim 0; ``FSDP.optim_state_dict`` all-gathers every optimizer state tensor and chunks it the same way. During an
+asynchronous protected save (``accelerate.async_save``) these two calls are intercepted in the saving thread instead:
+
+* the caller copies this rank's *local* data only (its boxes of every original parameter and of its
+  parameter-shaped optimizer state, each a contiguous tensor DCP writes as is; the persistent buffers, the scalar
+  state and the group options) into host memory: no collective over the training group;
+* the background thread builds, from those copies, the state dicts native FSDP1 would have passed to DCP: the
+  same nested keys, every original parameter (and its parameter-shaped optimizer state) a ``ShardedTensor`` of
+  its global shape. Its shards are this rank's flat range of the parameter as row-major boxes, and its global
+  metadata lists every rank's boxes, computed locally from the flat-parameter geometry
+  (``fsdp.geometry.flat_members``, the same geometry the protected optimizer restore reads into), so the
+  ``ShardedTensor`` is created without a collective (``fsdp.internals.sharded_tensor``). DCP writes it over the
+  background group.
+
+DCP stores each saved box with its offsets, and every reader (native Accelerate's template of dim-0 chunks, the
+protected restore's flat-range boxes) reads the overlapping parts, so the files load with both; the DCP entries
+(keys, global shapes, dtypes) equal a synchronous save's (tests/test_async_save.py checks all three).
+
+Every rank must take the same path (a rank building natively runs collectives the others would never join), so
+the ranks agree with one 4-byte all-reduce on the background group (idle then) before the caller returns.
+Anything this module cannot reproduce exactly is left to native FSDP1 (the collective path, still staged and
+written in the background): another state-dict type or ``_use_dtensor``, a unit not sharded over the whole group
+or not currently sharded, parameter mixed precision, shared or zero-size or 0-dim parameters, parameters outside
+flat parameters, user state-dict hooks, optimizer state that is not parameter-shaped tensors and scalars, and any
+layout where the computed geometry disagrees with FSDP's own record.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .geometry import GeometryMismatch, Member, boxes, flat_members
+from .host_memory import staged_tensor
+from .internals import (
+    clean_fsdp_name,
+    flat_local_shard,
+    flat_param,
+    inter_node_group,
+    local_shard,
+    original_params,
+    param_to_fqns,
+    persistent_buffers,
+    shard_metadata,
+    sharded_tensor,
+    state_dict_hooks,
+    uses_dtensor_state_dict,
+    uses_orig_params,
+)
+from .optimizer_state import raw_optimizer
+
+logger = logging.getLogger(__name__)
+_SCALARS = (bool, int, float, type(None))
+# Private torch attributes are reached only through ``fsdp.internals`` (flat-parameter layout, state-dict hooks,
+# persistent buffers, FSDP name cleaning). A change in any of them shows as a declined capture (native FSDP1 path)
+# or as a failing tests/test_async_save.py, which compares the files with a synchronous save's.
+
+
+@dataclass
+class Deferred:
+    """A state dict to be built in the background from staged local copies: ``build(group)`` returns it."""
+
+    build: Callable[[Any], dict[str, Any]]
+    what: str
+
+
+def materialize(value: Any, group: Any) -> Any:
+    """``value`` with every :class:`Deferred` replaced by the state dict it builds (containers rebuilt)."""
+    if isinstance(value, Deferred):
+        return value.build(group)
+    if isinstance(value, dict):
+        return type(value)((key, materialize(item, group)) for key, item in value.items())
+    return value
+
+
+# ------------------------------------------------------------------------------------------------- eligibility
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _sharded_settings(model: Any, optimizer_side: bool) -> bool:
+    """The model's state-dict type is SHARDED_STATE_DICT without DTensor output (what this module reproduces)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    try:
+        settings = FSDP.get_state_dict_type(model)
+    except (AssertionError, RuntimeError, ValueError):  # submodules disagree
+        return False
+    config = settings.optim_state_dict_config if optimizer_side else settings.state_dict_config
+    return (settings.state_dict_type == StateDictType.SHARDED_STATE_DICT
+            and not uses_dtensor_state_dict(config))
+
+
+def _has_state_dict_hooks(model: Any) -> bool:
+    """User hooks that change a module's state dict (FSDP registers its own; those are expected)."""
+    for module in model.modules():
+        for hook in state_dict_hooks(module):
+            owner = getattr(hook, "__module__", "") or getattr(getattr(hook, "func", None), "__module__", "")
+            if not str(owner).startswith("torch.distributed.fsdp"):
+                return True
+    return False
+
+
+@dataclass
+class _Unit:
+    flat: Any
+    members: list[Member]
+    orig_params: bool  # use_orig_params: the optimizer sees the original parameters
+
+
+def _units(model: Any) -> list[_Unit] | None:
+    """Every FSDP1 unit's flat parameter and its members' geometry on every rank, or None if the layout is one
+    this module does not reproduce (see the module docstring)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    rank, world = _world()
+    if world < 2 or not isinstance(model, FSDP):
+        return None
+    names = param_to_fqns(model)
+    units: list[_Unit] = []
+    covered: set[int] = set()
+    for unit in FSDP.fsdp_modules(model):
+        flat = flat_param(unit)
+        if flat is None:
+            continue
+        orig_params = uses_orig_params(unit)
+        if (unit.sharding_strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
+                or dist.get_world_size(unit.process_group) != world
+                or inter_node_group(unit) is not None):
+            return None
+        local = flat_local_shard(flat)
+        if local is None or flat.data_ptr() != local.data_ptr() or flat.numel() != local.numel():
+            return None  # unsharded right now (inside summon_full_params, or no reshard after forward)
+        mixed = getattr(unit.mixed_precision, "param_dtype", None)
+        if mixed is not None and mixed != flat.dtype:
+            return None
+        if orig_params:
+            params = original_params(flat)
+            if any(len(names.get(p, ())) != 1 for p in params):
+                return None  # shared parameters
+            fqns = [names[p][0] for p in params]
+            covered.update(id(p) for p in params)
+        else:
+            fqns = list(names.get(flat, ()))
+        covered.add(id(flat))
+        try:
+            members = flat_members(flat, fqns, world, rank)
+        except GeometryMismatch:
+            return None
+        if any(not member.shape or math.prod(member.shape) == 0 for member in members):
+            return None
+        units.append(_Unit(flat, members, orig_params))
+    if any(id(p) not in covered for p in model.parameters()):
+        return None  # parameters FSDP does not shard (ignored modules)
+    return units
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _local_boxes(member: Member, rank: int, data: torch.Tensor, position: int) -> list[torch.Tensor]:
+    """Copies of this rank's boxes of ``member`` (its flat elements start at ``data[position]``), each contiguous
+    with its own storage: DCP writes them as they are (a view of a larger storage it would clone first)."""
+    piece = member.pieces.get(rank)
+    if piece is None:
+        return []
+    return [staged_tensor(data[position + flat_start - piece.start:][:math.prod(sizes)].view(sizes))
+            for _offsets, sizes, flat_start in boxes(member.shape, piece.start, piece.stop)]
+
+
+def _boxed(member: Member, local: list[torch.Tensor], dtype: torch.dtype, group: Any) -> Any:
+    """``member`` as a ShardedTensor: ``local`` (:func:`_local_boxes`) as this rank's shards, every rank's boxes
+    in the global metadata. No collective."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group)
+    shards_metadata, shards = [], []
+    for holder, piece in sorted(member.pieces.items()):
+        global_holder = dist.get_global_rank(group, holder) if group is not None else holder
+        for index, (offsets, sizes, _start) in enumerate(boxes(member.shape, piece.start, piece.stop)):
+            box = shard_metadata(list(offsets), list(sizes), f"rank:{global_holder}/cpu")
+            shards_metadata.append(box)
+            if holder == rank:
+                shards.append(local_shard(local[index], box))
+    return sharded_tensor(shards, shards_metadata, member.shape, dtype, group)
+
+
+# --------------------------------------------------------------------------------------------------- the model
+def _persistent_buffers(model: Any) -> dict[str, torch.Tensor]:
+    found: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        for name, buffer in persistent_buffers(module):
+            found[clean_fsdp_name(f"{prefix}.{name}" if prefix else name)] = buffer
+    return found
+
+
+def capture_model(model: Any) -> Deferred | None:
+    """This rank's model state, staged for the background (None: let native FSDP1 build it)."""
+    if not _sharded_settings(model, optimizer_side=False) or _has_state_dict_hooks(model):
+        return None
+    units = _units(model)
+    if units is None:
+        return None
+    rank, _world_size = _world()
+    shards: list[tuple[Member, list[torch.Tensor], torch.dtype]] = []
+    for unit in units:
+        data = unit.flat.detach()
+        for member in unit.members:
+            piece = member.pieces.get(rank)
+            position = piece.shard_offset if piece is not None else 0
+            shards.append((member, _local_boxes(member, rank, data, position), unit.flat.dtype))
+    buffers = {name: staged_tensor(buffer) for name, buffer in _persistent_buffers(model).items()}
+    _synchronize()
+
+    def build(group: Any) -> dict[str, Any]:
+        state: dict[str, Any] = {member.fqn: _boxed(member, local, dtype, group) for member, local, dtype in shards}
+        state.update(buffers)
+        return state
+
+    return Deferred(build, "the FSDP1 model state")
+
+
+# ----------------------------------------------------------------------------------------------- the optimizer
+def capture_optimizer(model: Any, optimizer: Any) -> Deferred | None:
+    """This rank's optimizer state as ``FSDP.optim_state_dict`` would key it, staged (None: native FSDP1)."""
+    if not _sharded_settings(model, optimizer_side=True):
+        return None
+    optimizer = raw_optimizer(optimizer)
+    units = _units(model)
+    if units is None:
+        return None
+    rank, _world_size = _world()
+    # Live optimizer parameter -> [(member, where its local piece starts in the parameter's local state)].
+    owned: dict[int, list[tuple[Member, int]]] = {}
+    for unit in units:
+        if unit.orig_params:
+            for parameter, member in zip(original_params(unit.flat), unit.members):
+                owned[id(parameter)] = [(member, 0)]
+        else:
+            owned[id(unit.flat)] = [(member, member.pieces[rank].shard_offset if rank in member.pieces else 0)
+                                    for member in unit.members]
+    # Per (fqn): this rank's entry, parameter-shaped values as copied boxes (ranks holding none of a parameter
+    # with use_orig_params have no state for it and write no entry; DCP merges the ranks' entries).
+    entries: dict[str, dict[str, tuple[str, Any]]] = {}
+    groups: list[dict[str, Any]] = []
+    from .host_memory import staged_copy
+
+    for group in optimizer.param_groups:
+        fqns: list[str] = []
+        for parameter in group["params"]:
+            members = owned.get(id(parameter))
+            if members is None:
+                return None  # trains a parameter outside the model's flat parameters
+            fqns += [member.fqn for member, _ in members]
+            values = optimizer.state.get(parameter) or {}
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor) and value.dim() == 0:
+                    staged: tuple[str, Any] = ("value", staged_tensor(value))
+                elif isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == parameter.numel():
+                    staged = ("shard", value)
+                elif isinstance(value, _SCALARS):
+                    staged = ("value", value)
+                else:
+                    return None
+                for member, position in members:
+                    if staged[0] == "shard":
+                        if parameter.numel() == 0:
+                            continue  # use_orig_params, none of this parameter here
+                        local = _local_boxes(member, rank, value.detach(), position)
+                        entries.setdefault(member.fqn, {})[key] = ("shard", (local, value.dtype))
+                    elif not (parameter.numel() == 0 and len(members) == 1):
+                        entries.setdefault(member.fqn, {})[key] = staged
+        groups.append({**{key: staged_copy(value) for key, value in group.items() if key != "params"},
+                       "params": fqns})
+    _synchronize()
+
+    def build(process_group: Any) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        for members in owned.values():
+            for member, _position in members:
+                entry = entries.get(member.fqn)
+                if not entry:
+                    continue
+                state[member.fqn] = {
+                    key: _boxed(member, *value, process_group) if kind == "shard" else value
+                    for key, (kind, value) in entry.items()}
+        return {"state": state, "param_groups": groups}
+
+    return Deferred(build, "the FSDP1 optimizer state")
+
+
+# --------------------------------------------------------------------------------------------------- the hooks
+_installed: list[bool] = []
+
+
+def _agreed(capture: Callable[[], Deferred | None], what: str) -> Deferred | None:
+    """``capture()`` if it succeeded on every rank, else None everywhere: a rank that built its state dict
+    natively (collectives over the training group) while another staged locally would hang both. One 4-byte
+    all-reduce on the background group (idle: the previous save was settled before this one started)."""
+    from ..core.ranks import any_rank, background_group
+
+    try:
+        deferred = capture()
+    except Exception as exc:  # never fail a save over the fast path: native FSDP1 builds it instead
+        logger.warning("accelerate-txn: staging %s locally failed (%s: %s); FSDP1 builds it natively (with "
+                       "collectives) instead.", what, type(exc).__name__, exc)
+        deferred = None
+    if any_rank(deferred is None, group=background_group()):
+        logger.debug("accelerate-txn: %s is built by native FSDP1 (not staged locally on every rank)", what)
+        return None
+    return deferred
+
+
+def install(capturing: Callable[[], bool]) -> None:
+    """Once: while ``capturing()`` (an asynchronous protected save in this thread), Accelerate's FSDP1 model
+    state dict (``accelerate.utils.fsdp_utils._get_model_state_dict``) and ``FSDP.optim_state_dict`` return a
+    :class:`Deferred` when this module can build them collective-free; everything else passes through."""
+    if _installed:
+        return
+    import wrapt
+    from accelerate.utils import fsdp_utils
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    def model_state_dict(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        if capturing():
+            model = args[0] if args else kwargs.get("model")
+            adapter_only = args[1] if len(args) > 1 else kwargs.get("adapter_only", False)
+            options = args[2] if len(args) > 2 else kwargs.get("sd_options")
+            if options is None and not adapter_only:
+                deferred = _agreed(lambda: capture_model(model), "the FSDP1 model state dict")
+                if deferred is not None:
+                    return deferred
+        return wrapped(*args, **kwargs)
+
+    def optim_state_dict(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        if capturing():
+            names = ("model", "optim", "optim_state_dict", "group")
+            bound = dict(zip(names, args))
+            bound.update(kwargs)
+            if bound.get("optim_state_dict") is None and bound.get("group") is None and set(bound) <= set(names):
+                deferred = _agreed(lambda: capture_optimizer(bound["model"], bound["optim"]),
+                                   "the FSDP1 optimizer state dict")
+                if deferred is not None:
+                    return deferred
+        return wrapped(*args, **kwargs)
+
+    wrapt.wrap_function_wrapper(fsdp_utils, "_get_model_state_dict", model_state_dict)
+    wrapt.wrap_function_wrapper(FSDP, "optim_state_dict", optim_state_dict)
+    _installed.append(True)

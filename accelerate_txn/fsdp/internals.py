@@ -1,0 +1,250 @@
+"""Every private torch, NumPy and CPython internal accelerate-txn relies on, in one file (shared by the FSDP layer
+and every front end; Accelerate's own internals are in :mod:`accelerate_txn.accelerate.internals`).
+
+The rest of the library reaches torch internals only through these functions (tests/test_internals.py fails on
+a private access anywhere else, and calls every function here on the installed versions). Supporting a new torch
+release means reading this file against the new source, and running that test.
+
+Checked against (source of each release read side by side):
+
+* torch 2.7.0 and 2.13.0: everything below is the same in both (FSDP1 ``_FSDPState``/``FlatParameter`` fields,
+  ``_get_param_to_fqns``, ``ShardedTensor``, DCP ``_nested_dict``/``_traverse``, ``DefaultLoadPlanner.load_bytes``,
+  ``Optimizer._optimizer_load_state_dict_pre_hooks``).
+* NumPy 1.x and 2.x: the one place where releases differ (``_reconstruct`` moved); see :func:`numpy_reconstruct`.
+
+Where a later release differs, branch here on the installed version (``packaging.version.Version`` of
+``torch.__version__``) and note both sides; callers stay unchanged.
+
+Also private, but named rather than accessed (so not here): ``core.manifest.MetadataUnpickler`` allowlists the
+pickle globals DCP ``.metadata`` is built from, some of them private (``torch.distributed.checkpoint.filesystem.
+_StorageInfo``, ``torch.serialization._get_layout``, ``pathlib._local`` on Python 3.13); tests/test_internals.py
+checks that each of them resolves on the installed versions.
+
+Not here: attributes with public names that the code uses as they are (``unit.sharding_strategy``,
+``unit.cpu_offload``, ``model.process_group``). Imports of torch are lazy: importing this module costs nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+# --- FSDP1 flat parameters --------------------------------------------------------------------------------------
+# FSDP1 (``FullyShardedDataParallel``) keeps each unit's parameters in one ``FlatParameter`` owned by a
+# ``FlatParamHandle``; public torch exposes neither the handle nor the layout of the flat parameter.
+# torch 2.7.0 and 2.13.0: ``_FSDPState._handle`` / ``._use_orig_params`` (``_common_utils``), ``_inter_node_pg``
+# set only for hybrid sharding (``_init_utils``), ``FlatParameter._params`` (None without use_orig_params),
+# ``_shapes``, ``_numels_with_padding``, ``_is_padding_mask``, ``_shard_param_infos`` (``_ShardParamInfo``
+# named tuples: in_shard, offset_in_shard, numel_in_shard, intra_param_start_idx, intra_param_end_idx).
+
+
+def param_to_fqns(model: Any) -> dict[Any, list[str]]:
+    """Live parameter (flat, or original with ``use_orig_params``) -> the original parameters' full names."""
+    from torch.distributed.fsdp._common_utils import _get_param_to_fqns
+
+    return _get_param_to_fqns(model)
+
+
+def flat_param(unit: Any) -> Any | None:
+    """The ``FlatParameter`` of one FSDP unit, or None for a unit that manages no parameters."""
+    handle = unit._handle
+    return None if handle is None else handle.flat_param
+
+
+def uses_orig_params(unit: Any) -> bool:
+    """Whether the unit was built with ``use_orig_params=True`` (the optimizer sees the original parameters)."""
+    return bool(unit._use_orig_params)
+
+
+def inter_node_group(unit: Any) -> Any | None:
+    """The inter-node process group of a hybrid-sharded unit, None otherwise (the attribute is absent then)."""
+    return getattr(unit, "_inter_node_pg", None)
+
+
+def flat_local_shard(flat: Any) -> Any | None:
+    """The flat parameter's own local shard (``FlatParameter._local_shard``; None before sharding). While the unit
+    is sharded the flat parameter's data *is* this tensor (same storage)."""
+    return getattr(flat, "_local_shard", None)
+
+
+def state_dict_hooks(module: Any) -> list[Any]:
+    """Every state-dict hook and pre-hook registered on one ``nn.Module`` (``_state_dict_hooks``,
+    ``_state_dict_pre_hooks``; torch 2.7-2.13), FSDP's own included."""
+    return [*module._state_dict_hooks.values(), *getattr(module, "_state_dict_pre_hooks", {}).values()]
+
+
+def persistent_buffers(module: Any) -> list[tuple[str, Any]]:
+    """(name, buffer) of the buffers this module itself holds and saves in its state dict (``_buffers`` without
+    ``_non_persistent_buffers_set``; ``named_buffers`` cannot tell persistent ones apart)."""
+    return [(name, buffer) for name, buffer in module._buffers.items()
+            if buffer is not None and name not in module._non_persistent_buffers_set]
+
+
+def clean_fsdp_name(name: str) -> str:
+    """A module-tree name without FSDP1's wrapper prefixes (``_fsdp_wrapped_module.`` and the like), as FSDP names
+    state-dict keys (``torch.distributed.fsdp._common_utils.clean_tensor_name``, torch 2.7-2.13)."""
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+    return clean_tensor_name(name)
+
+
+def uses_dtensor_state_dict(config: Any) -> bool:
+    """Whether an FSDP1 state-dict config asks for DTensor output (``StateDictConfig._use_dtensor``, private)."""
+    return bool(getattr(config, "_use_dtensor", False))
+
+
+def original_params(flat: Any) -> list[Any]:
+    """The original parameters of a flat parameter (``use_orig_params=True`` only), in flat order."""
+    return flat._params
+
+
+def original_shapes(flat: Any) -> list[Any]:
+    """The original (unsharded) shapes of a flat parameter's members, in flat order."""
+    return flat._shapes
+
+
+def numels_with_padding(flat: Any) -> tuple[int, ...]:
+    """Element counts of the unsharded flat parameter's segments: members and alignment padding, in order."""
+    return flat._numels_with_padding
+
+
+def padding_mask(flat: Any) -> list[bool]:
+    """For each segment of :func:`numels_with_padding`: whether it is alignment padding."""
+    return flat._is_padding_mask
+
+
+def shard_param_infos(flat: Any) -> Any:
+    """FSDP's own record of which part of each member this rank's shard holds (one per member)."""
+    return flat._shard_param_infos
+
+
+# --- DCP/ShardedTensor ------------------------------------------------------------------------------------------
+# A rank's piece of an optimizer state tensor is described to DCP as a ``ShardedTensor`` built from local shards
+# and global metadata without any collective; nested state dicts are rebuilt from DCP's flat keys; the safe load
+# planner stores a loaded bytes entry where ``DefaultLoadPlanner.load_bytes`` would.
+# torch 2.7.0 and 2.13.0: ``torch.distributed._shard`` (``ShardMetadata``, ``Shard``, ``ShardedTensor``,
+# ``ShardedTensorMetadata``, ``TensorProperties``), ``ShardedTensor._init_from_local_shards_and_global_metadata
+# (local_shards, sharded_tensor_metadata, process_group=None, ...)``, ``checkpoint._nested_dict.
+# unflatten_state_dict(state_dict, mapping)``, ``checkpoint._traverse.set_element(root, path, value)``, and
+# ``DefaultLoadPlanner`` attributes ``flatten_state_dict``, ``original_state_dict``, ``mappings``, ``state_dict``.
+
+
+def shard_metadata(offsets: list[int], sizes: list[int], placement: str) -> Any:
+    """One box of a sharded tensor: ``offsets``/``sizes`` per dimension, ``placement`` as ``"rank:<r>/cpu"``."""
+    from torch.distributed._shard.metadata import ShardMetadata
+
+    return ShardMetadata(offsets, sizes, placement)
+
+
+def local_shard(tensor: Any, metadata: Any) -> Any:
+    """This rank's data for one box (:func:`shard_metadata`)."""
+    from torch.distributed._shard.sharded_tensor import Shard
+
+    return Shard(tensor, metadata)
+
+
+def sharded_tensor(local_shards: list[Any], shards_metadata: list[Any], size: Any, dtype: Any, group: Any) -> Any:
+    """A ``ShardedTensor`` of global ``size`` from this rank's shards and every rank's box, with no collective."""
+    import torch
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    properties = TensorProperties(dtype=dtype, requires_grad=False)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards, ShardedTensorMetadata(shards_metadata, torch.Size(size), properties), process_group=group)
+
+
+def local_tensors(tensor: Any) -> list[Any]:
+    """This rank's data of ``tensor``: the local shards' tensors of a ``ShardedTensor``, the local tensor of a
+    ``DTensor`` (FSDP2; public ``to_local``), else ``[tensor]``."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        return [tensor.to_local()]
+    return [shard.tensor for shard in tensor.local_shards()] if isinstance(tensor, ShardedTensor) else [tensor]
+
+
+def host_dtensor(local: Any, like: Any) -> Any:
+    """A ``DTensor`` with ``like``'s sharding spec (mesh, placements, global shape and stride) whose local tensor is
+    ``local``, kept where it is: a host copy of a CUDA DTensor stays on the host (public ``DTensor.from_local``
+    would move it to the mesh's device). torch's own asynchronous staging (``_state_dict_utils.
+    _create_cpu_state_dict``) builds the same object: a CUDA mesh's DTensor over host memory, which DCP writes.
+    torch 2.13: ``DTensor.__new__(local_tensor, spec, *, requires_grad)`` and the ``_spec`` attribute (FSDP2 saves
+    take the protected path only on torch 2.13; read this again when another torch is validated for FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, like._spec, requires_grad=False)
+
+
+def unflatten_state_dict(flat: dict[str, Any], mappings: dict[str, Any]) -> dict[str, Any]:
+    """Rebuild a nested state dict from DCP's flat keys and their paths (``Metadata.planner_data``)."""
+    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict as unflatten
+
+    return unflatten(flat, mappings)
+
+
+def store_loaded_bytes(planner: Any, read_item: Any, value: Any) -> None:
+    """Put one loaded non-tensor entry where ``DefaultLoadPlanner.load_bytes`` would (for a planner that loads
+    the bytes itself, e.g. with ``weights_only=True``)."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], value)
+    else:
+        planner.state_dict[read_item.dest_index.fqn] = value
+
+
+# --- torch.optim ------------------------------------------------------------------------------------------------
+# torch 2.7.0 and 2.13.0: ``Optimizer._optimizer_load_state_dict_pre_hooks`` (an ``OrderedDict``, filled by the
+# public ``register_load_state_dict_pre_hook``).
+
+
+def has_load_state_dict_pre_hooks(optimizer: Any) -> bool:
+    """Whether ``optimizer.load_state_dict`` runs pre-hooks (which may need the state it is about to replace)."""
+    return bool(optimizer._optimizer_load_state_dict_pre_hooks)
+
+
+# --- torch.amp.GradScaler ---------------------------------------------------------------------------------------
+# ``_scale`` / ``_growth_tracker`` (torch 2.7-2.13: None until the first ``scale()`` or ``load_state_dict`` +
+# ``_lazy_init_scale_growth_tracker``). Accelerate's FSDP2 ``load_state`` (1.9-1.15) loads ``scaler.pt`` and then
+# calls ``_lazy_init_scale_growth_tracker``, which asserts the tracker is not initialised yet: it fails for a
+# scaler that already scaled a loss (every fp16 step) or was loaded before in the same process.
+
+
+def uninitialise_grad_scaler(scaler: Any) -> None:
+    """Drop a ``GradScaler``'s live ``_scale``/``_growth_tracker`` so the next ``load_state_dict`` and lazy init
+    rebuild them from the loaded state."""
+    scaler._scale = None
+    scaler._growth_tracker = None
+
+
+# --- Python runtime ---------------------------------------------------------------------------------------------
+# threading._register_atexit (CPython 3.9+, checked on 3.10-3.13): hooks that run at interpreter exit before
+# non-daemon threads are joined and before atexit, newest first; concurrent.futures registers its own there.
+
+
+def register_thread_exit_hook(function: Callable[[], None]) -> bool:
+    """Run ``function`` at interpreter exit before ``concurrent.futures`` refuses new work; False if unavailable."""
+    import threading
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        return False
+    register(function)
+    return True
+
+
+# --- NumPy ------------------------------------------------------------------------------------------------------
+# Accelerate's RNG files pickle NumPy arrays through ``numpy.core.multiarray._reconstruct``, which NumPy 2 moved to
+# ``numpy._core.multiarray`` (``numpy.core`` remains as a deprecated alias). Chosen by what the installed NumPy
+# provides rather than by its version number, as the import itself is the ground truth.
+
+
+def numpy_reconstruct() -> Callable[..., Any]:
+    """NumPy's array-unpickling helper, for ``torch.serialization.safe_globals``."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # NumPy < 2
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+    return _reconstruct

@@ -1,0 +1,486 @@
+"""The transaction on disk: lock, staging sibling, fsync, publish (rename), discard, leftover cleanup.
+
+Pure file logic with no process group: the caller decides which rank runs it (rank 0 for training
+checkpoints, the single process for weight exports).
+
+Protocol (see docs/protocol.md):
+
+* Writers of one parent directory serialise on an OS lock (BSD ``flock``) held on ``PARENT/.accelerate-txn.lock``.
+  The kernel releases it when the holder dies, even by ``kill -9``, so a killed writer never blocks the next one.
+  Two live writers never both hold it. A writer waits a bounded time for it: on NFS or Lustre a client that
+  died keeps its lock until the server notices.
+* Content is written into a hidden sibling ``PARENT/.NAME.staging-<run>-<txid>`` on the same filesystem (a
+  rename across filesystems would be a copy, not a commit).
+* Publish = fsync every file and directory of the staging tree, rename it onto ``NAME``, fsync ``PARENT``.
+* A staging directory found while holding the lock belongs to a dead writer (a live one would hold the lock).
+* Retention retires a published directory by renaming it to a hidden ``PARENT/.NAME.deleting-<run>-<txid>``
+  (fsynced) before deleting it, so a crash mid-delete never leaves a manifest-less ``NAME`` behind; such a
+  leftover was already retired and is always removed by the next cleanup.
+
+Why ``fcntl.flock`` and not the ``filelock`` package: the keyword arguments this lock needs (no soft fallback,
+keep the lock file, not thread-local) appeared across ``filelock`` releases (older ones raise ``TypeError``), and
+on a filesystem without ``flock`` its Unix lock raises a generic error or, by default in 4.x, falls back to a soft
+lock that ``kill -9`` leaves behind. ``flock`` is the system call ``filelock`` makes, with no version range to
+track, and its errno tells us exactly why it failed.
+The library is POSIX-only anyway (it fsyncs directories).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+import re
+import stat
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: acquire() explains
+    fcntl = None  # type: ignore[assignment]
+
+from ..errors import CheckpointConfigurationError, CheckpointExistsError, CheckpointLockedError
+
+logger = logging.getLogger(__name__)
+
+LOCK_NAME = ".accelerate-txn.lock"
+STAGING_NAME = re.compile(r"\.(?P<name>.+)\.staging-(?P<run>[0-9a-f]+)-(?P<txid>[0-9a-f]+)\Z")
+# Run ids are letters and digits (manifest rule); transaction ids are new_id() hex.
+RETIRED_NAME = re.compile(r"\.(?P<name>.+)\.deleting-(?P<run>[0-9A-Za-z]+)-(?P<txid>[0-9a-f]+)\Z")
+# flock errno meaning "this filesystem cannot lock" (ENOTSUP equals EOPNOTSUPP on Linux, not everywhere).
+_NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
+_BUSY = frozenset({errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES})
+_FIRST_POLL, _LAST_POLL = 0.02, 0.5  # seconds between attempts while another writer holds the lock
+
+
+def new_id() -> str:
+    """A fresh random identifier (32 hex digits) for runs and transactions."""
+    return uuid.uuid4().hex
+
+
+def fsync_path(path: Path) -> None:
+    """fsync one file or directory (directories are opened read-only, which POSIX allows). ``O_NONBLOCK``: a named
+    pipe fails (fsync refuses it) instead of blocking the caller; no effect on files and directories."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def walk_tree(root: Path, *, strict: bool = True) -> Iterator[tuple[Path, list[os.DirEntry[str]]]]:
+    """Every directory under ``root`` (``root`` first) with its entries, each directory before everything below it.
+
+    Iterative, with an explicit stack: a tree nested deeper than the interpreter's recursion limit (``os.walk``
+    recurses once per level on Python 3.10/3.11) is walked like any other. Never descends into a symbolic link (it is
+    listed as an entry of its directory). ``strict``: a directory that cannot be listed raises ``OSError``;
+    otherwise it is skipped, as ``os.walk`` does.
+    """
+    stack = [Path(root)]
+    while stack:
+        directory = stack.pop()
+        try:
+            with os.scandir(directory) as listing:
+                entries = list(listing)
+        except OSError:
+            if strict:
+                raise
+            continue
+        yield directory, entries
+        for entry in reversed(entries):
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(Path(entry.path))
+            except OSError:  # vanished meanwhile
+                if strict:
+                    raise
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file, then every directory bottom-up, so a published tree survives a power loss (iterative: any
+    depth). Every entry that is not a directory is opened and flushed; a link to a directory is not followed."""
+    for directory, entries in reversed(list(walk_tree(root))):
+        for entry in entries:
+            if not entry.is_dir():  # files, and links to anything but a directory (as os.walk lists them)
+                fsync_path(Path(entry.path))
+        fsync_path(directory)
+
+
+_DIRECTORY_FLAGS = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+                    | getattr(os, "O_CLOEXEC", 0))
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino
+
+
+def _clear_entries(fd: int) -> list[str]:
+    """Unlink every entry of the directory ``fd`` that is not a directory (files, symbolic links: the link itself,
+    never its target); return the names of its subdirectories."""
+    subdirectories = []
+    with os.scandir(fd) as listing:
+        for entry in listing:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    subdirectories.append(entry.name)
+                    continue
+                os.unlink(entry.name, dir_fd=fd)
+            except FileNotFoundError:  # vanished meanwhile
+                continue
+    return subdirectories
+
+
+def remove_tree(path: Path) -> None:
+    """Delete ``path`` and everything below it (nothing to do if it does not exist).
+
+    Iterative, for any depth: ``shutil.rmtree`` recurses once per level before Python 3.12 and raises
+    ``RecursionError`` on a deeply nested tree, which would let one hostile leftover block every save. One directory
+    descriptor is open at a time and every name is resolved relative to it, so no path grows past ``PATH_MAX``. Never
+    follows a symbolic link: ``path`` itself, or any entry below it, that is a link is unlinked and its target left
+    alone; a directory is entered only with ``O_NOFOLLOW``, and each climb back (``..``) is checked against the
+    directory it came from.
+    """
+    path = Path(path)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(info.st_mode):  # a file, or a link (to a directory or not): remove the entry itself
+        os.unlink(path)
+        return
+    try:
+        fd = os.open(path, _DIRECTORY_FLAGS)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        os.unlink(path)  # replaced by a link or a file since the lstat
+        return
+    # One frame per directory from ``path`` down to the current one: its name in its parent, its identity, and the
+    # subdirectories still to remove (empty: list the directory again; nothing left in it means it is empty).
+    stack: list[tuple[str, tuple[int, int], list[str]]] = [("", _identity(fd), [])]
+    try:
+        while True:
+            pending = stack[-1][2]
+            if not pending:
+                pending.extend(reversed(_clear_entries(fd)))
+            if pending:
+                name = pending.pop()
+                try:
+                    child = os.open(name, _DIRECTORY_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                        raise
+                    os.unlink(name, dir_fd=fd)  # replaced by a link or a file meanwhile: remove the entry itself
+                    continue
+                os.close(fd)
+                fd = child
+                stack.append((name, _identity(fd), []))
+                continue
+            # The current directory is empty: climb back to its parent and remove it from there.
+            name = stack.pop()[0]
+            if not stack:
+                os.close(fd)
+                fd = -1
+                os.rmdir(path)
+                return
+            parent = os.open("..", _DIRECTORY_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = parent
+            if _identity(fd) != stack[-1][1]:
+                raise OSError(errno.ESTALE, f"{path} was moved while it was being removed (stopped; nothing outside it "
+                              "was touched)")
+            os.rmdir(name, dir_fd=fd)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+class DirectoryLock:
+    """Exclusive, crash-safe lock on one parent directory (BSD ``flock`` on ``PARENT/.accelerate-txn.lock``).
+
+    ``acquire`` waits up to ``timeout`` seconds while another live writer holds it (logging once that it
+    waits), then raises :class:`CheckpointLockedError`; on a filesystem that cannot ``flock`` it raises
+    :class:`CheckpointConfigurationError` at once. The constructor only records its arguments (it cannot
+    fail, so building the lock on one rank outside a rank phase is safe); every check and every failure is in
+    ``acquire``. The lock file is left in place: only the OS lock on it means anything. Not reentrant:
+    ``acquire`` on a lock this object already holds does nothing, and one ``release`` frees it.
+    """
+
+    def __init__(self, parent: Path, timeout: float = 0.0) -> None:
+        self._parent = parent
+        self._timeout = timeout
+        self._fd: int | None = None
+
+    @property
+    def path(self) -> Path:
+        return Path(self._parent) / LOCK_NAME
+
+    @property
+    def is_locked(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> None:
+        if self._fd is not None:
+            return
+        timeout = self._checked_timeout()
+        if fcntl is None:
+            raise CheckpointConfigurationError(
+                f"Cannot lock {self.path}: accelerate-txn's directory lock needs POSIX flock (Linux, macOS); this "
+                "platform has no fcntl module."
+            )
+        path = self.path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointConfigurationError(
+                f"Cannot create the output directory {path.parent} ({exc.strerror}): choose a writable directory."
+            ) from None
+        deadline = time.monotonic() + timeout
+        poll = _FIRST_POLL
+        while True:
+            fd = _open_lock_file(path)
+            try:
+                if _try_flock(fd, path):
+                    if _same_file(fd, path):
+                        self._fd, fd = fd, None
+                        return
+                    continue  # the lock file was deleted or replaced meanwhile: lock the one that is there now
+            finally:
+                if fd is not None:
+                    os.close(fd)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CheckpointLockedError(self._held_message(timeout))
+            if poll == _FIRST_POLL:
+                logger.warning("Waiting up to %g s for the lock %s: another writer holds it", timeout, path)
+            time.sleep(min(poll, remaining))
+            poll = min(poll * 2, _LAST_POLL)
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            # Unlock explicitly: a child forked while we held it shares the open file description.
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except OSError as exc:
+            logger.warning("Unlocking %s failed (%s); closing it releases the lock", self.path, exc)
+        finally:
+            os.close(fd)
+
+    def _checked_timeout(self) -> float:
+        seconds = wait_seconds(self._timeout)
+        if seconds is None:
+            raise CheckpointConfigurationError(
+                f"DirectoryLock({self._parent}, timeout={self._timeout!r}): the wait must be a finite number of "
+                "seconds >= 0"
+            )
+        return seconds
+
+    def _held_message(self, timeout: float) -> str:
+        return (
+            f"Another writer holds the lock {self.path}: a save into {self.path.parent} is in progress in another "
+            f"process (waited {timeout:g} s for it). Wait for that save to finish, or use another output directory. "
+            "A writer killed on this machine releases the lock at once; one that died on another node of a shared "
+            "filesystem (NFS, Lustre) holds it until the server notices, often tens of seconds: retry, or wait "
+            "longer with configure_checkpointing(accelerator, lock_timeout=SECONDS) or "
+            "VIDEOX_CHECKPOINT_LOCK_TIMEOUT. (The lock file itself is harmless; do not delete it.)"
+        )
+
+    def __enter__(self) -> DirectoryLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def wait_seconds(value: Any) -> float | None:
+    """``value`` as a lock wait in seconds (a finite number >= 0, not a bool), or ``None`` if it is not one."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if isinstance(value, bool) or not math.isfinite(seconds) or seconds < 0 else seconds
+
+
+def _open_lock_file(path: Path) -> int:
+    # O_RDWR: NFSv4 emulates flock with byte-range locks, and an exclusive one needs a writable descriptor.
+    # O_NOFOLLOW: never create or lock a file somewhere else through a planted symlink.
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        return os.open(path, flags, 0o666)
+    except OSError as exc:
+        reason = "it is a symlink; remove it" if exc.errno == errno.ELOOP else "the output directory must be writable"
+        raise CheckpointConfigurationError(f"Cannot open the lock file {path} ({exc.strerror}): {reason}.") from None
+
+
+def _try_flock(fd: int, path: Path) -> bool:
+    """Take the exclusive lock without blocking: True if taken, False if another open file holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in _BUSY:
+            return False
+        if exc.errno in _NO_FLOCK:
+            raise CheckpointConfigurationError(
+                f"Cannot lock {path}: the filesystem of {path.parent} does not support BSD/POSIX file locks "
+                f"(flock failed: {exc.strerror}), so concurrent writers could not be kept apart. Save to a local or "
+                "lock-capable filesystem: e.g. mount NFS with working locks (lockd/NLM for NFSv3, i.e. not 'nolock'; "
+                "local_lock=none) or Lustre with '-o flock'."
+            ) from None
+        raise CheckpointConfigurationError(f"Cannot lock {path}: flock failed ({exc.strerror}).") from None
+    return True
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file ``fd`` locked (a lock on an unlinked inode excludes nobody)."""
+    try:
+        now = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
+@dataclass
+class StagedDirectory:
+    """One transaction: content is written into ``staging``, then published atomically onto ``final``."""
+
+    final: Path
+    run_id: str
+    txid: str = field(default_factory=new_id)
+
+    @property
+    def staging(self) -> Path:
+        return self.final.parent / f".{self.final.name}.staging-{self.run_id}-{self.txid}"
+
+    def create(self) -> Path:
+        """Create the staging directory (the caller holds the parent's lock)."""
+        if self.final.exists():
+            raise CheckpointExistsError(
+                f"Refusing to overwrite {self.final}: it already exists. Choose a new directory, or delete it "
+                "yourself if it is truly unwanted."
+            )
+        self.staging.mkdir(parents=False, exist_ok=False)
+        return self.staging
+
+    def publish(self, *, synced: bool = False) -> Path:
+        """fsync the staged tree (unless the caller did: ``synced``), rename it onto ``final`` and fsync the
+        parent. Atomic on POSIX. The rename is the commit point: a failure after it is logged, not raised, since
+        the directory is published and complete."""
+        if not synced:
+            fsync_tree(self.staging)
+        if self.final.exists():
+            raise CheckpointExistsError(f"Checkpoint destination {self.final} appeared while saving; nothing was published.")
+        os.rename(self.staging, self.final)
+        try:
+            fsync_path(self.final.parent)
+        except OSError as exc:
+            logger.warning("Published %s, but fsync of %s failed (%s): the new name may not survive a power loss",
+                           self.final, self.final.parent, exc)
+        return self.final
+
+    def discard(self) -> None:
+        """Remove the staging directory if it still exists (never touches ``final``)."""
+        remove_tree(self.staging)
+
+
+def retire(path: Path, run_id: str) -> Path:
+    """Take a published directory out of service before deleting it: rename it to the hidden
+    ``.NAME.deleting-<run>-<txid>`` in the same parent and fsync the parent; returns the new path.
+
+    After this returns, ``NAME`` no longer exists (durably), so a crash while the caller deletes the returned
+    directory leaves only a leftover that :func:`remove_leftovers` removes, never a half-deleted ``NAME``.
+    """
+    aside = path.parent / f".{path.name}.deleting-{run_id}-{new_id()}"
+    if not RETIRED_NAME.fullmatch(aside.name):
+        raise CheckpointConfigurationError(f"Cannot retire {path}: run id {run_id!r} is not letters and digits")
+    os.rename(path, aside)
+    fsync_path(path.parent)
+    return aside
+
+
+def retired_leftovers(parent: Path) -> list[Path]:
+    """Every directory under ``parent`` that :func:`retire` renamed aside and nobody finished deleting."""
+    if not parent.is_dir():
+        return []
+    return [entry for entry in sorted(parent.iterdir()) if RETIRED_NAME.fullmatch(entry.name) and entry.is_dir()
+            and not entry.is_symlink()]
+
+
+def staging_leftovers(parent: Path) -> list[tuple[Path, str]]:
+    """``(path, run_id)`` of every staging directory under ``parent``."""
+    if not parent.is_dir():
+        return []
+    found = []
+    for entry in sorted(parent.iterdir()):
+        match = STAGING_NAME.fullmatch(entry.name)
+        if match and entry.is_dir():
+            found.append((entry, match.group("run")))
+    return found
+
+
+def remove_leftovers(parent: Path, removable_runs: Iterable[str] | None) -> list[Path]:
+    """Delete dead writers' staging directories and every retired directory whose deletion was interrupted.
+    Call only while holding ``DirectoryLock(parent)``.
+
+    ``removable_runs``: the run ids whose staging leftovers may go (``None`` = all). Others are logged and kept.
+    Retired directories always go, whatever their run: retention had already taken them out of service.
+    Returns the removed paths.
+    """
+    allowed = None if removable_runs is None else set(removable_runs)
+    removed = []
+    for path in retired_leftovers(parent):
+        logger.warning("Removing %s: a checkpoint retired by retention whose deletion was interrupted", path)
+        remove_tree(path)
+        removed.append(path)
+    for path, run in staging_leftovers(parent):
+        if allowed is None or run in allowed:
+            logger.warning("Removing %s: staging directory left by a writer that did not finish", path)
+            remove_tree(path)
+            removed.append(path)
+        else:
+            logger.warning(
+                "Keeping %s: staging leftover of another run (%s) that owns checkpoints here; delete it by hand "
+                "once that run is finished", path, run,
+            )
+    return removed
+
+
+class PosixStore:
+    """The :class:`~.base.Store` of a local or shared POSIX filesystem: rename is atomic, fsync makes data and
+    names durable, ``flock`` serialises writers of one parent directory (:class:`DirectoryLock`)."""
+
+    name = "posix"
+
+    def write_atomic(self, path: Path, data: bytes) -> None:
+        """Write ``data`` to ``path + ".tmp"`` (create-only), fsync it, rename it onto ``path`` and fsync the
+        parent directory."""
+        path = Path(path)
+        temporary = path.with_name(path.name + ".tmp")
+        with temporary.open("xb") as stream:
+            stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.rename(temporary, path)
+        fsync_path(path.parent)
+
+    def retire(self, path: Path, run_id: str) -> Path:
+        return retire(path, run_id)
+
+    def remove_tree(self, path: Path) -> None:
+        remove_tree(path)
+
+
+#: The one POSIX store (it holds no state).
+POSIX = PosixStore()
