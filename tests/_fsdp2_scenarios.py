@@ -331,8 +331,8 @@ def refusals(root: str) -> dict[str, Any]:
 def unvalidated_and_native(root: str) -> dict[str, Any]:
     """FSDP2 on versions its path was not validated on runs native with one warning and one INFO line; and what
     native Accelerate itself does with the before-the-first-step checkpoint (for the record)."""
-    from accelerate_txn.accelerate.patch import _protected
     from accelerate_txn.accelerate import versions as _versions
+    from accelerate_txn.accelerate.patch import _protected
     from tests._dispatch_scenarios import _observed
 
     base = Path(root)
