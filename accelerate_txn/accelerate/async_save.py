@@ -10,7 +10,7 @@ are not built in the caller at all: ``fsdp.capture`` stages the local shards and
 (scheduler, RNG, sampler, custom and private state) are written synchronously. Then ``save_state`` returns an
 :class:`AsyncCheckpoint` handle and one background thread per process:
 
-1. writes the captured state dicts with DCP over a dedicated gloo process group (:func:`background_group`), so
+1. writes the captured state dicts with DCP over a dedicated gloo process group (``core.ranks.background_group``), so
    background collectives never interleave with training collectives;
 2. runs the rest of the transaction unchanged (``accelerate.save._finish``: required files, per-rank hash + fsync, rows
    gathered to rank 0, manifest, atomic rename, retention), every step a rank phase on that group, so a failure

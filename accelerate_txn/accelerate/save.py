@@ -44,7 +44,7 @@ from ..core.manifest import (
     write_manifest,
     writer_rank,
 )
-from ..core.ranks import agree, distributed, on_main, rank, run_phase, world_size
+from ..core.ranks import agree, background_group, distributed, on_main, rank, run_phase, world_size
 from ..core.select import complete_run_id, numbered_checkpoints, prune
 from ..errors import (
     CheckpointConfigurationError,
@@ -376,7 +376,7 @@ def save_training_checkpoint(
     try:
         staging = Path(on_main(lambda: reservation.open(), f"Reserving {path}"))  # type: ignore[union-attr]
         steps = {name: owner.step for name, owner in group.items()}
-        comm = run_phase(_async.background_group, "Creating the background process group") if background else None
+        comm = run_phase(background_group, "Creating the background process group") if background else None
         with _async.capture_dcp_saves(bool(background), staging, _staging_pool(primary)) as capture:
             for name, owner in group.items():
                 target = staging / name
