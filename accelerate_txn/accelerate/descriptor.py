@@ -95,7 +95,7 @@ def unsupported_reason(accelerator: Any) -> str | None:
     if is_fsdp2_sharded(accelerator):
         from ..fsdp.fsdp2 import unsupported_fsdp2
 
-        return unsupported_fsdp2(accelerator)
+        return unsupported_fsdp2(prepared_models(accelerator), accelerator.num_processes)
     return _unsupported_units(accelerator)
 
 

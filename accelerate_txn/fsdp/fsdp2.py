@@ -140,6 +140,7 @@ def validate_fsdp2_optimizer(model: Any, optimizer: torch.optim.Optimizer, direc
     """Every check of one FSDP2 optimizer checkpoint (``directory``: its ``optimizer_<i>``) against the live model,
     from metadata and the (small) group entries only, changing nothing; local, no collective (the protected load's
     preflight runs it on every rank). Returns (metadata, aligned saved groups, entries, name -> live parameter)."""
+    optimizer = raw_optimizer(optimizer)
     expected, parameters = _trained(model, optimizer)
     metadata = read_dcp_metadata(directory)
     saved = saved_groups(metadata, directory)
