@@ -124,7 +124,8 @@ _LIFECYCLE = """
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
-    from accelerate_txn import _patch, patch_accelerate_fsdp, unpatch_accelerate_fsdp
+    from accelerate_txn import patch_accelerate_fsdp, unpatch_accelerate_fsdp
+    from accelerate_txn.accelerate import patch as _patch
 
     acc = Accelerator(cpu=True)
     obs["no_backend_protected"] = _patch._protected(acc)
@@ -152,7 +153,9 @@ _UNVALIDATED = """
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
-    from accelerate_txn import _native, _patch, _versions
+    from accelerate_txn.accelerate import native as _native
+    from accelerate_txn.accelerate import patch as _patch
+    from accelerate_txn.accelerate import versions as _versions
     from accelerate_txn.errors import UnsupportedVersionError
 
     obs = {"versions_ok": _versions.versions_ok(), "unvalidated": _versions.unvalidated()}
