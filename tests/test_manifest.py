@@ -352,3 +352,23 @@ def test_check_dcp_payloads_rejects_payload_path_outside_directory(tmp_path: Pat
     with pytest.raises(CheckpointIntegrityError, match=r"'\.\./escaped\.distcp' points outside its checkpoint"):
         check_dcp_payloads(directory)
 
+
+
+def test_metadata_is_parsed_once_per_transaction_and_again_when_the_file_changes(tmp_path: Path) -> None:
+    from accelerate_txn.core.manifest import metadata_cache
+
+    directory = _dcp_save(tmp_path / "model")
+    assert read_dcp_metadata(directory) is not read_dcp_metadata(directory)  # no cache outside a transaction
+    with metadata_cache():
+        first = read_dcp_metadata(directory)
+        assert read_dcp_metadata(directory) is first
+        with metadata_cache():  # nested: the same cache
+            assert read_dcp_metadata(directory) is first
+        assert read_dcp_metadata(directory) is first
+        _dcp_save(directory, {"other": torch.zeros(3)})  # rewritten: another file (inode, size or times differ)
+        again = read_dcp_metadata(directory)
+        assert again is not first and set(again.state_dict_metadata) == {"other"}
+        (directory / ".metadata").write_bytes(b"not a pickle")  # still opened and checked on every call
+        with pytest.raises(CheckpointIntegrityError, match="Unreadable DCP metadata"):
+            read_dcp_metadata(directory)
+    assert read_dcp_metadata(_dcp_save(tmp_path / "fresh")) is not read_dcp_metadata(tmp_path / "fresh")

@@ -3,6 +3,7 @@ real DCP files."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -111,3 +112,37 @@ def test_during_a_protected_save_only_dcp_writes_into_its_staging_directory_are_
     # The staged files are fsynced by the transaction's hash pass; the user's own saves keep DCP's fsync.
     assert inside.sync_files is False and all(writer.sync_files is True for writer in outside)
     assert all(not isinstance(writer.fs, type(inside.fs)) for writer in outside)
+
+
+def test_the_write_back_of_a_large_file_is_started_as_it_is_written_and_the_hash_still_holds(tmp_path: Path) -> None:
+    """With a store's ``start_writeback``, each further ``WRITEBACK_EVERY`` bytes of a file ask for their write-back
+    (consecutive ranges from 0, the real POSIX call made), small files ask for none, and the recorded hash is the
+    file's."""
+    from accelerate_txn.core.hashing import WRITEBACK_EVERY
+    from accelerate_txn.store.posix import start_writeback
+
+    asked: list[tuple[str, int, int]] = []
+
+    def writeback(fd: int, offset: int, length: int) -> None:
+        asked.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, length))
+        start_writeback(fd, offset, length)  # the real call: must accept what the stream passes
+
+    record: dict[Path, tuple[int, str]] = {}
+    writer = dcp.FileSystemWriter(str(tmp_path), sync_files=False)
+    assert hash_while_writing(writer, record, HASH, writeback)
+    # DCP writes each tensor with one write call: five tensors of half a chunk each (40 MiB of floats in all).
+    state = {f"t{index}": torch.randn(WRITEBACK_EVERY // 8) for index in range(5)} | {"small": torch.randn(10)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=writer)
+    payloads = [p for p in tmp_path.iterdir() if p.suffix == ".distcp"]
+    assert len(payloads) == 1 and payloads[0].stat().st_size > 2 * WRITEBACK_EVERY
+    ranges = [(offset, length) for name, offset, length in asked if name == payloads[0].name]
+    size = payloads[0].stat().st_size
+    assert len(ranges) >= 2 and ranges[0][0] == 0
+    assert all(offset == previous + length_before for (previous, length_before), (offset, _l) in zip(ranges, ranges[1:]))
+    assert all(length >= WRITEBACK_EVERY for _offset, length in ranges)
+    assert size - WRITEBACK_EVERY < ranges[-1][0] + ranges[-1][1] <= size  # all but the last part, as it went
+    assert not [name for name, _o, _l in asked if name.startswith(".metadata")]  # small: nothing asked
+    for path in (p for p in tmp_path.iterdir() if p.is_file()):
+        assert record[path.absolute()] == hash_file(path), path.name

@@ -63,6 +63,7 @@ from ..core.ranks import drop_background_group, is_background_group, run_phase
 from ..errors import CheckpointError
 from ..fsdp.capture import materialize
 from ..fsdp.host_memory import StagingPool, staged_copy, staging_into
+from ..store.posix import start_writeback
 
 logger = logging.getLogger(__name__)
 FAIL_ENV = "ACCELERATE_TXN_ASYNC_FAIL_AT"
@@ -103,7 +104,7 @@ def _dcp_save(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: d
     if capture is None:
         return wrapped(*args, **kwargs)
     writer = kwargs.get("storage_writer")
-    if _writes_into(writer, capture.root) and hash_while_writing(writer, capture.hashes, HASH) \
+    if _writes_into(writer, capture.root) and hash_while_writing(writer, capture.hashes, HASH, start_writeback) \
             and getattr(writer, "sync_files", None) is True and kwargs.get("process_group") is None:
         # DCP's own per-file fsync would be the second of two: the transaction's hash pass fsyncs every file
         # (each by the rank that wrote it: over the default group, file and global rank agree) and rank 0 the

@@ -22,7 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from ..core import faults as _faults
-from ..core.manifest import check_dcp_inventory, check_hashes, check_structure, hashed_names, read_manifest, writer_rank
+from ..core.manifest import (
+    check_dcp_inventory,
+    check_hashes,
+    check_structure,
+    hashed_names,
+    read_manifest,
+    with_metadata_cache,
+    writer_rank,
+)
 from ..core.ranks import agree, digest, on_main, rank, run_phase, world_size
 from ..core.select import CHECKPOINT_NAME, numbered_checkpoints, refuse_transient
 from ..errors import CheckpointConfigurationError, CheckpointIntegrityError, NoCheckpointError
@@ -219,6 +227,7 @@ def _restore(path: Path, group: dict[str, Any], found: dict[str, Preflight], kwa
     run_phase(lambda: apply_rng(_own_rng(next(iter(group.values())), last)), "Restoring RNG state")
 
 
+@with_metadata_cache  # each .metadata is parsed once per load
 def load_training_checkpoint(owners: Any, input_dir: str | Path | None = None, **kwargs: Any) -> Path:
     """Verify a checkpoint completely, then restore one Accelerator or ``{component: Accelerator}`` from it.
 

@@ -18,13 +18,15 @@ the flush happens where the data was written.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import pickle
 import re
 import stat
-from collections.abc import Callable, Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -292,6 +294,38 @@ class MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
 
 
+#: Per thread, while a transaction runs (:func:`metadata_cache`): ``.metadata`` identity -> parsed ``Metadata``.
+_METADATA_CACHE = threading.local()
+
+
+@contextlib.contextmanager
+def metadata_cache() -> Iterator[None]:
+    """Within the block (in this thread), :func:`read_dcp_metadata` parses each ``.metadata`` once while its
+    identity is unchanged (path, device, inode, size, modification and change times; the file is still opened and
+    checked on every call). One save's publish or one load reads each of them five to ten times. Callers treat
+    the returned object as read-only."""
+    outer = getattr(_METADATA_CACHE, "entries", None)
+    if outer is None:
+        _METADATA_CACHE.entries = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _METADATA_CACHE.entries = None
+
+
+def with_metadata_cache(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: each call of ``function`` runs inside :func:`metadata_cache` (one save's publish, one load)."""
+    import functools
+
+    @functools.wraps(function)
+    def cached(*args: Any, **kwargs: Any) -> Any:
+        with metadata_cache():
+            return function(*args, **kwargs)
+
+    return cached
+
+
 def read_dcp_metadata(directory: Path) -> Any:
     """DCP ``Metadata`` of ``directory`` read with a restricted unpickler; integrity error if unreadable."""
     path = Path(directory) / ".metadata"
@@ -300,6 +334,14 @@ def read_dcp_metadata(directory: Path) -> Any:
     if not path.is_symlink() and not path.exists():
         raise CheckpointIntegrityError(f"Missing DCP metadata {path}: the sharded state in {directory} is incomplete")
     fd = _open_regular(path)
+    cache = getattr(_METADATA_CACHE, "entries", None)
+    key = None
+    if cache is not None:
+        info = os.fstat(fd)
+        key = (str(path.absolute()), info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+        if key in cache:
+            os.close(fd)
+            return cache[key]
     try:
         with os.fdopen(fd, "rb", closefd=False) as stream:
             metadata = MetadataUnpickler(stream).load()
@@ -311,6 +353,8 @@ def read_dcp_metadata(directory: Path) -> Any:
         os.close(fd)
     if not isinstance(metadata, Metadata):
         raise CheckpointIntegrityError(f"{path} is not DCP metadata (it holds a {type(metadata).__name__})")
+    if key is not None:
+        cache[key] = metadata
     return metadata
 
 

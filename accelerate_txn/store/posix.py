@@ -484,3 +484,27 @@ class PosixStore:
 
 #: The one POSIX store (it holds no state).
 POSIX = PosixStore()
+
+
+def _sync_file_range() -> Any:
+    """libc ``sync_file_range`` (Linux), or None where there is none."""
+    try:
+        import ctypes
+
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    return function
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start the kernel's write-back of ``length`` bytes at ``offset`` of the open file ``fd``
+    (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, Linux): asynchronous, it neither waits nor makes anything durable
+    (only fsync does); elsewhere, or where the call fails, nothing happens."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
