@@ -3,6 +3,7 @@ real DCP files."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import warnings
 from pathlib import Path
@@ -140,7 +141,8 @@ def test_the_write_back_of_a_large_file_is_started_as_it_is_written_and_the_hash
     ranges = [(offset, length) for name, offset, length in asked if name == payloads[0].name]
     size = payloads[0].stat().st_size
     assert len(ranges) >= 2 and ranges[0][0] == 0
-    assert all(offset == previous + length_before for (previous, length_before), (offset, _l) in zip(ranges, ranges[1:]))
+    assert all(offset == previous + length_before
+               for (previous, length_before), (offset, _l) in itertools.pairwise(ranges))
     assert all(length >= WRITEBACK_EVERY for _offset, length in ranges)
     assert size - WRITEBACK_EVERY < ranges[-1][0] + ranges[-1][1] <= size  # all but the last part, as it went
     assert not [name for name, _o, _l in asked if name.startswith(".metadata")]  # small: nothing asked
