@@ -150,10 +150,24 @@ def validate_fsdp2_optimizer(model: Any, optimizer: torch.optim.Optimizer, direc
     return metadata, saved, entries, parameters
 
 
-def _template(metadata: Any, parameters: dict[str, Any]) -> dict[str, Any]:
+def _in_place(live: dict[str, Any] | None, name: str, key: str, like: Any, dtype: Any) -> Any:
+    """The live optimizer state tensor ``key`` of parameter ``name`` when DCP can read into it in place (a DTensor
+    laid out like its parameter, of the saved dtype, with a contiguous local shard), else None."""
+    from torch.distributed.tensor import DTensor
+
+    value = (live or {}).get(name, {}).get(key)
+    if (isinstance(value, DTensor) and isinstance(like, DTensor) and value.shape == like.shape
+            and value.dtype == dtype and value.placements == like.placements
+            and value.device_mesh == like.device_mesh and value.to_local().is_contiguous()
+            and value.to_local().shape == like.to_local().shape):
+        return value
+    return None
+
+
+def _template(metadata: Any, parameters: dict[str, Any], live: dict[str, Any] | None = None) -> dict[str, Any]:
     """The DCP read template, from the checkpoint's metadata: parameter-shaped entries as DTensors laid out like
-    their live parameter (only the local shard is allocated and read), 0-dim entries whole, scalars and group
-    options filled in by DCP."""
+    their live parameter (only the local shard is read: into the optimizer's own state tensor of ``live`` where it
+    fits, else into a fresh local shard), 0-dim entries whole, scalars and group options filled in by DCP."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     flat: dict[str, Any] = {}
@@ -162,7 +176,9 @@ def _template(metadata: Any, parameters: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(stored, TensorStorageMetadata):
             flat[key] = None
         elif len(path) >= 4 and path[1] == "state" and stored.size:
-            flat[key] = torch.empty_like(parameters[str(path[2])], dtype=stored.properties.dtype)
+            like, dtype = parameters[str(path[2])], stored.properties.dtype
+            reused = _in_place(live, str(path[2]), str(path[-1]), like, dtype)
+            flat[key] = reused if reused is not None else torch.empty_like(like, dtype=dtype)
         else:
             flat[key] = torch.empty(tuple(stored.size), dtype=stored.properties.dtype)
     return unflatten_state_dict(flat, {key: metadata.planner_data[key] for key in flat})
@@ -176,9 +192,16 @@ def load_fsdp2_optimizer(optimizer: Any, model: Any, input_dir: str, index: int,
     directory = Path(input_dir) / f"optimizer_{index}"
     metadata, saved, _entries, parameters = run_phase(
         lambda: validate_fsdp2_optimizer(model, optimizer, directory, allow_reorder), "Validating the FSDP2 optimizer checkpoint")
-    if not has_load_state_dict_pre_hooks(optimizer):
-        optimizer.state.clear()  # old and new moments never coexist (pre-hooks of custom optimizers may need them)
-    state = run_phase(lambda: _template(metadata, parameters), "Allocating this rank's optimizer state")
+    # Every check on every rank has passed (the restore preflight, then the phase above): DCP may read into the
+    # optimizer's own state tensors in place, as native Accelerate does (old and new moments never coexist and no
+    # fresh memory is faulted in); a read that fails part way marks the Accelerator failed, as every failure during
+    # a restore does. Pre-hooks of custom optimizers may need the old state: then it is kept and not reused.
+    hooks = has_load_state_dict_pre_hooks(optimizer)
+    live = None if hooks else {name: dict(optimizer.state.get(p, {})) for name, p in parameters.items()}
+    if not hooks:
+        optimizer.state.clear()
+    state = run_phase(lambda: _template(metadata, parameters, live), "Allocating this rank's optimizer state")
+    live = None  # entries not reused are released here
     read_state(state, directory, None, "Reading this rank's optimizer state")
     loaded = state.get("optimizer", {}).get("state", {})
     by_id = {id(parameter): name for name, parameter in parameters.items()}
