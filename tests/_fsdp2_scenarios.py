@@ -130,6 +130,16 @@ def roundtrip(root: str) -> dict[str, Any]:
     # accelerate #3896: load_state right after save_state in the same process.
     obs["same_process_error"] = _error(lambda: acc.load_state(str(path)))
     obs["same_process_differences"] = _differences(expected, _snapshot(model, opt, sched))
+    # Into the optimizer it was saved from, one step later: DCP reads into its own state tensors, in place.
+    _train(acc, model, opt, sched, 1, seed=9)
+    before = {(id(p), key): value for p, state in opt.optimizer.state.items() for key, value in state.items()
+              if hasattr(value, "to_local") and value.dim() > 0}  # held: a fresh tensor cannot reuse their memory
+    obs["stepped_error"] = _error(lambda: acc.load_state(str(path)))
+    after = {(id(p), key): value for p, state in opt.optimizer.state.items() for key, value in state.items()
+             if hasattr(value, "to_local") and value.dim() > 0}
+    obs["stepped_in_place"] = bool(before) and before.keys() == after.keys() and all(
+        after[key] is value for key, value in before.items())
+    obs["stepped_differences"] = _differences(expected, _snapshot(model, opt, sched))
 
     # A fresh model (other seed), optimizer with no state, scheduler at step 0.
     acc2, model2, opt2, sched2 = _build(7)

@@ -57,6 +57,14 @@ def test_load_right_after_save_in_the_same_process_is_exact(roundtrip: list[dict
         assert obs["same_process_differences"] == []
 
 
+def test_a_load_into_a_stepped_optimizer_reads_into_its_own_state_tensors_exactly(
+        roundtrip: list[dict[str, Any]]) -> None:
+    for obs in roundtrip:
+        assert obs["stepped_error"] is None
+        assert obs["stepped_in_place"], "the restore allocated new optimizer state instead of reading in place"
+        assert obs["stepped_differences"] == []
+
+
 def test_resume_into_a_fresh_model_and_optimizer_is_exact_and_continues_identically(
         roundtrip: list[dict[str, Any]]) -> None:
     for obs in roundtrip:
