@@ -498,7 +498,7 @@ def _sync_file_range() -> Any:
     return function
 
 
-_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE: list[Any] = []  # resolved on first use (ctypes stays out of import time)
 _SYNC_FILE_RANGE_WRITE = 2
 
 
@@ -506,5 +506,7 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
     """Start the kernel's write-back of ``length`` bytes at ``offset`` of the open file ``fd``
     (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, Linux): asynchronous, it neither waits nor makes anything durable
     (only fsync does); elsewhere, or where the call fails, nothing happens."""
-    if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+    if not _SYNC_FILE_RANGE:
+        _SYNC_FILE_RANGE.append(_sync_file_range())
+    if _SYNC_FILE_RANGE[0] is not None:
+        _SYNC_FILE_RANGE[0](fd, offset, length, _SYNC_FILE_RANGE_WRITE)
