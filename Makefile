@@ -35,11 +35,19 @@ crash-sweep: venv
 test-gpu: venv
 	$(PY) tests/gpu_check.py
 
-## The documentation site: MkDocs + Material, strict (any warning fails), into site/. Its tools live in their own
-## environment (.venv-docs, pinned by docs/requirements.txt), apart from the library's constraints.txt.
+## The documentation site: MkDocs + Material, strict (any warning fails), into site/, with the API reference
+## generated from the docstrings (mkdocstrings; griffe reads the source, nothing is imported). Its tools live in
+## their own environment (.venv-docs, pinned by docs/requirements.txt), apart from the library's constraints.txt.
+## First a Markdown lint: a list must have a blank line before and after it (MD032), or Python-Markdown renders
+## it as a paragraph with a literal "- ". After the build, tests/test_docs.py checks the built site: every public
+## name on the reference page, no list item left inside a paragraph.
 DOCS_VENV ?= .venv-docs
+DOCS_LINT := $(DOCS_VENV)/bin/pymarkdown --strict-config --set 'plugins.selectively_enable_rules=$$!true' \
+	--enable-rules md032
 docs: $(DOCS_VENV)/.installed
+	$(DOCS_LINT) scan --recurse docs
 	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict -d site
+	$(DOCS_VENV)/bin/python tests/test_docs.py site
 
 $(DOCS_VENV)/.installed: docs/requirements.txt
 	$(PYTHON) -m venv $(DOCS_VENV)

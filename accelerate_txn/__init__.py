@@ -8,9 +8,6 @@ dispatch off; :func:`patch_accelerate_fsdp`/:func:`unpatch_accelerate_fsdp` opt 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
 from .accelerate.autopatch import install_on_import
 from .errors import (
     CheckpointConfigurationError,
@@ -27,8 +24,10 @@ from .errors import (
 
 __version__ = "0.1.0.dev0"
 
-# The public API is loaded on first use (PEP 562): ``import accelerate_txn`` stays cheap, and the offline CLI
-# (``verify``, ``list``, ``latest``) never imports torch.
+# The public API is loaded on first use (PEP 562): ``import accelerate_txn`` stays cheap (the standard library's
+# ``sys`` and the four modules of the package: this one, ``errors``, ``accelerate`` and ``accelerate.autopatch``;
+# benchmarks/bench_import.py measures it, tests/test_import_cost.py pins it), and the offline CLI (``verify``,
+# ``list``, ``latest``) never imports torch.
 _LAZY = {
     "configure_checkpointing": "accelerate.config",
     "check_finite_state": "accelerate.finite",
@@ -48,7 +47,10 @@ _LAZY = {
     "wait_for_checkpoint": "accelerate.async_save",
 }
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing; type checkers treat the name as True
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from typing import Any
+
     from .accelerate.async_save import wait_for_checkpoint
     from .accelerate.config import configure_checkpointing
     from .accelerate.finite import check_finite_state, check_finite_training_value
@@ -66,7 +68,9 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    from importlib import import_module
+
+    value = getattr(import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value
 

@@ -26,14 +26,15 @@ from typing import Any
 
 import torch
 
-#: ``state_dict_type`` values :func:`fsdp_accelerator` refuses, with the reason.
 UNSUPPORTED_STATE_DICT_TYPES = {
     "FULL_STATE_DICT": "Accelerate's native FULL_STATE_DICT save kills rank 0 with a segmentation fault on CPU "
                        "with gloo (a crash, not an exception: the job would hang or die without a message).",
 }
+"""``state_dict_type`` values :func:`fsdp_accelerator` refuses, with the reason."""
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the kernel's choice): a rendezvous port for a launch."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

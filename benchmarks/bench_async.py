@@ -19,7 +19,10 @@ the position in the sequence affect every mode alike):
 Reports medians and the median of the per-repeat ratios (targets of issue 10: blocking <= 0.15x native, total
 <= 1.15x native, training steps during the background write <= 1.10x).
 
-    .venv/bin/python benchmarks/bench_async.py --sizes 50 200 --repeats 3 [--fsdp-version 2]
+    .venv/bin/python benchmarks/bench_async.py --sizes 50 200 --repeats 3 [--fsdp-version 2] [--json out.json]
+
+``--json`` writes one row per model size (``million``, ``fsdp_version``, ``world_size``, ``ranks``: each rank's
+medians and ratios), which ``benchmarks/plots.py`` draws.
 """
 
 from __future__ import annotations
@@ -167,7 +170,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as root:
             results = launch("benchmarks.bench_async:worker", args.world_size,
                              args=(root, million, args.repeats, args.steps, args.fsdp_version), timeout=1800)
-        rows.append({"million": million, "ranks": results})
+        rows.append({"million": million, "fsdp_version": args.fsdp_version, "world_size": args.world_size,
+                     "ranks": results})
     load = os.getloadavg()
     print(f"FSDP{args.fsdp_version}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {os.cpu_count()} "
           f"CPUs; {args.world_size} rank(s); {args.repeats} repeats")
@@ -183,7 +187,8 @@ def main() -> None:
               f"| {t['total']:.2f} ({r['total']:.2f}x) | {t['blocking_reuse']:.2f} ({r['blocking_reuse']:.2f}x) "
               f"| {t['total_reuse']:.2f} ({r['total_reuse']:.2f}x) | {t['step_idle']:.3f} | {during} "
               f"| {rank0['steps_during']} | {t['background_cpu']:.2f} |")
-    if args.json:
+    if args.json:  # one row per size: million, fsdp_version, world_size, ranks (each rank's worker() result)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))
 
 

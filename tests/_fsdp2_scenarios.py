@@ -84,25 +84,25 @@ def _differences(a: dict[str, Any], b: dict[str, Any], parts: tuple[str, ...] = 
 
 @contextlib.contextmanager
 def _reads() -> Iterator[list[tuple[str, int]]]:
-    """Every tensor element DCP reads from storage in this process: (checkpoint folder, elements) per read item."""
+    """Every tensor element DCP reads from storage in this process: (top-level state-dict key, i.e. "model" or
+    "optimizer", elements) per read item. Counted where every storage reader hands a read tensor to the load
+    planner (``commit_tensor``), DCP's own ``FileSystemReader`` and the library's direct reader alike."""
     import math
 
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     seen: list[tuple[str, int]] = []
-    original = FileSystemReader.read_data
+    original = DefaultLoadPlanner.commit_tensor
 
-    def read_data(self: Any, plan: Any, planner: Any) -> Any:
-        folder = Path(str(self.path)).name
-        seen.extend((folder, math.prod(item.lengths)) for item in plan.items if item.type == LoadItemType.TENSOR)
-        return original(self, plan, planner)
+    def commit_tensor(self: Any, read_item: Any, tensor: Any) -> Any:
+        seen.append((read_item.dest_index.fqn.split(".")[0], math.prod(read_item.lengths)))
+        return original(self, read_item, tensor)
 
-    FileSystemReader.read_data = read_data
+    DefaultLoadPlanner.commit_tensor = commit_tensor
     try:
         yield seen
     finally:
-        FileSystemReader.read_data = original
+        DefaultLoadPlanner.commit_tensor = original
 
 
 def roundtrip(root: str) -> dict[str, Any]:
@@ -147,7 +147,7 @@ def roundtrip(root: str) -> dict[str, Any]:
     obs["fresh_state_before"] = len(opt2.optimizer.state)
     with _reads() as reads:
         obs["fresh_error"] = _error(lambda: acc2.load_state(str(path)))
-    obs["optimizer_elements_read"] = sum(n for where, n in reads if where == "optimizer_0")
+    obs["optimizer_elements_read"] = sum(n for where, n in reads if where == "optimizer")
     obs["optimizer_elements_local"] = sum(v.to_local().numel() if hasattr(v, "to_local") else v.numel()
                                           for s in opt2.optimizer.state.values() for v in s.values()
                                           if torch.is_tensor(v))

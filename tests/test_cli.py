@@ -169,7 +169,9 @@ def test_list_shows_every_checkpoint_newest_first_and_the_one_load_state_would_p
     complete = rows["checkpoint_2"]
     manifest = _manifest(messy_run / "checkpoint_2")
     assert complete["run_id"] == manifest["run_id"] and complete["reason"] is None
-    assert complete["components"] == [{"component": "", "directory": ".", "accelerator_step": 8}]
+    assert complete["components"] == [{"component": "", "directory": ".", "accelerator_step": 8,
+                                        "optimizer_steps": [None]}]  # AdamW that never stepped: no count
+    assert complete["checkpoint_number"] == 2
     assert complete["integrity"] == manifest["integrity"]
     on_disk = sum(p.stat().st_size for p in (messy_run / "checkpoint_2").rglob("*") if p.is_file())
     assert complete["size_bytes"] == on_disk and complete["age_seconds"] >= 0
@@ -209,7 +211,8 @@ def test_verify_reports_what_it_checked_and_the_real_accelerator_step(cli: Any, 
     assert "not checked:" in text.out and "load_state() compares it" in text.out
     data = cli("verify", path, "--full", "--json").json()
     assert data["valid"] is True and data["error"] is None and data["run_id"] == manifest["run_id"]
-    assert data["components"] == [{"component": "", "directory": ".", "accelerator_step": 8}]  # not {"": 0}
+    assert data["components"] == [{"component": "", "directory": ".", "accelerator_step": 8,
+                                   "optimizer_steps": [None]}]  # not {"": 0}
     checked = data["checked"]
     assert checked["files"] == len(manifest["files"]) and checked["full"] is True
     assert checked["hashed"] + checked["size_only"] == checked["files"]
@@ -229,7 +232,7 @@ def test_verify_quick_does_not_claim_to_have_hashed_a_large_payload_and_full_doe
         stream.seek(-1, os.SEEK_CUR)
         stream.write(bytes([byte[0] ^ 0xFF]))
     quick = cli("verify", path)
-    assert quick.code == 0 and "size only (--full re-hashes them)" in quick.out  # honest about what it did not see
+    assert quick.code == 0 and "size only (--full re-hashes it)" in quick.out  # honest about what it did not see
     full = cli("verify", path, "--full")
     assert full.code == 1 and "model.safetensors does not match its" in full.err
 
@@ -290,7 +293,7 @@ def test_inspect_shows_the_training_configuration(cli: Any, run_dir: Path) -> No
     assert component["models"][0]["parameters"] == 14 and component["models"][0]["trainable"] == 14
     assert component["optimizers"] == [{"class": "torch.optim.adamw.AdamW", "groups": [2, 2]}]
     assert component["training"] == {"batch_size": 8, "lr": 0.01}
-    assert data["steps"] == [{"component": "", "directory": ".", "accelerator_step": 4}]
+    assert data["steps"] == [{"component": "", "directory": ".", "accelerator_step": 4, "optimizer_steps": [None]}]
     assert cli("inspect", run_dir).code == 2
 
 
@@ -330,10 +333,11 @@ def test_prune_dry_run_names_exactly_what_prune_deletes(cli: Any, messy_run: Pat
 
     shutil.rmtree(messy_run / "checkpoint_3")  # published but corrupt: prune refuses while it is there
     dry = cli("prune", messy_run, "--keep", "2", "--dry-run", "--json").json()
-    assert [Path(p).name for p in dry["deleted"]] == ["checkpoint_0"] and dry["dry_run"] is True
+    assert [Path(p).name for p in dry["would_delete"]] == ["checkpoint_0"] and dry["dry_run"] is True
+    assert dry["deleted"] == []  # a dry run deletes nothing, and says so
     assert (messy_run / "checkpoint_0").is_dir()
     real = cli("prune", messy_run, "--keep", "2", "--json").json()
-    assert real["deleted"] == dry["deleted"] and real["kept"] == dry["kept"]
+    assert real["deleted"] == dry["would_delete"] and real["kept"] == dry["kept"] and real["would_delete"] == []
     assert sorted(p.name for p in messy_run.iterdir() if not p.name.startswith(".")) == [
         "checkpoint_1", "checkpoint_2", "checkpoint_4", "checkpoint_5"]  # legacy and broken ones are left alone
     assert list(messy_run.glob(".checkpoint_6.staging-*"))
@@ -344,7 +348,9 @@ def test_prune_dry_run_names_exactly_what_prune_deletes(cli: Any, messy_run: Pat
 
 def test_prune_refuses_when_a_corrupt_checkpoint_of_the_run_would_count(cli: Any, messy_run: Path) -> None:
     result = cli("prune", messy_run, "--keep", "1")
-    assert result.code == 1 and "checkpoint_3" in result.err and "fail verification" in result.err
+    assert result.code == 1 and "checkpoint_3 of run" in result.err
+    assert "is published but its contents fail verification" in result.err
+    assert "count it as a checkpoint to keep" in result.err
     assert all((messy_run / f"checkpoint_{n}").is_dir() for n in range(4))
 
 
@@ -390,7 +396,8 @@ def test_latest_prints_the_newest_complete_checkpoint_and_says_why_others_were_s
     assert result.code == 0 and result.out.strip() == str(messy_run / "checkpoint_2")
     assert "Skipping checkpoint" in result.err and "checkpoint_3" in result.err
     data = cli("latest", messy_run, "--json").json()
-    assert data == {"directory": str(messy_run), "latest": str(messy_run / "checkpoint_2"), "error": None}
+    assert data == {"directory": str(messy_run), "latest": str(messy_run / "checkpoint_2"), "error": None,
+                    "legacy": False}
 
 
 def test_latest_exit_codes(cli: Any, tmp_path: Path) -> None:

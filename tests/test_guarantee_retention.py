@@ -181,7 +181,7 @@ def test_cli_prune_dry_run_states_the_rule_prune_applies(tmp_path: Path) -> None
     code, out, _err = _cli("prune", tmp_path, "--keep", "2", "--json")
     assert code == 0
     done = json.loads(out)
-    assert preview["deleted"] == done["deleted"] == [str(tmp_path / f"checkpoint_{n}") for n in (1, 2)]
+    assert preview["would_delete"] == done["deleted"] == [str(tmp_path / f"checkpoint_{n}") for n in (1, 2)]
     assert preview["kept"] == done["kept"] == [str(tmp_path / f"checkpoint_{n}") for n in (3, 4)]
 
 

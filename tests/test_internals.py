@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import io
 import math
 import sys
 import warnings
@@ -229,6 +230,25 @@ def test_store_loaded_bytes_puts_entries_where_dcp_default_planner_would(tmp_pat
                  planner=Planner(flatten_state_dict=flatten, flatten_sharded_tensors=False))
     assert {k: v for k, v in target.items() if k != "weight"} == {k: v for k, v in saved.items() if k != "weight"}
     assert torch.equal(target["weight"], saved["weight"])
+
+
+def test_storage_item_is_where_filesystem_reader_keeps_each_stored_tensor(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    saved = {"a": torch.arange(6.0), "b": torch.ones(3, dtype=torch.int64)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(single process|torch.distributed is disabled).*")
+        dcp.save(saved, checkpoint_id=str(tmp_path), no_dist=True)
+    reader = dcp.FileSystemReader(str(tmp_path))
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+    seen = {}
+    for index in reader.storage_data:
+        relative, offset, length, transformed = _internals.storage_item(reader, index)
+        assert not transformed and length > 0 and (tmp_path / relative).stat().st_size >= offset + length
+        with open(tmp_path / relative, "rb") as stream:  # each span is one torch.save archive of the tensor
+            stream.seek(offset)
+            seen[index.fqn] = torch.load(io.BytesIO(stream.read(length)), weights_only=True)
+    assert set(seen) == set(saved) and all(torch.equal(seen[k], saved[k]) for k in saved)
 
 
 def test_private_pickle_globals_of_dcp_metadata_resolve() -> None:

@@ -345,8 +345,10 @@ def compare_descriptor(
     where: str = "checkpoint",
     warn: bool = True,
     allow_reshard: bool = False,
+    limit: int | None = 8,
 ) -> list[str]:
-    """Raise :class:`CheckpointConfigurationError` unless ``saved`` matches ``current``.
+    """Raise :class:`CheckpointConfigurationError` unless ``saved`` matches ``current``; its message lists up to
+    ``limit`` differences (every one with ``None``: ``accelerate-txn diff``).
 
     Migrations: legacy metadata groups (absent as a whole -> current values, with a warning; partially absent
     -> error); FSDP optimizer group order when neither side has a scheduler. Returns migrated keys.
@@ -368,7 +370,7 @@ def compare_descriptor(
         migrated.extend(absent)
     for key in migrated:
         training[key] = current["training"][key]
-    found = differences(saved, current)
+    found = differences(saved, current, limit=limit)
     if found:
         raise CheckpointConfigurationError(
             f"{where} was saved for a different training configuration:\n  " + "\n  ".join(found)

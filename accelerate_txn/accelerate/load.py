@@ -287,9 +287,11 @@ def load_training_checkpoint(owners: Any, input_dir: str | Path | None = None, *
         checkpoint_config(owner).run_id = run_id
         if owner.project_configuration.automatic_checkpoint_naming and match:
             owner.project_configuration.iteration = max(owner.save_iteration, int(match.group(1)) + 1, taken + 1)
-    if rank() == 0:
-        logger.info("Resumed from checkpoint %s (step %s)", path,
-                    ", ".join(str(o.step) for o in group.values()))
+    if rank() == 0:  # the restored optimizers' own step counts (``save.optimizer_steps``), as the next save records
+        from .save import progress_record, progress_text
+
+        logger.info("Resumed from checkpoint %s (%s)", path,
+                    progress_text(progress_record(path, group), {name: o.step for name, o in group.items()}))
     return path
 
 

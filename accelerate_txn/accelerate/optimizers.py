@@ -1,6 +1,6 @@
-"""The sharded optimizer restore of an Accelerator: each prepared optimizer with its model, FSDP1
-(:mod:`..fsdp.fsdp1`) or FSDP2 (:mod:`..fsdp.fsdp2`), with the group-order rule of the Accelerator (an LR
-scheduler depends on group order: no reordering then)."""
+"""The sharded restores of an Accelerator: the FSDP2 model (with the plugin's state-dict options), and each
+prepared optimizer with its model, FSDP1 (:mod:`..fsdp.fsdp1`) or FSDP2 (:mod:`..fsdp.fsdp2`), with the group-order
+rule of the Accelerator (an LR scheduler depends on group order: no reordering then)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,15 @@ def load_fsdp2_optimizer(accelerator: Any, optimizer: Any, model: Any, input_dir
     (:func:`..fsdp.fsdp2.load_fsdp2_optimizer`). Collective."""
     fsdp2.load_fsdp2_optimizer(optimizer, model, input_dir, index,
                                allow_reorder=_allow_reorder(accelerator, allow_reorder))
+
+
+def load_fsdp2_model(fsdp_plugin: Any, model: Any, directory: str) -> Any:
+    """Restore an FSDP2 model from ``directory`` (its ``pytorch_model_fsdp_<i>``) with the state-dict options
+    Accelerate 1.13-1.15 derive from the plugin (``_prepare_sd_options``: CPU offload and rank-0 broadcast from its
+    ``state_dict_config``), through :func:`..fsdp.fsdp2.load_fsdp2_model`. Collective."""
+    config = fsdp_plugin.state_dict_config
+    return fsdp2.load_fsdp2_model(model, directory, cpu_offload=bool(getattr(config, "offload_to_cpu", False)),
+                                  broadcast_from_rank0=bool(getattr(config, "rank0_only", False)))
 
 
 def verify_restored(model: Any, optimizer: Any, directory: Path) -> None:

@@ -234,6 +234,16 @@ def _load_fsdp_model(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
         args[3] = os.path.join(args[3], f"pytorch_model_fsdp_{index}")
     else:
         kwargs["input_dir"] = os.path.join(kwargs["input_dir"], f"pytorch_model_fsdp_{index}")
+    if is_fsdp2_sharded(accelerator):
+        from .optimizers import load_fsdp2_model
+        from .versions import fsdp2_validated
+
+        names = ("fsdp_plugin", "accelerator", "model", "input_dir", "model_index", "adapter_only", "use_dcp")
+        bound = {**dict(zip(names, args)), **kwargs}
+        if ((fsdp2_validated() or override_requested()) and not bound.get("adapter_only", False)
+                and bound.get("use_dcp", True)):
+            # Accelerate's own sharded FSDP2 model load, reading each tensor into the parameter in place.
+            return load_fsdp2_model(bound["fsdp_plugin"], bound["model"], bound["input_dir"])
     return wrapped(*args, **kwargs)
 
 

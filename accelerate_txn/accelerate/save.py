@@ -35,7 +35,6 @@ import torch.distributed as dist
 from ..core import faults as _faults
 from ..core.manifest import (
     HASH,
-    MANIFEST,
     PROTOCOL,
     add_schemas,
     check_dcp_inventory,
@@ -47,7 +46,7 @@ from ..core.manifest import (
     writer_rank,
 )
 from ..core.ranks import agree, background_group, distributed, on_main, rank, run_phase, world_size
-from ..core.select import complete_run_id, numbered_checkpoints, prune
+from ..core.select import CHECKPOINT_NAME, complete_run_id, numbered_checkpoints, prune
 from ..errors import (
     CheckpointConfigurationError,
     CheckpointError,
@@ -79,6 +78,48 @@ from .required import check_required_files, rank_files
 from .versions import installed_versions, require_supported_versions
 
 logger = logging.getLogger(__name__)
+
+
+def optimizer_steps(owner: Any) -> list[int | None]:
+    """The optimizer steps taken, one per prepared optimizer of ``owner``: the largest ``step`` in its per-parameter
+    state, read from the first parameter with state in each parameter group (one value per group, so a GPU model
+    with thousands of parameters pays a few device reads, not thousands). Adam, AdamW, NAdam, RAdam, Adamax,
+    Adagrad, RMSprop, Adadelta, ASGD and Rprop count every ``step()`` there (a step the gradient scaler skips is
+    not counted), and the count is part of the optimizer state, so it survives a restore. ``None`` for an optimizer
+    that keeps no count (plain SGD, SGD with momentum) or has not stepped yet. Unlike ``accelerator.step`` (which
+    moves only inside ``accelerator.accumulate()``) or a scheduler's ``last_epoch`` (Accelerate steps a prepared
+    scheduler once per process), it is the number a training loop sees."""
+    counts: list[int | None] = []
+    for optimizer in prepared_optimizers(owner):
+        raw = raw_optimizer(optimizer)
+        found: int | None = None
+        for group in raw.param_groups:
+            state = next((raw.state[p] for p in group.get("params", ()) if raw.state.get(p)), None)
+            step = state.get("step") if isinstance(state, dict) else None
+            if step is None:
+                continue
+            value = step.item() if hasattr(step, "item") else step
+            if isinstance(value, (int, float)) and value >= 0:
+                found = max(found or 0, int(value))
+        counts.append(found)
+    return counts
+
+
+def progress_record(path: Path, owners: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's ``progress``: the checkpoint number (``N`` of ``checkpoint_N``, ``None`` for another name) and
+    each component's :func:`optimizer_steps`. Informational: never verified, never compared with a live run."""
+    match = CHECKPOINT_NAME.fullmatch(Path(path).name)
+    return {"checkpoint": int(match.group(1)) if match else None,
+            "optimizer_steps": {name: optimizer_steps(owner) for name, owner in owners.items()}}
+
+
+def progress_text(progress: dict[str, Any], steps: dict[str, Any]) -> str:
+    """``progress`` (see :func:`progress_record`) and ``{component: accelerator.step}`` for a log line."""
+    counts = sorted({c for values in progress.get("optimizer_steps", {}).values() for c in values if c is not None})
+    number = progress.get("checkpoint")
+    optimizer = "unknown" if not counts else ", ".join(map(str, counts))
+    return (f"checkpoint {'-' if number is None else number}, optimizer step {optimizer}, Accelerator step "
+            f"{', '.join(str(step) for step in steps.values())}")
 
 
 def _preflight(owners: dict[str, Any]) -> dict[str, Any]:
@@ -236,7 +277,7 @@ class _Reservation:
 
     def publish(self, owners: dict[str, Any], descriptors: dict[str, Any], run_id: str, integrity: str,
                 rows: dict[str, dict[str, Any]], steps: dict[str, int] | None = None,
-                lineage: dict[str, Any] | None = None) -> str:
+                lineage: dict[str, Any] | None = None, progress: dict[str, Any] | None = None) -> str:
         staging = self.staged.staging
         rank_templates = sorted({t for owner in owners.values() for t in rank_files(owner)})
         for name, owner in owners.items():
@@ -265,6 +306,8 @@ class _Reservation:
             "transaction_id": self.staged.txid,
             "components": descriptors,
             "steps": steps if steps is not None else {name: owner.step for name, owner in owners.items()},
+            # Optional (older manifests lack it): checkpoint number and optimizer steps taken, for people (CLI, logs).
+            "progress": progress if progress is not None else progress_record(self.staged.final, owners),
             "versions": installed_versions(),
             "integrity": integrity,
             "hash": HASH,
@@ -311,7 +354,8 @@ def _on_main(function: Any, context: str, group: Any = None) -> Any:
 def _finish(group: Any, owners: dict[str, Any], staging: Path, templates: list[str], integrity: str,
             reservation: _Reservation | None, descriptors: dict[str, Any], run_id: str, path: Path,
             limit: int | None, steps: dict[str, int], world: int, record: dict[str, str] | None = None,
-            lineage: dict[str, Any] | None = None, written: dict[Path, tuple[int, str]] | None = None) -> str:
+            lineage: dict[str, Any] | None = None, written: dict[Path, tuple[int, str]] | None = None,
+            progress: dict[str, Any] | None = None) -> str:
     """Steps 5-6 over ``group`` (None: the default group): hash and flush, publish (noted in ``record`` at once),
     retention."""
     for name, owner in owners.items():
@@ -323,7 +367,8 @@ def _finish(group: Any, owners: dict[str, Any], staging: Path, templates: list[s
     rows = _gather_rows(run_phase(lambda: _own_rows(staging, templates, integrity, written),
                                   "Hashing and flushing the staged checkpoint", group), world, group)
     published: str = _on_main(lambda: reservation.publish(owners, descriptors, run_id, integrity,  # type: ignore[union-attr]
-                                                          rows, steps, lineage), f"Publishing {path}", group)
+                                                          rows, steps, lineage, progress), f"Publishing {path}",
+                                     group)
     if record is not None:
         record["published"] = published
     _faults.point("save:after-rename")
@@ -333,7 +378,9 @@ def _finish(group: Any, owners: dict[str, Any], staging: Path, templates: list[s
         except CheckpointError as exc:  # the new checkpoint is published: report, don't fail the save
             if rank() == 0:
                 logger.warning("Checkpoint %s is published, but retention failed: %s", published, exc)
-    logger.info("Published checkpoint %s (%s)", published, MANIFEST)
+    if rank(group) == 0:  # once per save, not once per rank
+        logger.info("Published checkpoint %s (%s)", published,
+                    progress_text(progress or progress_record(path, owners), steps))
     return published
 
 
@@ -386,6 +433,7 @@ def save_training_checkpoint(
     try:
         staging = Path(on_main(lambda: reservation.open(), f"Reserving {path}"))  # type: ignore[union-attr]
         steps = {name: owner.step for name, owner in group.items()}
+        progress = progress_record(path, group)  # at staging time, as steps: an asynchronous save must not race training
         comm = run_phase(background_group, "Creating the background process group") if background else None
         with _async.capture_dcp_saves(bool(background), staging, _staging_pool(primary)) as capture:
             for name, owner in group.items():
@@ -406,6 +454,7 @@ def save_training_checkpoint(
         finish = functools.partial(_finish, owners=group, staging=staging, templates=templates, integrity=integrity,
                                    reservation=reservation, descriptors=descriptors, run_id=run_id, path=path,
                                    limit=limit, steps=steps, world=world_size(), written=capture.hashes,
+                                   progress=progress,
                                    lineage={name: lineage for name, lineage in lineages.items() if lineage}
                                    or None)
         if background:

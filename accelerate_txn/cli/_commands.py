@@ -20,15 +20,24 @@ from ..errors import CheckpointError, CheckpointIntegrityError, NoCheckpointErro
 from . import _output as out
 from ._scan import (
     COMPLETE,
+    CORRUPT,
+    LEGACY,
     PathKindError,
     checkpoint_manifest,
+    checkpoint_number,
     component_steps,
+    optimizer_step_text,
+    plural,
+    progress_text,
+    run_directory_hint,
     scan_run_directory,
     step_text,
     verify_checkpoint,
 )
 
 JSON_HELP = "Print only JSON on stdout (messages and log lines go to stderr)."
+#: Differences ``diff`` prints without --all.
+DIFF_LINES = 20
 _EXISTING_DIR = click.Path(exists=True, file_okay=True, dir_okay=True, path_type=Path)
 #: --dtype names: torch's own names and the usual short ones.
 DTYPES = {
@@ -43,8 +52,9 @@ def _json_option(function: Callable[..., Any]) -> Callable[..., Any]:
     return click.option("--json", "as_json", is_flag=True, help=JSON_HELP)(function)
 
 
-def _run_directory(path: Path) -> Path:
-    """``path`` as a run directory, or a usage error saying what it is instead."""
+def _run_directory(path: Path, command: str) -> Path:
+    """``path`` as a run directory, or a usage error saying what it is instead (a checkpoint; a project directory or
+    a directory of runs, with the run directories below it)."""
     from ..core.manifest import MANIFEST
 
     if not path.is_dir():
@@ -54,7 +64,29 @@ def _run_directory(path: Path) -> Path:
             f"{path} is a checkpoint, not a run directory: check it with 'accelerate-txn verify {path}' or read it "
             f"with 'accelerate-txn inspect {path}'; list its run with 'accelerate-txn list {path.parent}'"
         )
+    hint = run_directory_hint(path, command)
+    if hint is not None:
+        raise click.UsageError(hint)
     return path
+
+
+def _would_load(root: Path) -> str | None:
+    """The checkpoint load_state() would resume from under ``root``, by the library's own selection
+    (``core.select.latest_checkpoint``) with the default legacy policy (``ALLOW_LEGACY_DEFAULT``: the command line
+    has no Accelerator): the newest complete checkpoint, else a legacy one; ``None`` for an empty directory.
+    Raises :class:`NoCheckpointError` when candidates exist but none would load."""
+    from ..core.select import ALLOW_LEGACY_DEFAULT, latest_checkpoint
+
+    return latest_checkpoint(root, full=True, legacy=ALLOW_LEGACY_DEFAULT)
+
+
+def _status_cell(status: str) -> Any:
+    """The status for a table: corrupt in red, legacy and leftovers in yellow, complete in green (no colour when
+    stdout is not a terminal)."""
+    from rich.text import Text
+
+    style = {COMPLETE: "green", CORRUPT: "bold red", LEGACY: "yellow"}.get(status, "yellow")
+    return Text(status, style=style)
 
 
 def _checkpoint(path: Path, command: str) -> dict[str, Any]:
@@ -74,17 +106,17 @@ def list_command(directory: Path, as_json: bool) -> int:
     """List every checkpoint of a run directory, newest first.
 
     Shows each checkpoint_N and leftover with its status (complete, staging leftover, retired leftover, legacy,
-    corrupt, with the reason), Accelerator step, run id, size, age and integrity mode, and marks the one
-    load_state() would resume from (the newest complete checkpoint; load_state() also checks that it fits the
-    live Accelerator).
+    corrupt, with the reason), optimizer step, Accelerator step, run id, size, age and integrity mode, and marks
+    the one load_state() would resume from (the newest complete checkpoint, else a legacy one; load_state() also
+    checks that it fits the live Accelerator).
     """
-    from ..accelerate.selection import latest_training_checkpoint
+    from ..core.select import legacy_resume
 
-    root = _run_directory(directory)
+    root = _run_directory(directory, "list")
     entries = scan_run_directory(root)
     try:
         with out.quiet("accelerate_txn.core.select"):  # its skip reasons are in the table already
-            pick = latest_training_checkpoint(root, full=True)
+            pick = _would_load(root)
     except NoCheckpointError:
         pick = None
     for entry in entries:
@@ -101,19 +133,24 @@ def list_command(directory: Path, as_json: bool) -> int:
     arrow, ellipsis = out.symbol(out.ARROW), out.symbol(out.ELLIPSIS)  # ASCII where stdout cannot encode them
     for entry in entries:
         manifest = entry.manifest or {}
-        rows.append([arrow if entry.selected else "", entry.short_name(ellipsis), entry.status,
+        rows.append([arrow if entry.selected else "", entry.short_name(ellipsis), _status_cell(entry.status),
+                     optimizer_step_text(manifest) if entry.manifest else "-",
                      step_text(manifest) if entry.manifest else "-", (entry.run_id or "-")[:8],
                      out.size_text(entry.size()), out.age_text(now - entry.modified()),
                      str(manifest.get("integrity", "-"))])
     console = out.console()
-    console.print(out.table(f"{root}", [("", "left"), ("checkpoint", "left"), ("status", "left"), ("acc.step", "right"),
-                                        ("run", "left"), ("size", "right"), ("age", "right"),
+    console.print(out.table(f"{root}", [("", "left"), ("checkpoint", "left"), ("status", "left"), ("step", "right"),
+                                        ("acc.step", "right"), ("run", "left"), ("size", "right"), ("age", "right"),
                                         ("integrity", "left")], rows))
     for entry in entries:
         if entry.reason:
             out.say(f"  {entry.name}: {entry.reason}")
+    picked = next((entry for entry in entries if entry.selected), None)
     if pick is None:
-        out.say("load_state() would find no complete checkpoint here (a resume raises NoCheckpointError).")
+        out.say("load_state() would find no checkpoint to resume from here (a resume raises NoCheckpointError).")
+    elif picked is not None and picked.status == LEGACY:
+        out.say(f"load_state() would resume from {Path(pick).name}, which has no completion manifest: "
+                f"{legacy_resume()}")
     else:
         out.say(f"load_state() would resume from {Path(pick).name}")
     return 0
@@ -138,10 +175,16 @@ def _hash_progress(manifest: dict[str, Any], full: bool, *, enabled: bool) -> It
     import threading
 
     from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+    from rich.progress import BarColumn, DownloadColumn, Progress, ProgressColumn, TimeRemainingColumn
+    from rich.text import Text
+
+    class SpeedColumn(ProgressColumn):  # rich's TransferSpeedColumn has decimal units only: MiB/s, as `list` sizes
+        def render(self, task: Any) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text("?" if speed is None else f"{out.size_text(int(speed))}/s", style="progress.data.speed")
 
     lock = threading.Lock()
-    with Progress("re-hashing", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+    with Progress("re-hashing", BarColumn(), DownloadColumn(binary_units=True), SpeedColumn(), TimeRemainingColumn(),
                   console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("hash", total=total)
 
@@ -187,16 +230,22 @@ def verify_command(checkpoint: Path, full: bool, dcp: bool, as_json: bool) -> in
         return 0
     report = result.report
     out.say(f"{checkpoint}: valid (run {manifest.get('run_id')}, protocol {manifest.get('protocol')}, integrity "
-            f"{report.get('integrity')}, Accelerator step {step_text(manifest)})")
+            f"{report.get('integrity')}, {progress_text(manifest)})")
     out.say("checked:")
-    out.say(f"  {report['files']} files present with their recorded sizes, no symbolic links")
-    out.say(f"  content of {report['hashed']} file(s) re-hashed ({report.get('algorithm')}) and equal to the manifest")
+    files, hashed = report["files"], report["hashed"]
+    out.say(f"  {files} {plural(files, 'file')} present with {plural(files, 'its', 'their')} recorded "
+            f"{plural(files, 'size')}, no symbolic links")
+    out.say(f"  content of {hashed} {plural(hashed, 'file')} re-hashed ({report.get('algorithm')}) and equal to the "
+            "manifest")
     extra = report.get("extra")
     if extra is not None:
+        more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
         out.say("  no unlisted file that a loader would read" + (
-            f"; {len(extra)} unlisted file(s) no loader reads: {', '.join(extra[:5])}" if extra else ""))
+            f"; {len(extra)} unlisted {plural(len(extra), 'file')} no loader reads: {', '.join(extra[:5])}{more}"
+            if extra else ""))
     if report.get("dcp_metadata"):
-        out.say(f"  DCP metadata of {report['dcp_metadata']} director(ies): schemas and payload lists")
+        count = report["dcp_metadata"]
+        out.say(f"  DCP metadata of {count} {plural(count, 'directory', 'directories')}: schemas and payload lists")
     out.say("not checked:")
     for note in result.not_checked():
         out.say(f"  {note}")
@@ -256,14 +305,15 @@ def inspect_command(checkpoint: Path, as_json: bool) -> int:
     if as_json:
         out.emit_json({"path": str(checkpoint), "run_id": manifest.get("run_id"), "protocol": manifest.get("protocol"),
                        "integrity": manifest.get("integrity"), "versions": manifest.get("versions"),
-                       "steps": component_steps(manifest), "components": summaries,
+                       "steps": component_steps(manifest), "checkpoint_number": checkpoint_number(manifest),
+                       "components": summaries,
                        "rank_state": manifest.get("rank_state"), "resharded_from": manifest.get("resharded_from")})
         return 0
     versions = manifest.get("versions") if isinstance(manifest.get("versions"), dict) else {}
     out.say(f"{checkpoint} (run {manifest.get('run_id')}, protocol {manifest.get('protocol')}, integrity "
             f"{manifest.get('integrity')}; not verified here: see 'accelerate-txn verify')")
     out.say("saved with " + (", ".join(f"{k} {v}" for k, v in sorted(versions.items())) or "unknown versions")
-            + f"; Accelerator step {step_text(manifest)}")
+            + f"; {progress_text(manifest)}")
     if not summaries:
         out.say("the manifest records no training configuration")
     for name, summary in summaries.items():
@@ -299,8 +349,10 @@ def _rank_lines(manifest: dict[str, Any]) -> list[str]:
 @click.argument("other", metavar="B", type=_EXISTING_DIR)
 @click.option("--allow-reshard", is_flag=True,
               help="Compare as a run with configure_checkpointing(allow_reshard=True): a world-size change is allowed.")
+@click.option("--all", "show_all", is_flag=True,
+              help=f"Print every difference (without it, the first {DIFF_LINES}; --json always has every one).")
 @_json_option
-def diff_command(saved: Path, other: Path, allow_reshard: bool, as_json: bool) -> int:
+def diff_command(saved: Path, other: Path, allow_reshard: bool, show_all: bool, as_json: bool) -> int:
     """Explain why a run configured like B could not resume from A: exit 0 if it could, 1 if not.
 
     Compares the training configurations both manifests record, as load_state() compares a checkpoint's saved
@@ -312,9 +364,11 @@ def diff_command(saved: Path, other: Path, allow_reshard: bool, as_json: bool) -
     blockers = resume_blockers(first, second, allow_reshard=allow_reshard)
     versions = [first.get("versions"), second.get("versions")]
     same_run = first.get("run_id") == second.get("run_id")
-    if as_json:
+    lines = [line for blocker in blockers for line in blocker["differences"] or [blocker["message"]]]
+    if as_json:  # every difference, always
         out.emit_json({"a": str(saved), "b": str(other), "would_resume": not blockers, "same_run": same_run,
-                       "versions": {"a": versions[0], "b": versions[1]}, "blockers": blockers})
+                       "versions": {"a": versions[0], "b": versions[1]}, "blockers": blockers,
+                       "differences_total": sum(len(blocker["differences"]) for blocker in blockers)})
         return 1 if blockers else 0
     if not same_run:
         out.say(f"note: different training runs ({first.get('run_id')} vs {second.get('run_id')})")
@@ -324,9 +378,11 @@ def diff_command(saved: Path, other: Path, allow_reshard: bool, as_json: bool) -
         out.say(f"{other} records the same training configuration as {saved}: a run configured like B would resume A")
         return 0
     out.say(f"a run configured like {other} would not resume {saved} (saved = A, live = B):")
-    for blocker in blockers:
-        for line in blocker["differences"] or [blocker["message"]]:
-            out.say(f"  {line}")
+    shown = lines if show_all or len(lines) <= DIFF_LINES + 1 else lines[:DIFF_LINES]
+    for line in shown:
+        out.say(f"  {line}")
+    if len(shown) < len(lines):
+        out.say(f"  ... and {len(lines) - len(shown)} more (use --all)")
     return 1
 
 
@@ -360,10 +416,12 @@ def _prune_run(root: Path, entries: list[Any], run_id: str | None) -> str | None
     if run and suspect:
         # Retention counts every published checkpoint of the run, verified or not: a corrupt one would count
         # toward --keep and good ones would go instead.
+        one = len(suspect) == 1
         raise CheckpointIntegrityError(
-            f"Refusing to prune {root}: {', '.join(suspect)} of run {run} {'is' if len(suspect) == 1 else 'are'} "
-            "published but fail verification (see 'accelerate-txn list'), and retention would count them as "
-            "checkpoints to keep. Restore or remove them first."
+            f"Refusing to prune {root}: {', '.join(suspect)} of run {run} {'is' if one else 'are'} published but "
+            f"{'its' if one else 'their'} contents fail verification (see 'accelerate-txn list'), and retention would count "
+            f"{'it as a checkpoint' if one else 'them as checkpoints'} to keep. Restore or remove "
+            f"{'it' if one else 'them'} first."
         )
     return run
 
@@ -386,7 +444,7 @@ def prune_command(directory: Path, keep: int, run_id: str | None, dry_run: bool,
     from ..core.select import prune
     from ..store.posix import POSIX, DirectoryLock
 
-    root = _run_directory(directory)
+    root = _run_directory(directory, "prune")
     if dry_run:  # no lock: the same rule applied to what is there now
         entries = scan_run_directory(root)
         run = _prune_run(root, entries, run_id)
@@ -405,9 +463,11 @@ def prune_command(directory: Path, keep: int, run_id: str | None, dry_run: bool,
         finally:
             lock.release()
         kept_paths = [e.path for e in sorted(kept + doomed, key=lambda e: e.number) if e.path not in deleted]
-    if as_json:
+    if as_json:  # a dry run deleted nothing: what would go is under "would_delete", and "deleted" is empty
         out.emit_json({"directory": str(root), "run_id": run, "keep": keep, "dry_run": dry_run,
-                       "deleted": [str(p) for p in deleted], "kept": [str(p) for p in kept_paths]})
+                       "deleted": [] if dry_run else [str(p) for p in deleted],
+                       "would_delete": [str(p) for p in deleted] if dry_run else [],
+                       "kept": [str(p) for p in kept_paths]})
         return 0
     verb = "would delete" if dry_run else "deleted"
     out.say(f"{verb}: {', '.join(p.name for p in deleted) or 'nothing'}")
@@ -425,22 +485,29 @@ def prune_command(directory: Path, keep: int, run_id: str | None, dry_run: bool,
 @click.argument("directory", type=_EXISTING_DIR)
 @_json_option
 def latest_command(directory: Path, as_json: bool) -> int:
-    """Print the checkpoint load_state() would resume from: the newest complete checkpoint_N.
+    """Print the checkpoint load_state() would resume from: the newest complete checkpoint_N, else a legacy
+    (manifest-less) one, as load_state() with the default allow_legacy=True would.
 
-    Exit 1 if the directory holds no complete checkpoint; why each newer one was skipped goes to stderr.
+    Exit 1 if the directory holds no checkpoint load_state() would resume from; why each newer one was skipped goes
+    to stderr.
     """
-    from ..accelerate.selection import latest_training_checkpoint
+    from ..core.manifest import read_manifest
+    from ..core.select import legacy_resume
 
-    root = _run_directory(directory)
+    root = _run_directory(directory, "latest")
     try:
-        found = latest_training_checkpoint(root, full=True)
+        found = _would_load(root)
         error = None if found else f"{root}: no checkpoints"
     except NoCheckpointError as exc:
         found, error = None, str(exc)
+    legacy = found is not None and read_manifest(Path(found)) is None
     if as_json:
-        out.emit_json({"directory": str(root), "latest": found, "error": error})
+        out.emit_json({"directory": str(root), "latest": found, "error": error, "legacy": legacy})
     elif found:
         out.say(found)
+    if legacy:
+        out.say(f"note: {Path(found).name} has no completion manifest (a native Accelerate checkpoint): "  # type: ignore[arg-type]
+                f"{legacy_resume()}", err=True)
     if error:
         out.say(error, err=True)
         return 1

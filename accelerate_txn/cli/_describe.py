@@ -75,7 +75,8 @@ def summarize(descriptor: Any) -> dict[str, Any]:
 def resume_blockers(saved: dict[str, Any], other: dict[str, Any], *, allow_reshard: bool = False
                     ) -> list[dict[str, Any]]:
     """Why a run configured as ``other`` was saved would be refused when resuming ``saved``, per component, in the
-    library's own words (the same comparison load_state() runs). Empty when it would resume."""
+    library's own words (the same comparison load_state() runs), every difference (load_state()'s message lists the
+    first 8). Empty when it would resume."""
     from ..accelerate.descriptor import compare_descriptor
     from ..errors import CheckpointConfigurationError
 
@@ -89,7 +90,7 @@ def resume_blockers(saved: dict[str, Any], other: dict[str, Any], *, allow_resha
         where = f"component {name!r}" if name else "the checkpoint"
         try:
             compare_descriptor(saved_parts[name], other_parts[name], where=where, warn=False,
-                               allow_reshard=allow_reshard)
+                               allow_reshard=allow_reshard, limit=None)
         except CheckpointConfigurationError as exc:
             message = str(exc)
             lines = [line.strip() for line in message.splitlines()[1:] if line.startswith("  ")]

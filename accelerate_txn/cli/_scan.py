@@ -36,22 +36,72 @@ def looks_like_run_directory(path: Path) -> bool:
     return bool(numbered_checkpoints(path) or staging_leftovers(path) or retired_leftovers(path))
 
 
-def _loader_files(path: Path) -> list[str]:
-    """Files under ``path`` that a native Accelerate load would read (what makes a manifest-less directory a
-    legacy checkpoint rather than an empty or foreign one)."""
-    may_read = getattr(_manifest, "loader_may_read", None)
+def nested_run_directories(path: Path, limit: int = 10_000) -> list[Path]:
+    """Run directories one level below ``path`` (a directory of runs), or two where the level between is an
+    Accelerate project directory (``<project_dir>/checkpoints/checkpoint_N``, automatic naming); sorted, empty when
+    ``path`` is itself a run directory or holds none. Symbolic links are not followed; at most ``limit`` entries of
+    ``path`` are looked at."""
+    if not path.is_dir() or path.is_symlink() or looks_like_run_directory(path):
+        return []
     found = []
+    try:
+        children = sorted(path.iterdir())[:limit]
+    except OSError:
+        return []
+    for child in children:
+        if child.is_symlink() or not child.is_dir() or _CHECKPOINT_NAME.fullmatch(child.name):
+            continue
+        project = child / "checkpoints"
+        if looks_like_run_directory(child):
+            found.append(child)
+        elif project.is_dir() and not project.is_symlink() and looks_like_run_directory(project):
+            found.append(project)
+    return found
+
+
+def run_directory_hint(path: Path, command: str) -> str | None:
+    """For a directory that is not a run directory but holds run directories below it (a project directory, a
+    directory of runs): where the checkpoints are and the command to run instead; else ``None``."""
+    runs = nested_run_directories(path)
+    if not runs:
+        return None
+    if runs == [path / "checkpoints"]:
+        return (f"{path} is not a run directory: it looks like an Accelerate project directory, whose checkpoints "
+                f"are in {runs[0]} (automatic naming saves <project_dir>/checkpoints/checkpoint_N). Run "
+                f"'accelerate-txn {command} {runs[0]}'")
+    shown = ", ".join(str(run) for run in runs[:5]) + (f" and {len(runs) - 5} more" if len(runs) > 5 else "")
+    count = len(runs)
+    return (f"{path} is not a run directory: it holds no checkpoint_N itself, but {count} "
+            f"{plural(count, 'directory', 'directories')} below it {plural(count, 'holds', 'hold')} checkpoints: "
+            f"{shown}. Pass one of them, e.g. 'accelerate-txn {command} {runs[0]}'")
+
+
+def plural(count: int, one: str, many: str | None = None) -> str:
+    """``one`` for a count of 1, else ``many`` (default: ``one`` + "s")."""
+    return one if count == 1 else (many if many is not None else one + "s")
+
+
+def _loader_files(path: Path) -> tuple[list[str], str | None]:
+    """Files under ``path`` that a native Accelerate load would read (what makes a manifest-less directory a legacy
+    checkpoint rather than an empty or foreign one), and why selection would not take it anyway: the library's own
+    answer (``core.select.legacy_files``), or, for a tree no checkpoint has (a symbolic link, a special file, deeper
+    than 64 levels), the loader files a tolerant walk finds and the library's reason."""
+    from ..core.select import legacy_files
+
     if Path(path).is_symlink():  # never walked through
-        return found
-    for directory, entries in walk_tree(path, strict=False):  # iterative: any depth
+        return [], None
+    try:
+        return legacy_files(path), None
+    except (CheckpointIntegrityError, OSError) as exc:
+        error = str(exc)
+    found = []
+    for directory, entries in walk_tree(path, strict=False):  # iterative: any depth, links not followed
         for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                continue
-            name = entry.name
-            relative = Path(directory, name).relative_to(path).as_posix()
-            if may_read(relative) if may_read else name.endswith((*_PAYLOAD_SUFFIXES, ".pkl", ".pt", ".metadata")):
-                found.append(relative)
-    return sorted(found)
+            if not entry.is_dir(follow_symlinks=False):
+                relative = Path(directory, entry.name).relative_to(path).as_posix()
+                if _manifest.loader_may_read(relative):
+                    found.append(relative)
+    return sorted(found), error
 
 
 def checkpoint_manifest(path: Path, command: str) -> dict[str, Any]:
@@ -72,19 +122,28 @@ def checkpoint_manifest(path: Path, command: str) -> dict[str, Any]:
     manifest = read_manifest(path)
     if manifest is not None:
         return manifest
+    from ..core.select import legacy_resume
+
     if looks_like_run_directory(path):
         count = sum(1 for entry in path.iterdir() if _CHECKPOINT_NAME.fullmatch(entry.name) and entry.is_dir())
         raise PathKindError(
             f"{path} is a run directory ({count} checkpoint_N inside), not a checkpoint. See its checkpoints with "
             f"'accelerate-txn list {path}', or the one load_state() would resume with 'accelerate-txn latest {path}'"
         )
+    hint = run_directory_hint(path, "list")
+    if hint is not None:  # before the legacy check: the checkpoints below hold files a loader reads
+        raise PathKindError(f"{hint}, or pass one checkpoint_N of it to '{command}'")
     if (path / (MANIFEST + ".tmp")).exists():
         raise CheckpointIntegrityError(f"{path} holds only a partly written manifest ({MANIFEST}.tmp): an interrupted save")
-    if _loader_files(path):
+    files, error = _loader_files(path)
+    if files and error is None:
         raise CheckpointIntegrityError(
-            f"{path} has no {MANIFEST}: a legacy (native Accelerate) checkpoint or an unfinished save. There is "
-            "nothing to verify it against; load_state() reads it only with configure_checkpointing(allow_legacy=True)"
+            f"{path} has no {MANIFEST}: a legacy (native Accelerate) checkpoint or an unfinished native save. There is "
+            f"nothing to verify it against; {legacy_resume()}"
         )
+    if files:
+        raise CheckpointIntegrityError(f"{path} has no {MANIFEST}, and load_state() would not take it as a legacy "
+                                       f"checkpoint: {error}")
     if _CHECKPOINT_NAME.fullmatch(path.name):
         raise CheckpointIntegrityError(f"{path} has no {MANIFEST} and no checkpoint files: not a complete checkpoint")
     raise PathKindError(f"{path} is not a checkpoint directory: it has no {MANIFEST} and no checkpoint_N inside")
@@ -134,14 +193,16 @@ class Verification:
         large = sum(1 for name, row in rows if _hash_algorithm(row) and _is_large_payload(name, row.get("size", 0)))
         notes = []
         if large and not self.full:
-            notes.append(f"content of {large} large payload file(s): size only (--full re-hashes them)")
+            notes.append(f"content of {large} large payload {plural(large, 'file')}: size only (--full re-hashes "
+                         f"{plural(large, 'it', 'them')})")
         if no_hash:
-            notes.append(f"content of {no_hash} file(s) saved without a hash (integrity "
+            notes.append(f"content of {no_hash} {plural(no_hash, 'file')} saved without a hash (integrity "
                          f"{self.manifest.get('integrity', 'metadata')!r}): size only")
         dcp = sum(1 for name, _row in rows if name.rsplit("/", 1)[-1] == ".metadata")
         if dcp and not self.dcp:
-            notes.append(f"DCP .metadata of {dcp} director(ies) not re-read (their bytes are hash-checked against the "
-                         "manifest; --dcp also re-reads schemas and payload lists, which loads torch)")
+            notes.append(f"DCP .metadata of {dcp} {plural(dcp, 'directory', 'directories')} not re-read (the bytes "
+                         "are hash-checked against the manifest; --dcp also re-reads schemas and payload lists, which "
+                         "loads torch)")
         if self.report.get("extra") is None:
             notes.append("files present but not in the inventory (this version does not look for them)")
         notes.append("fit to a training configuration: load_state() compares it with the live Accelerator "
@@ -159,6 +220,7 @@ class Verification:
             "protocol": manifest.get("protocol"),
             "integrity": manifest.get("integrity"),
             "components": component_steps(manifest),
+            "checkpoint_number": checkpoint_number(manifest),
             "versions": manifest.get("versions"),
             "checked": {**self.report, "full": self.full, "dcp": self.dcp} if self.valid else None,
             "not_checked": self.not_checked() if self.valid else None,
@@ -181,13 +243,36 @@ def verify_checkpoint(path: Path, manifest: dict[str, Any], *, full: bool, dcp: 
     return result
 
 
+def _progress(manifest: dict[str, Any]) -> dict[str, Any]:
+    progress = manifest.get("progress")
+    return progress if isinstance(progress, dict) else {}
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def checkpoint_number(manifest: dict[str, Any]) -> int | None:
+    """The ``N`` of the ``checkpoint_N`` the save wrote (``progress.checkpoint``), ``None`` when not recorded (an
+    older manifest, or a save to a directory of another name)."""
+    return _count(_progress(manifest).get("checkpoint"))
+
+
 def component_steps(manifest: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per component: its name (``""`` is the checkpoint root: a single Accelerator) and the
-    ``Accelerator.step`` the manifest recorded (the gradient-accumulation counter load_state() restores)."""
+    """One row per component: its name (``""`` is the checkpoint root: a single Accelerator), the
+    ``Accelerator.step`` the manifest recorded (the gradient-accumulation counter load_state() restores) and the
+    optimizer steps taken, one per optimizer (``progress.optimizer_steps``; ``None`` where not recorded)."""
     names = manifest.get("components") if isinstance(manifest.get("components"), dict) else {}
     steps = manifest.get("steps") if isinstance(manifest.get("steps"), dict) else {}
-    return [{"component": name, "directory": name or ".", "accelerator_step": steps.get(name)}
-            for name in sorted(set(names) | set(steps))]
+    counts = _progress(manifest).get("optimizer_steps")
+    counts = counts if isinstance(counts, dict) else {}
+    rows = []
+    for name in sorted(set(names) | set(steps)):
+        recorded = counts.get(name)
+        optimizers = [_count(value) for value in recorded] if isinstance(recorded, list) else None
+        rows.append({"component": name, "directory": name or ".", "accelerator_step": steps.get(name),
+                     "optimizer_steps": optimizers})
+    return rows
 
 
 def step_text(manifest: dict[str, Any]) -> str:
@@ -197,6 +282,27 @@ def step_text(manifest: dict[str, Any]) -> str:
         (value,) = values
         return "-" if value is None else str(value)
     return ", ".join(f"{row['directory']}={row['accelerator_step']}" for row in component_steps(manifest))
+
+
+def optimizer_step_text(manifest: dict[str, Any]) -> str:
+    """The optimizer steps taken, for display: one number when every optimizer of every component agrees, ``-``
+    when none was recorded (an older manifest, or optimizers that keep no step count, such as plain SGD)."""
+    rows = component_steps(manifest)
+    values = {value for row in rows for value in row["optimizer_steps"] or [] if value is not None}
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return str(values.pop())
+    return ", ".join(f"{row['directory']}=" + "/".join("-" if v is None else str(v) for v in row["optimizer_steps"] or [])
+                     for row in rows)
+
+
+def progress_text(manifest: dict[str, Any]) -> str:
+    """The numbers a person knows about a checkpoint: its checkpoint number, the optimizer steps taken and
+    ``Accelerator.step``."""
+    number = checkpoint_number(manifest)
+    return (f"checkpoint {'-' if number is None else number}, optimizer step {optimizer_step_text(manifest)}, "
+            f"Accelerator step {step_text(manifest)}")
 
 
 # --------------------------------------------------------------------------------------------- run directories
@@ -261,6 +367,7 @@ class Entry:
             "reason": self.reason,
             "run_id": self.run_id,
             "components": component_steps(manifest) if self.manifest else None,
+            "checkpoint_number": checkpoint_number(manifest) if self.manifest else None,
             "integrity": manifest.get("integrity"),
             "size_bytes": self.size(),
             "modified": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(modified)),
@@ -282,9 +389,14 @@ def _checkpoint_entry(number: int, path: Path) -> Entry:
     if manifest is None:
         if (path / (MANIFEST + ".tmp")).exists():
             return Entry(path, number, CORRUPT, f"only a partly written {MANIFEST}.tmp: an interrupted save")
-        if _loader_files(path):
+        files, error = _loader_files(path)
+        if files and error is None:
+            from ..core.select import legacy_resume
+
             return Entry(path, number, LEGACY, "no completion manifest: a native Accelerate checkpoint or an "
-                         "unfinished save; loaded only with allow_legacy=True")
+                         f"unfinished native save; {legacy_resume()}")
+        if files:
+            return Entry(path, number, CORRUPT, f"no completion manifest, and not a legacy checkpoint either: {error}")
         return Entry(path, number, CORRUPT, "no completion manifest and no checkpoint files")
     run_id = manifest.get("run_id") if isinstance(manifest.get("run_id"), str) else None
     result = verify_checkpoint(path, manifest, full=False)

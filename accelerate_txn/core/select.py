@@ -16,10 +16,34 @@ from typing import Any, Protocol
 from ..errors import CheckpointIntegrityError, NoCheckpointError
 from ..store.base import Store
 from . import faults
-from .manifest import MANIFEST, READABLE_PROTOCOLS, read_manifest, verify_manifest
+from .manifest import MANIFEST, READABLE_PROTOCOLS, list_tree, loader_may_read, read_manifest, verify_manifest
 
 logger = logging.getLogger(__name__)
 CHECKPOINT_NAME = re.compile(r"checkpoint[-_](\d+)\Z")
+#: Whether a manifest-less (native Accelerate) checkpoint may be resumed from when the front end was not told
+#: otherwise: the default of ``configure_checkpointing(allow_legacy=...)``, and what the command line, which has no
+#: Accelerator, assumes.
+ALLOW_LEGACY_DEFAULT = True
+
+
+def legacy_resume(allowed: bool = ALLOW_LEGACY_DEFAULT) -> str:
+    """What a resume does with a ``checkpoint_N`` that has no completion manifest but holds files a loader reads (a
+    native Accelerate checkpoint, or a native save that did not finish), under ``allow_legacy=allowed``: the rule
+    :func:`check_candidate` and :func:`checkpoint_candidates` apply, in the words the library and the command line
+    both print."""
+    if allowed:
+        return ("load_state() resumes from it when no checkpoint with a manifest is selectable (it is never preferred "
+                "over one), after checking every file the restore reads, and warns (RuntimeWarning) that its "
+                "completeness cannot be proven; configure_checkpointing(allow_legacy=False) refuses it")
+    return ("load_state() refuses it (allow_legacy=False): automatic selection skips it and an explicit load raises "
+            "CheckpointIntegrityError; configure_checkpointing(allow_legacy=True), the default, resumes from it")
+
+
+def legacy_files(path: Path) -> list[str]:
+    """The files of a manifest-less directory that a loader would read (what makes it a legacy checkpoint rather
+    than an empty or foreign directory), sorted; raises :class:`CheckpointIntegrityError` for a tree no checkpoint
+    has (a symbolic link, a special file, nesting deeper than 64 levels)."""
+    return sorted(name for name in list_tree(Path(path)) if loader_may_read(name))
 
 
 def numbered_checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -116,11 +140,16 @@ class CandidateRules(Protocol):
         ...
 
 
-def check_candidate(path: Path, rules: CandidateRules | None) -> dict[str, Any] | None:
+def check_candidate(path: Path, rules: CandidateRules | None, *, legacy: bool | None = None
+                    ) -> dict[str, Any] | None:
     """Quick check of one candidate (no collectives): the manifest and the tree against its inventory, the hashes
     of control files and small payloads, every rank's files and, with ``rules`` (live training objects: torch is
     loaded), the DCP chunk coverage, the components and every required file. Returns the
-    manifest (``None`` for a legacy directory that ``rules`` allows); raises :class:`CheckpointIntegrityError`."""
+    manifest (``None`` for a legacy directory that is allowed); raises :class:`CheckpointIntegrityError`.
+
+    A legacy (manifest-less) directory is allowed by ``rules.allow_legacy()``; without rules by ``legacy`` (default
+    False; the command line passes :data:`ALLOW_LEGACY_DEFAULT` to answer as ``load_state()`` does), and then only
+    if it holds files a loader reads (:func:`legacy_files`: rules check every required file instead)."""
     refuse_transient(path)
     reason = symlink_reason(path)
     if reason is not None:
@@ -133,36 +162,41 @@ def check_candidate(path: Path, rules: CandidateRules | None) -> dict[str, Any] 
             raise CheckpointIntegrityError(
                 f"it holds components {sorted(manifest.get('components', {}))}, not {sorted(rules.components)}"
             )
-    elif rules is None or not rules.allow_legacy():
+    elif rules is not None and not rules.allow_legacy():
+        raise CheckpointIntegrityError(f"it has no completion manifest, and {legacy_resume(False)}")
+    elif rules is None and not legacy:
         raise CheckpointIntegrityError("it has no completion manifest")
+    elif rules is None and not legacy_files(path):
+        raise CheckpointIntegrityError("it has no completion manifest and no checkpoint files")
     if rules is not None:
         rules.check_required(path, manifest)
     return manifest
 
 
-def checkpoint_candidates(output_dir: str | Path, rules: CandidateRules | None = None
-                          ) -> tuple[list[Path], list[str]]:
+def checkpoint_candidates(output_dir: str | Path, rules: CandidateRules | None = None, *,
+                          legacy: bool | None = None) -> tuple[list[Path], list[str]]:
     """Loadable candidates under ``output_dir``, best first, and the reasons others were skipped.
 
     Published checkpoints with a manifest come first (newest first); manifest-less (legacy) directories follow,
-    only when ``rules`` allow them, so a legacy directory is never preferred over a complete checkpoint.
+    only when ``rules`` (or, without rules, ``legacy``: see :func:`check_candidate`) allow them, so a legacy
+    directory is never preferred over a complete checkpoint (:func:`legacy_resume` says so in words).
     """
     complete: list[Path] = []
-    legacy: list[Path] = []
+    manifest_less: list[Path] = []
     reasons: list[str] = []
     for _number, path in reversed(numbered_checkpoints(Path(output_dir))):
         try:
-            manifest = check_candidate(path, rules)
+            manifest = check_candidate(path, rules, legacy=legacy)
         except CheckpointIntegrityError as exc:  # configuration errors are not a reason to pick an older one
             reasons.append(f"{path.name}: {exc}")
             logger.warning("Skipping checkpoint %s: %s", path, exc)
             continue
-        (complete if manifest is not None else legacy).append(path)
-    return complete + legacy, reasons
+        (complete if manifest is not None else manifest_less).append(path)
+    return complete + manifest_less, reasons
 
 
-def latest_checkpoint(output_dir: str | Path, rules: CandidateRules | None = None, *, full: bool = False
-                      ) -> str | None:
+def latest_checkpoint(output_dir: str | Path, rules: CandidateRules | None = None, *, full: bool = False,
+                      legacy: bool | None = None) -> str | None:
     """The newest complete checkpoint under ``output_dir`` (a directory of ``checkpoint_N``), or ``None``.
 
     Candidates are tried newest first; a broken one (no or invalid manifest, missing, truncated or extra files,
@@ -171,10 +205,11 @@ def latest_checkpoint(output_dir: str | Path, rules: CandidateRules | None = Non
     (manifest-less) checkpoints, after every complete one, when the rules allow them.
     Uses no collectives. Large payload hashes are checked by the restore itself (every rank its own files), which
     skips a candidate that fails them; ``full=True`` checks them here too (one process: the CLI), so the answer is
-    the checkpoint ``load_state()`` would resume from.
+    the checkpoint ``load_state()`` would resume from. ``legacy``: whether, without ``rules``, a legacy directory
+    counts (:func:`check_candidate`).
     Raises :class:`NoCheckpointError` if candidates exist but none is complete.
     """
-    candidates, reasons = checkpoint_candidates(output_dir, rules)
+    candidates, reasons = checkpoint_candidates(output_dir, rules, legacy=legacy)
     for path in candidates:
         if full:
             try:

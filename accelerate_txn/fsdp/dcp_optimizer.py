@@ -13,6 +13,7 @@ import torch
 from ..core.manifest import read_dcp_metadata
 from ..core.ranks import run_phase
 from ..errors import CheckpointConfigurationError, CheckpointIntegrityError
+from .dcp_reader import DirectReader
 from .internals import store_loaded_bytes, unflatten_state_dict
 
 
@@ -95,9 +96,11 @@ class SafePlanner:
 
 
 def read_state(state: dict[str, Any], directory: Path, group: Any, what: str) -> None:
-    from torch.distributed.checkpoint import FileSystemReader, load
+    """Read this rank's entries of ``state`` (collective over ``group``), each tensor straight into its destination
+    where it can be (:class:`~accelerate_txn.fsdp.dcp_reader.DirectReader`)."""
+    from torch.distributed.checkpoint import load
 
-    run_phase(lambda: load(state, storage_reader=FileSystemReader(str(directory)), process_group=group,
+    run_phase(lambda: load(state, storage_reader=DirectReader.create(str(directory)), process_group=group,
                            planner=SafePlanner.create()), what, group)
 
 

@@ -44,6 +44,7 @@ from ..core.manifest import read_dcp_metadata
 from ..core.ranks import run_phase
 from ..errors import CheckpointConfigurationError, CheckpointIntegrityError
 from .dcp_optimizer import align_groups, check_entries, numbered_groups, read_state, saved_groups, state_entries
+from .dcp_reader import DirectReader
 from .internals import has_load_state_dict_pre_hooks, unflatten_state_dict
 from .optimizer_state import raw_optimizer
 
@@ -209,6 +210,24 @@ def load_fsdp2_optimizer(optimizer: Any, model: Any, input_dir: str, index: int,
     per_parameter = {ids[pid]: dict(loaded[name]) for pid, name in by_id.items() if name in loaded and pid in ids}
     run_phase(lambda: optimizer.load_state_dict({"state": per_parameter, "param_groups": groups}),
               "Loading the FSDP2 optimizer state")
+
+
+def load_fsdp2_model(model: Any, directory: str | Path, *, cpu_offload: bool = False,
+                     broadcast_from_rank0: bool = False) -> Any:
+    """Restore an FSDP2 model from its DCP directory (``pytorch_model_fsdp_<i>``) as Accelerate 1.13-1.15's
+    sharded ``load_fsdp_model`` does: the model's sharded state dict (``get_model_state_dict`` with these
+    options), read by DCP, set back with ``set_model_state_dict``; each tensor read straight into the parameter's
+    local shard (:class:`~accelerate_txn.fsdp.dcp_reader.DirectReader`) where DCP's reader would first read it into
+    fresh memory. Collective. Returns what ``set_model_state_dict`` returns (missing and unexpected keys)."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    options = StateDictOptions(full_state_dict=False, cpu_offload=cpu_offload,
+                               broadcast_from_rank0=broadcast_from_rank0)
+    state = {"model": get_model_state_dict(model, options=options)}
+    load(state, storage_reader=DirectReader.create(str(directory)), planner=DefaultLoadPlanner())
+    return set_model_state_dict(model, state["model"], options=options)
 
 
 def verify_restored_fsdp2(model: Any, optimizer: Any, directory: Path) -> None:

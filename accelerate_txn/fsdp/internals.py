@@ -195,6 +195,16 @@ def store_loaded_bytes(planner: Any, read_item: Any, value: Any) -> None:
         planner.state_dict[read_item.dest_index.fqn] = value
 
 
+def storage_item(reader: Any, index: Any) -> tuple[str, int, int, bool]:
+    """Where ``FileSystemReader`` keeps one stored item: (file relative to the checkpoint directory, byte offset,
+    byte length, whether a storage transform (an extension such as compression) applies to it).
+    torch 2.7.0 and 2.13.0: ``reader.storage_data[index]`` is a ``filesystem._StorageInfo`` with ``relative_path``,
+    ``offset``, ``length`` and (from 2.7) ``transform_descriptors``."""
+    info = reader.storage_data[index]
+    return (info.relative_path, int(info.offset), int(info.length),
+            bool(getattr(info, "transform_descriptors", None)))
+
+
 # --- torch.optim ------------------------------------------------------------------------------------------------
 # torch 2.7.0 and 2.13.0: ``Optimizer._optimizer_load_state_dict_pre_hooks`` (an ``OrderedDict``, filled by the
 # public ``register_load_state_dict_pre_hook``).
