@@ -174,8 +174,15 @@ def roundtrip(root: str, use_orig_params: bool) -> dict[str, Any]:
         p for p in root_path.iterdir() if ".staging-" in p.name]
     obs["hook_iteration_restored"] = acc2.project_configuration.iteration == iteration
     handle.remove()
-    # Refuses to overwrite.
+    # overwrite="refuse" refuses an existing checkpoint; the default replaces it atomically (native overwrites).
+    configure_checkpointing(acc2, overwrite="refuse")
     obs["overwrite"] = _error(lambda: acc2.save_state(str(path)))
+    configure_checkpointing(acc2, overwrite="replace")
+    replaced_from = json.loads((path / accelerate_txn.MANIFEST).read_text())["transaction_id"]
+    obs["replace"] = _error(lambda: acc2.save_state(str(path)))
+    acc2.wait_for_everyone()
+    obs["replaced"] = json.loads((path / accelerate_txn.MANIFEST).read_text())["transaction_id"] != replaced_from
+    obs["replaced_listing"] = sorted(p.name for p in path.parent.iterdir())
     return obs
 
 
@@ -375,6 +382,39 @@ def multi_cpu_explicit(root: str) -> dict[str, Any]:
     return {"backend": acc2.distributed_type.name, "manifest": (path / accelerate_txn.MANIFEST).is_file(),
             "main_only": main_only,
             "differences": _same(expected, _local_state(model2, opt2))}
+
+
+def multi_cpu_protect_all(root: str) -> dict[str, Any]:
+    """With VIDEOX_ACCELERATE_PROTECT=all (set by the test), a plain MULTI_CPU (DDP on CPU) save_state/load_state takes
+    the protected path: published with a manifest, a corrupt copy refused on every rank before any change."""
+    from accelerate import Accelerator
+
+    def build(seed: int) -> tuple:
+        acc = Accelerator(cpu=True)
+        torch.manual_seed(seed)
+        model = TinyModel()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = acc.prepare(model, opt)
+        return acc, model, opt
+
+    acc, model, opt = build(0)
+    _train(acc, model, opt, None, 2, seed=0)
+    path = Path(root) / "checkpoint-1"
+    acc.save_state(str(path))
+    expected = _local_state(model, opt)
+    acc2, model2, opt2 = build(1)
+    bad = Path(root) / "checkpoint-2"
+    if acc2.is_main_process:
+        shutil.copytree(path, bad)
+        (bad / "random_states_1.pkl").write_bytes(b"garbage")
+    acc2.wait_for_everyone()
+    before = _local_state(model2, opt2)
+    corrupt = _error(lambda: acc2.load_state(str(bad)))
+    unchanged = not _same(before, _local_state(model2, opt2))
+    acc2.load_state(str(path))
+    return {"backend": acc2.distributed_type.name, "manifest": (path / accelerate_txn.MANIFEST).is_file(),
+            "differences": _same(expected, _local_state(model2, opt2)), "corrupt": corrupt,
+            "corrupt_unchanged": unchanged}
 
 
 def own_files(root: str) -> dict[str, Any]:

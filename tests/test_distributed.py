@@ -79,10 +79,12 @@ def test_hook_raising_on_one_rank_makes_every_rank_raise_and_publishes_nothing(r
         assert obs["hook_iteration_restored"]
 
 
-def test_existing_checkpoint_is_never_overwritten(roundtrip: list) -> None:
+def test_existing_checkpoint_is_replaced_atomically_or_refused_with_overwrite_refuse(roundtrip: list) -> None:
     for obs in roundtrip:
         assert obs["overwrite"]["type"] == "CheckpointExistsError"
         assert "Refusing to overwrite" in obs["overwrite"]["message"]
+        assert obs["replace"] is None and obs["replaced"]
+        assert obs["replaced_listing"] == [".accelerate-txn.lock", "ckpt"]  # nothing staged or set aside is left
 
 
 @pytest.fixture(scope="module")

@@ -77,10 +77,11 @@ def test_checkpoint_limit_keeps_the_newest_of_the_same_run_only(tmp_path: Path) 
     assert not (tmp_path / "checkpoint_0").exists()  # pruned only after checkpoint_2 was published
 
 
-def test_directory_of_another_run_is_refused(tmp_path: Path) -> None:
+def test_directory_of_another_run_is_refused_with_overwrite_refuse(tmp_path: Path) -> None:
     first, _, _ = _accelerator()
     save_training_checkpoint(first, tmp_path / "checkpoint_0")
     second, _, _ = _accelerator()  # a new run: it never loaded from this directory
+    accelerate_txn.configure_checkpointing(second, overwrite="refuse")
     with pytest.raises(accelerate_txn.CheckpointExistsError, match=r"holds checkpoints of another training run"):
         save_training_checkpoint(second, tmp_path / "checkpoint_1")
     assert not (tmp_path / "checkpoint_1").exists()

@@ -35,9 +35,9 @@ from accelerate_txn.errors import (
     CheckpointLockedError,
     NoCheckpointError,
 )
+from accelerate_txn.store import posix
 from accelerate_txn.store.posix import POSIX, DirectoryLock, staging_leftovers
 from accelerate_txn.weights import (
-    _publish,
     checkpoint_fingerprint,
     copy_diffusers_checkpoint,
     export_dcp_to_diffusers,
@@ -49,7 +49,7 @@ from accelerate_txn.weights import (
     save_diffusers_state_dict,
 )
 from accelerate_txn.weights._dcp import _read_dcp_metadata
-from accelerate_txn.weights._publish import _exchange_directories, _recover_interrupted_export
+from accelerate_txn.weights._publish import _recover_interrupted_export
 
 REPO = Path(__file__).resolve().parents[1]
 SHARD_NAME = re.compile(r"diffusion_pytorch_model-(\d{5})-of-(\d{5})\.safetensors\Z")
@@ -427,7 +427,7 @@ def test_reexport_without_rename_exchange_falls_back_to_two_renames(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, exported: tuple[Path, dict[str, torch.Tensor]]
 ) -> None:
     # Simulates a filesystem or OS without renameat2(RENAME_EXCHANGE), the only way to reach the fallback here.
-    monkeypatch.setattr(_publish, "_exchange_directories", lambda _first, _second: False)
+    monkeypatch.setattr(posix, "exchange", lambda _first, _second: False)
     out, _old = exported
     new = {"w": torch.full((4,), 2.0)}
     export(new, out)
@@ -440,7 +440,7 @@ def test_exchange_directories_swaps_two_directories_atomically(tmp_path: Path) -
     (tmp_path / "a" / "from_a").write_text("a")
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "from_b").write_text("b")
-    if not _exchange_directories(tmp_path / "a", tmp_path / "b"):
+    if not posix.exchange(tmp_path / "a", tmp_path / "b"):
         pytest.skip("renameat2(RENAME_EXCHANGE) is not supported here; exports use the two-rename fallback")
     assert [entry.name for entry in (tmp_path / "a").iterdir()] == ["from_b"]
     assert [entry.name for entry in (tmp_path / "b").iterdir()] == ["from_a"]

@@ -26,6 +26,13 @@ LOCK_TIMEOUT_ENV = "VIDEOX_CHECKPOINT_LOCK_TIMEOUT"
 #: lock until the server notices (tens of seconds); a live writer's save usually takes longer than this.
 DEFAULT_LOCK_TIMEOUT = 60.0
 CHECKSUM_MODES = ("metadata", "full")
+PROTECT_ENV = "VIDEOX_ACCELERATE_PROTECT"
+#: Which ``save_state``/``load_state`` calls automatic dispatch protects: FSDP sharded ones (default), or every one of
+#: a supported distributed type (one process, DDP on CPU or GPU, FSDP sharded).
+PROTECT_MODES = ("fsdp", "all")
+#: What a save does when its destination exists: replace it atomically, as native Accelerate overwrites (default),
+#: or refuse (``CheckpointExistsError``).
+OVERWRITE_MODES = ("replace", "refuse")
 
 
 def plain(value: Any, where: str = "value") -> Any:
@@ -65,6 +72,8 @@ class CheckpointConfig:
     legacy_metadata_keys: tuple[str, ...] = ()
     legacy_metadata_groups: tuple[tuple[str, ...], ...] = ()
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT
+    overwrite: str = "replace"
+    protect: str | None = None  # None: VIDEOX_ACCELERATE_PROTECT decides at each call (see ``protect_mode``)
     # File-name template -> schema recorded in the descriptor; and -> validator(directory, rank).
     private_states: dict[str, dict[str, Any]] = field(default_factory=dict)
     validators: dict[str, Validator] = field(default_factory=dict)
@@ -140,6 +149,8 @@ def configure_checkpointing(
     reuse_staging_memory: bool | None = None,
     allow_reshard: bool | None = None,
     reshard_rank_map: Mapping[int, int] | None = None,
+    overwrite: str | None = None,
+    protect: str | None = None,
 ) -> Any:
     """Configure protected checkpoints of one Accelerator; returns it.
 
@@ -181,6 +192,13 @@ def configure_checkpointing(
       dropped, with a warning). Default False: a world-size change is refused before anything is restored.
     * ``reshard_rank_map``: ``{this run's rank: saved rank}`` for an elastic resume: the named ranks take that
       saved rank's per-rank state exactly (random generators included) instead of the default policy.
+    * ``overwrite``: what a save does when its destination exists. ``"replace"`` (default, where native
+      ``save_state`` would write into it): a checkpoint directory (published, native, or empty) is replaced as a
+      whole: the new checkpoint is published atomically in its place, the old one deleted only after that, with
+      one warning; a destination that is not a checkpoint (a file, a link, a directory of other files, a run
+      directory, the working or project directory) is never replaced: the save runs native Accelerate with one
+      warning. Saving beside another run's checkpoints is allowed with one warning (retention prunes only this
+      run's). ``"refuse"``: both raise ``CheckpointExistsError`` before anything is written.
     """
     config = checkpoint_config(accelerator)
     changes: dict[str, Any] = {}
@@ -233,11 +251,38 @@ def configure_checkpointing(
         changes["allow_reshard"] = allow_reshard
     if reshard_rank_map is not None:
         changes["reshard_rank_map"] = check_rank_map(reshard_rank_map)
+    if protect is not None:
+        changes["protect"] = _valid_protect(protect, f"configure_checkpointing(protect={protect!r})")
+    if overwrite is not None:
+        if overwrite not in OVERWRITE_MODES:
+            raise CheckpointConfigurationError(
+                f"configure_checkpointing(overwrite={overwrite!r}): use 'replace' (an existing checkpoint at the "
+                "destination is replaced atomically, as native save_state overwrites) or 'refuse'")
+        changes["overwrite"] = overwrite
     if lock_timeout is not None:
         changes["lock_timeout"] = _valid_lock_timeout(lock_timeout, "configure_checkpointing(lock_timeout=...)")
     for name, value in changes.items():  # everything validated: now change it
         setattr(config, name, value)
     return accelerator
+
+
+def _valid_protect(value: Any, where: str) -> str:
+    mode = value.strip().lower() if isinstance(value, str) else value
+    if mode not in PROTECT_MODES:
+        raise CheckpointConfigurationError(
+            f"{where}: use 'fsdp' (protect FSDP sharded checkpoints, the default) or 'all' (also one process and DDP)")
+    return mode
+
+
+def protect_mode(accelerator: Any) -> str:
+    """``"fsdp"`` or ``"all"``: ``configure_checkpointing(protect=...)`` if it was set for ``accelerator``, else
+    ``VIDEOX_ACCELERATE_PROTECT`` (read now; unset: ``"fsdp"``). Creates no configuration (nothing else of the
+    environment is read); an invalid value raises ``CheckpointConfigurationError`` naming the variable."""
+    config = _CONFIGS.get(accelerator)
+    if config is not None and config.protect is not None:
+        return config.protect
+    raw = os.environ.get(PROTECT_ENV, "").strip()
+    return _valid_protect(raw, f"The environment variable {PROTECT_ENV}={raw!r}") if raw else "fsdp"
 
 
 def _iterable(value: Any, where: str) -> tuple[Any, ...]:

@@ -11,7 +11,9 @@ versions are validated (or the override is set); the backend is FSDP1 or FSDP2 w
 only on the versions its path was validated on, ``accelerate.versions.FSDP2_VALIDATED``, else native with one warning); and the
 protected path can handle this setup (``accelerate.descriptor.unsupported_reason``: optimizer state made of
 parameter-shaped tensors and scalars, a supported sharding strategy, ...; on load also the checkpoint's
-optimizer state), decided from the live state at each call and agreed on by every rank.
+optimizer state), decided from the live state at each call and agreed on by every rank. With
+``configure_checkpointing(protect="all")`` or ``VIDEOX_ACCELERATE_PROTECT=all`` one process and DDP
+(:data:`BROADER_BACKENDS`) take the same path.
 
 Never does importing the library make a working native save fail: under automatic dispatch an unsupported
 setup runs native Accelerate with one ``RuntimeWarning`` per Accelerator saying why and what is unprotected.
@@ -36,7 +38,7 @@ import wrapt
 
 from ..core.ranks import agree, any_rank, distributed, run_phase, world_size
 from ..errors import CheckpointConfigurationError, UnsupportedVersionError
-from .config import read_configs
+from .config import protect_mode, read_configs
 from .descriptor import is_fsdp1_sharded, is_fsdp2_sharded, is_fsdp_sharded, unsupported_reason
 from .internals import accelerator_module, prepared_optimizers
 from .native import OPTED_IN, OPTED_OUT, ORIGINALS, fsdp_routing, routed
@@ -49,6 +51,9 @@ _WARNED: WeakSet = WeakSet()  # Accelerators warned that an unsupported setup ru
 PATCH_ENV = "VIDEOX_ACCELERATE_PATCHES"
 _TARGETS = ("Accelerator.save_state", "Accelerator.load_state", "load_fsdp_model", "load_fsdp_optimizer",
             "save_fsdp_optimizer")
+#: The distributed types beyond FSDP that ``protect="all"`` routes through the protected path (what the explicit API
+#: supports: ``accelerate.descriptor.SUPPORTED_BACKENDS``).
+BROADER_BACKENDS = ("NO", "MULTI_CPU", "MULTI_GPU")
 _warned_versions = False
 _warned_fsdp2 = False
 
@@ -110,20 +115,51 @@ def _checkpoint_reason(accelerator: Any, input_dir: Any) -> str | None:
     return None
 
 
-def _agreed_reason(accelerator: Any, input_dir: Any, loading: bool) -> str | None:
+def _destination_reason(accelerator: Any, output_dir: Any) -> str | None:
+    """Save only: why this save's existing destination cannot take a protected save, which replaces its destination
+    as a whole, while native ``save_state`` writes into it (a directory of other files, the working directory, ...:
+    ``core.select.replace_refusal``). ``None`` with automatic naming (native refuses an existing directory too) or
+    ``overwrite="refuse"`` (the user asked for the protected path's refusal)."""
+    from pathlib import Path
+
+    from ..core.select import replace_refusal
+    from .config import checkpoint_config
+    from .save import protected_directories
+
+    if output_dir is None or accelerator.project_configuration.automatic_checkpoint_naming:
+        return None
+    if checkpoint_config(accelerator).overwrite == "refuse":
+        return None
+    path = Path(os.fspath(output_dir)).expanduser().absolute()
+    if not (path.exists() or path.is_symlink()):
+        return None
+    why = replace_refusal(path, protected_directories(accelerator))
+    if why is None:
+        return None
+    return (f"the destination {path} exists and is not a checkpoint directory ({why}); a protected save replaces "
+            "its destination as a whole, so this save writes into it as native save_state does. Save each "
+            "checkpoint into a directory of its own (e.g. OUTPUT/checkpoint-N) to have it protected")
+
+
+def _agreed_reason(accelerator: Any, input_dir: Any, loading: bool, output_dir: Any = None) -> tuple[str | None, bool]:
     """The first rank's reason the protected path cannot take this call, the same on every rank (one
-    fixed-size exchange; reasons travel only when some rank has one)."""
+    fixed-size exchange; reasons travel only when some rank has one), and whether it concerns this call only (its
+    destination) rather than the Accelerator's setup."""
     import torch.distributed as dist
 
+    per_call = False
     try:
         reason = unsupported_reason(accelerator) or (_checkpoint_reason(accelerator, input_dir) if loading else None)
+        if reason is None and not loading:
+            reason = _destination_reason(accelerator, output_dir)
+            per_call = reason is not None
     except Exception as exc:  # an unreadable setup is a reason, never a hang
         reason = f"the setup could not be inspected ({type(exc).__name__}: {exc})"
     if not any_rank(reason is not None) or not distributed() or world_size() == 1:
-        return reason
+        return reason, per_call
     gathered: list[Any] = [None] * world_size()
-    dist.all_gather_object(gathered, reason)
-    return next((f"rank {r}: {text}" for r, text in enumerate(gathered) if text), None)
+    dist.all_gather_object(gathered, (reason, per_call))
+    return next(((f"rank {r}: {text}", call) for r, (text, call) in enumerate(gathered) if text), (None, False))
 
 
 def _fsdp2_eligible() -> bool:
@@ -142,25 +178,43 @@ def _fsdp2_eligible() -> bool:
     return False
 
 
+def _broader(accelerator: Any, kind: str) -> bool:
+    """Whether ``protect="all"`` routes this non-FSDP Accelerator through the protected path; warns once per
+    Accelerator when it is asked for a distributed type it does not cover (which runs native)."""
+    if protect_mode(accelerator) != "all":
+        return False
+    if kind in BROADER_BACKENDS:
+        return True
+    if accelerator not in _WARNED:
+        _WARNED.add(accelerator)
+        warnings.warn(f"accelerate-txn: protect='all' covers {', '.join(BROADER_BACKENDS)} and FSDP sharded "
+                      f"checkpoints; this Accelerator uses {kind}: its save_state/load_state run native Accelerate, "
+                      "UNPROTECTED.", RuntimeWarning, stacklevel=5)
+    return False
+
+
 def _eligibility(accelerator: Any) -> tuple[bool, bool]:
     """(eligible, validated) on this rank, with the settings the protected path will use read now (inside the
     caller's rank phase: a setting invalid on one rank raises the same error on every rank)."""
-    eligible = is_fsdp1_sharded(accelerator) or (is_fsdp2_sharded(accelerator) and _fsdp2_eligible())
+    eligible = (is_fsdp1_sharded(accelerator) or (is_fsdp2_sharded(accelerator) and _fsdp2_eligible())
+                or accelerator.distributed_type.name in BROADER_BACKENDS)
     validated = versions_ok()
     if eligible and validated:
         read_configs({"": accelerator})
     return eligible, validated
 
 
-def _protected(accelerator: Any, input_dir: Any = None, *, loading: bool = False) -> bool:
+def _protected(accelerator: Any, input_dir: Any = None, *, loading: bool = False, output_dir: Any = None) -> bool:
     """The dispatch decision; for FSDP with dispatch on, a collective (all ranks must agree)."""
     global _warned_versions
-    if accelerator.distributed_type.name != "FSDP":
-        # Native, and without any collective: the backend is the same on every rank, and users of other
-        # backends may call save_state on the main process only, which a collective here would hang.
-        return False
+    kind = accelerator.distributed_type.name
     opted_in = accelerator in OPTED_IN
     enabled = (opted_in or automatic_dispatch_requested()) and accelerator not in OPTED_OUT
+    if kind != "FSDP" and not (enabled and _broader(accelerator, kind)):
+        # Native, and without any collective: the backend is the same on every rank, and users of other
+        # backends may call save_state on the main process only, which a collective here would hang. With
+        # protect="all" (opt-in) one process and DDP take the protected path: every rank must call it.
+        return False
     if not enabled:
         # Off is exactly native: no collective, no file, nothing beyond the environment read above (and the one
         # INFO line per Accelerator that says protection is off).
@@ -177,9 +231,13 @@ def _protected(accelerator: Any, input_dir: Any = None, *, loading: bool = False
     if not (enabled and eligible and validated):
         _note_native(accelerator, _native_condition(accelerator, enabled, eligible, validated))
         return False
-    reason = _agreed_reason(accelerator, input_dir, loading)
+    reason, per_call = _agreed_reason(accelerator, input_dir, loading, output_dir)
     if reason is None:
         return True
+    if per_call and not opted_in:  # this save's destination only: warn for each such save
+        warnings.warn(f"accelerate-txn: this save_state() runs native Accelerate, UNPROTECTED: {reason}.",
+                      RuntimeWarning, stacklevel=4)
+        return False
     if opted_in:
         raise CheckpointConfigurationError(
             f"This Accelerator was opted in with patch_accelerate_fsdp(), but the protected path cannot handle it: "
@@ -195,7 +253,7 @@ def _protected(accelerator: Any, input_dir: Any = None, *, loading: bool = False
 
 
 def _save_state(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    if instance is None or not _protected(instance):
+    if instance is None or not _protected(instance, output_dir=args[0] if args else kwargs.get("output_dir")):
         return wrapped(*args, **kwargs)
     return _protected_save(instance, *args, **kwargs)
 

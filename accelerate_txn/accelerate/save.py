@@ -4,15 +4,17 @@ Order (each step a rank phase: a failure anywhere raises the same error everywhe
 
 1. preflight on every rank: descriptor, no pending gradients, not mid-accumulation, optional finite check;
 2. every rank agrees on the path, descriptors, policies, retention and hook counts (fixed-size digests);
-3. rank 0 takes the directory lock, refuses to overwrite or to mix runs, removes dead writers' leftovers and
-   creates the staging sibling;
+3. rank 0 takes the directory lock, puts back a checkpoint whose replacement was killed, decides whether an
+   existing destination is replaced (``configure_checkpointing(overwrite=...)``), removes dead writers' leftovers
+   and creates the staging sibling;
 4. native ``save_state`` of every component into staging (user hooks synchronised);
 5. every rank checks its required files, then hashes and fsyncs the files it wrote (its DCP shards, its RNG and
    private state; rank 0 also every shared file): the flush and the content hashes cost one read of each file,
    spread over the ranks;
 6. rank 0 gathers the rows, checks that they cover exactly the staged tree and every rank's files, fsyncs the
-   directories, writes the manifest last (fsynced), renames staging onto the final name, fsyncs the parent,
-   then prunes older complete checkpoints of the same run (renamed aside first, then deleted).
+   directories, writes the manifest last (fsynced), renames staging onto the final name (or swaps it with the
+   checkpoint it replaces, deleting that one after the commit: ``store.posix.replace_directory``), fsyncs the
+   parent, then prunes older complete checkpoints of the same run (renamed aside first, then deleted).
 
 ``core.faults.point`` marks the instants the crash-consistency tests kill a rank at.
 
@@ -35,6 +37,7 @@ import torch.distributed as dist
 from ..core import faults as _faults
 from ..core.manifest import (
     HASH,
+    MANIFEST,
     PROTOCOL,
     add_schemas,
     check_dcp_inventory,
@@ -46,7 +49,7 @@ from ..core.manifest import (
     writer_rank,
 )
 from ..core.ranks import agree, background_group, distributed, on_main, rank, run_phase, world_size
-from ..core.select import CHECKPOINT_NAME, complete_run_id, numbered_checkpoints, prune
+from ..core.select import CHECKPOINT_NAME, complete_run_id, numbered_checkpoints, prune, replace_refusal
 from ..errors import (
     CheckpointConfigurationError,
     CheckpointError,
@@ -62,6 +65,7 @@ from ..store.posix import (
     StagedDirectory,
     fsync_path,
     new_id,
+    recover_replaced,
     remove_leftovers,
     staging_leftovers,
     walk_tree,
@@ -168,8 +172,8 @@ def _settings(owners: Any, async_save: bool | None) -> tuple[dict[str, Any], boo
     group = read_configs(participants(owners))
     configs = {name: checkpoint_config(owner) for name, owner in group.items()}
     background = any(c.async_save for c in configs.values()) if async_save is None else bool(async_save)
-    policies = {name: {"finite": c.check_finite, "checksum": c.checksum, "lock_timeout": c.lock_timeout}
-                for name, c in configs.items()}
+    policies = {name: {"finite": c.check_finite, "checksum": c.checksum, "lock_timeout": c.lock_timeout,
+                       "overwrite": c.overwrite} for name, c in configs.items()}
     hooks = {name: [len(save_state_pre_hooks(o)), len(load_state_pre_hooks(o))] for name, o in group.items()}
     return group, background, policies, hooks
 
@@ -245,32 +249,57 @@ def _fsync_directories(root: Path) -> None:
 class _Reservation:
     """Rank 0's side of the transaction: the lock and the staged directory (constructed inside a phase)."""
 
-    def __init__(self, path: Path, run_id: str, lock_timeout: float) -> None:
+    def __init__(self, path: Path, run_id: str, lock_timeout: float, overwrite: str = "replace",
+                 automatic: bool = False, protected: dict[str, Path] | None = None) -> None:
         self.lock = DirectoryLock(path.parent, lock_timeout)
         self.staged = StagedDirectory(path, run_id)
+        self.overwrite = overwrite
+        self.automatic = automatic  # automatic checkpoint naming: an existing directory is refused, as native does
+        self.protected = protected or {}
+        self.replacing = False
 
     def open(self) -> str:
         path = self.staged.final
         path.parent.mkdir(parents=True, exist_ok=True)
         self.lock.acquire()
         try:
-            if path.exists():
+            recover_replaced(path.parent)  # a replacement killed between its two renames: the old one goes back
+            exists = path.exists() or path.is_symlink()
+            if exists and (self.overwrite == "refuse" or self.automatic):
+                fix = ("with automatic naming, set accelerator.project_configuration.iteration past it" if self.automatic
+                       else "or let it be replaced atomically: configure_checkpointing(accelerator, overwrite='replace')")
                 raise CheckpointExistsError(
                     f"Refusing to overwrite {path}: it already exists. Resume from it, or save to a new directory "
-                    "(with automatic naming, set accelerator.project_configuration.iteration past it)."
+                    f"({fix})."
                 )
+            if exists:
+                why = replace_refusal(path, self.protected)
+                if why is not None:
+                    raise CheckpointExistsError(
+                        f"Refusing to replace {path}: {why}. A protected save replaces its destination as a whole; "
+                        "save to a new directory (a checkpoint directory of its own, e.g. OUTPUT/checkpoint-N)."
+                    )
+                self.replacing = True
+                logger.warning("Replacing %s (%s): the new checkpoint is published atomically in its place, and the "
+                               "old one is deleted only after that", path, _what_is_replaced(path, self.staged.run_id))
             runs = {complete_run_id(p) for _, p in numbered_checkpoints(path.parent)} - {None}
             strangers = runs - {self.staged.run_id}
-            if strangers:
+            if strangers and self.overwrite == "refuse":
                 raise CheckpointExistsError(
                     f"{path.parent} holds checkpoints of another training run ({sorted(strangers)[0]}); "
-                    "resume that run with load_state() first, or save into a new directory."
+                    "resume that run with load_state() first, or save into a new directory "
+                    "(configure_checkpointing(accelerator, overwrite='replace') saves beside them)."
                 )
+            if strangers and (path.parent, self.staged.run_id) not in _WARNED_BESIDE:
+                _WARNED_BESIDE.add((path.parent, self.staged.run_id))
+                logger.warning("%s also holds checkpoints of another training run (%s): saving beside them; "
+                               "retention (total_limit) prunes only this run's checkpoints", path.parent,
+                               ", ".join(sorted(strangers)))
             # Under the lock no other writer is alive: leftovers of our run, or of runs that never published
             # here, are dead. Another run's leftovers (it owns checkpoints here) are reported, not touched.
             abandoned = {run for _, run in staging_leftovers(path.parent)} - runs
             remove_leftovers(path.parent, abandoned | {self.staged.run_id})
-            return str(self.staged.create())
+            return str(self.staged.create_beside() if self.replacing else self.staged.create())
         except BaseException:
             self.lock.release()
             raise
@@ -319,13 +348,46 @@ class _Reservation:
             manifest["resharded_from"] = lineage
         write_manifest(staging, manifest, store=POSIX)
         _faults.point("save:after-manifest")
-        return str(self.staged.publish(synced=True))  # every file and directory was fsynced above
+        if self.replacing:
+            _faults.point("save:replace-before-swap")
+        # Every file and directory was fsynced above.
+        return str(self.staged.publish(synced=True, replace=self.replacing,
+                                       between=lambda: _faults.point("save:replace-old-aside"),
+                                       committed=lambda: _faults.point("save:replace-after-swap")))
 
     def close(self) -> None:
         try:
             self.staged.discard()
         finally:
             self.lock.release()
+
+
+_WARNED_BESIDE: set[tuple[Path, str]] = set()  # (directory, run id) told that it saves beside another run
+
+
+def _what_is_replaced(path: Path, run_id: str) -> str:
+    """The directory a save replaces, in words: whose checkpoint it is."""
+    owner = complete_run_id(path)
+    if owner == run_id:
+        return "a checkpoint of this run"
+    if owner is not None:
+        return f"a checkpoint of another run, {owner}"
+    if (path / MANIFEST).exists():
+        return "a directory whose manifest is not readable"
+    return "a checkpoint without a manifest (native Accelerate)" if any(path.iterdir()) else "an empty directory"
+
+
+def protected_directories(owner: Any) -> dict[str, Path]:
+    """Directories a save never replaces (nor one that contains them): the working directory, the Accelerator's
+    project directory, the home directory."""
+    found = {"the working directory": Path.cwd()}
+    if getattr(owner, "project_dir", None):
+        found["the project directory"] = Path(owner.project_dir).expanduser().absolute()
+    try:
+        found["the home directory"] = Path.home()
+    except (KeyError, RuntimeError):  # no home (a service account)
+        pass
+    return found
 
 
 def _give_back(iterations: dict[int, tuple[Any, int]], lineages: dict[str, Any], group: dict[str, Any]) -> None:
@@ -425,8 +487,10 @@ def save_training_checkpoint(
     lineages = {name: checkpoint_config(o).resharded_from for name, o in group.items()}  # consumed by a publish
     integrity = "full" if any(checkpoint_config(o).checksum == "full" for o in group.values()) else "metadata"
     templates = _rank_templates(group)
-    reservation = run_phase(lambda: _Reservation(path, run_id, checkpoint_config(primary).lock_timeout)
-                            if rank() == 0 else None, "Preparing the directory lock")
+    reservation = run_phase(lambda: _Reservation(
+        path, run_id, checkpoint_config(primary).lock_timeout, checkpoint_config(primary).overwrite,
+        automatic=bool(primary.project_configuration.automatic_checkpoint_naming),
+        protected=protected_directories(primary)) if rank() == 0 else None, "Preparing the directory lock")
     published: str | None = None
     handle: _async.AsyncCheckpoint | None = None
     done: dict[str, str] = {}  # the synchronous tail notes its publish here (before retention)

@@ -14,9 +14,18 @@ from typing import Any
 from ..core import manifest as _manifest
 from ..core.manifest import MANIFEST, read_manifest, verify_manifest
 from ..errors import CheckpointError, CheckpointIntegrityError
-from ..store.posix import RETIRED_NAME, STAGING_NAME, retired_leftovers, staging_leftovers, walk_tree
+from ..store.posix import (
+    REPLACED_NAME,
+    RETIRED_NAME,
+    STAGING_NAME,
+    replaced_leftovers,
+    retired_leftovers,
+    staging_leftovers,
+    walk_tree,
+)
 
 COMPLETE, STAGING, RETIRED, LEGACY, CORRUPT = "complete", "staging leftover", "retired leftover", "legacy", "corrupt"
+REPLACED = "replaced leftover"
 _PAYLOAD_SUFFIXES = (".distcp", ".safetensors", ".bin")
 _SMALL = 16 * 1024 * 1024  # payloads above this are size-checked only by a quick verification
 _CHECKPOINT_NAME = re.compile(r"checkpoint[-_](\d+)\Z")  # as accelerate_txn._select (imported lazily: torch)
@@ -33,7 +42,8 @@ def looks_like_run_directory(path: Path) -> bool:
     """A directory holding ``checkpoint_N`` directories or a save's staging/retired leftovers."""
     from ..core.select import numbered_checkpoints
 
-    return bool(numbered_checkpoints(path) or staging_leftovers(path) or retired_leftovers(path))
+    return bool(numbered_checkpoints(path) or staging_leftovers(path) or retired_leftovers(path)
+                or replaced_leftovers(path))
 
 
 def nested_run_directories(path: Path, limit: int = 10_000) -> list[Path]:
@@ -114,10 +124,12 @@ def checkpoint_manifest(path: Path, command: str) -> dict[str, Any]:
     if path.is_file():
         hint = f"; pass its directory: accelerate-txn {command} {path.parent}" if path.name == MANIFEST else ""
         raise PathKindError(f"{path} is a file, not a checkpoint directory{hint}")
-    if STAGING_NAME.fullmatch(path.name) or RETIRED_NAME.fullmatch(path.name):  # even with a manifest: unpublished
+    if any(pattern.fullmatch(path.name) for pattern in (STAGING_NAME, RETIRED_NAME, REPLACED_NAME)):
+        # even with a manifest: unpublished
         raise CheckpointIntegrityError(
-            f"{path} is a staging (or retired) directory: a save that did not finish or a checkpoint being deleted, "
-            f"never a loadable checkpoint. See the run directory with 'accelerate-txn list {path.parent}'"
+            f"{path} is a staging (or retired, or replaced) directory: a save that did not finish, a checkpoint being "
+            f"deleted or set aside by a replacement, never a loadable checkpoint. See the run directory with "
+            f"'accelerate-txn list {path.parent}'"
         )
     manifest = read_manifest(path)
     if manifest is not None:
@@ -327,7 +339,7 @@ class Entry:
     def short_name(self, ellipsis: str = "\u2026") -> str:
         """The name for a table: leftovers' long random suffixes elided with ``ellipsis`` (the run id has its own
         column)."""
-        for pattern, word in ((STAGING_NAME, "staging"), (RETIRED_NAME, "deleting")):
+        for pattern, word in ((STAGING_NAME, "staging"), (RETIRED_NAME, "deleting"), (REPLACED_NAME, "replaced")):
             match = pattern.fullmatch(self.name)
             if match:
                 return f".{match.group('name')}.{word}-{ellipsis}"
@@ -425,5 +437,12 @@ def scan_run_directory(root: Path) -> list[Entry]:
         entries.append(Entry(path, _leftover_number(target), RETIRED,
                              f"{target} taken out of service by retention, deletion interrupted (the next save "
                              "removes it)", run_id=match.group("run") if match else None))
-    order = {COMPLETE: 0, LEGACY: 1, CORRUPT: 1, STAGING: 2, RETIRED: 3}
+    for path in replaced_leftovers(root):
+        target = REPLACED_NAME.fullmatch(path.name).group("name")  # type: ignore[union-attr]
+        present = (root / target).exists()
+        entries.append(Entry(path, _leftover_number(target), REPLACED,
+                             f"the tree a replacement of {target} set aside: "
+                             + ("the replacement committed (the next save removes it)" if present else
+                                f"killed between its two renames, {target} is missing (the next save puts it back)")))
+    order = {COMPLETE: 0, LEGACY: 1, CORRUPT: 1, STAGING: 2, RETIRED: 3, REPLACED: 3}
     return sorted(entries, key=lambda entry: (-entry.number, order[entry.status], entry.name))

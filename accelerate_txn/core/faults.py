@@ -26,6 +26,14 @@ POINTS = (
     "load:during-restore",      # native restore of models/optimizers done, RNG not yet applied
 )
 
+#: The points of a save that replaces an existing checkpoint directory (``store.posix.replace_directory``), in
+#: order; ``save:replace-old-aside`` is reached only where the atomic exchange is unsupported (two renames).
+REPLACE_POINTS = (
+    "save:replace-before-swap",  # manifest written in staging, the old checkpoint still in place
+    "save:replace-old-aside",    # fallback: the old checkpoint renamed aside, the new one not yet renamed in
+    "save:replace-after-swap",   # the new checkpoint published, the old tree not yet deleted
+)
+
 _reached: dict[str, int] = {}
 
 

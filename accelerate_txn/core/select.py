@@ -103,9 +103,47 @@ def _intact(path: Path) -> bool:
 
 
 def is_transient(path: Path) -> bool:
-    """A staging directory (a save in progress or killed) or one being deleted by retention: never loadable."""
+    """A staging directory (a save in progress or killed), one being deleted by retention, or the old tree of a
+    replacement set aside: never loadable."""
     name = Path(path).name
-    return name.startswith(".") and (".staging-" in name or ".deleting-" in name)
+    return name.startswith(".") and any(part in name for part in (".staging-", ".deleting-", ".replaced-"))
+
+
+#: What a directory written by ``save_state`` holds at its top level (whatever the backend: every save writes the
+#: RNG state of each rank; FSDP writes these directories), or a published checkpoint's manifest.
+_CHECKPOINT_MARKER = re.compile(rf"random_states_\d+\.pkl|(?:pytorch_model_fsdp|optimizer)_\d+|{re.escape(MANIFEST)}")
+
+
+def replace_refusal(path: Path, protected: dict[str, Path] | None = None) -> str | None:
+    """Why a new checkpoint must not replace the existing ``path`` as a whole, or ``None`` if it may.
+
+    It may replace an empty directory, or one a save wrote (a published checkpoint, or a native Accelerate
+    checkpoint: RNG files, FSDP model/optimizer directories at its top level). Never a symbolic link, a file, a run
+    directory (one that holds checkpoints or saves in progress of its own), a directory with none of those files
+    (someone's other data), nor one of ``protected`` (``{what: path}``: the working directory, the project directory,
+    ...) or a directory that contains one of them. Looks at the top level only (no walk of a large tree)."""
+    path = Path(path)
+    if path.is_symlink():
+        return "it is a symbolic link"
+    if not path.is_dir():
+        return "it is not a directory"
+    resolved = path.resolve()
+    for what, other in (protected or {}).items():
+        target = Path(other).resolve()
+        if resolved == target or resolved in target.parents:
+            return f"it is {what}" if resolved == target else f"it contains {what} ({target})"
+    try:
+        names = sorted(entry.name for entry in path.iterdir())
+    except OSError as exc:
+        return f"it cannot be listed ({exc.strerror})"
+    if not names:
+        return None
+    if numbered_checkpoints(path) or any(is_transient(path / name) for name in names):
+        return "it holds checkpoints (or saves in progress) of its own: it is a run directory, not a checkpoint"
+    if any(_CHECKPOINT_MARKER.fullmatch(name) for name in names):
+        return None
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"it holds {shown} and none of the files a save_state() writes"
 
 
 def refuse_transient(path: Path) -> None:

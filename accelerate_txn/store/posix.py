@@ -16,6 +16,11 @@ Protocol (see docs/protocol.md):
 * Retention retires a published directory by renaming it to a hidden ``PARENT/.NAME.deleting-<run>-<txid>``
   (fsynced) before deleting it, so a crash mid-delete never leaves a manifest-less ``NAME`` behind; such a
   leftover was already retired and is always removed by the next cleanup.
+* Replacing a published ``NAME`` (:func:`replace_directory`) swaps the complete staging tree and ``NAME`` with
+  one ``renameat2(RENAME_EXCHANGE)`` (Linux), then deletes the old tree, which now sits under the staging name.
+  Where the exchange is unsupported, ``NAME`` is first renamed aside to ``PARENT/.NAME.replaced-<txid>``, then
+  the staging tree onto ``NAME``; a kill between the two renames leaves the complete old tree aside, which the
+  next lock holder renames back (:func:`recover_replaced`).
 
 Why ``fcntl.flock`` and not the ``filelock`` package: the keyword arguments this lock needs (no soft fallback,
 keep the lock file, not thread-local) appeared across ``filelock`` releases (older ones raise ``TypeError``), and
@@ -33,9 +38,10 @@ import math
 import os
 import re
 import stat
+import sys
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +59,7 @@ LOCK_NAME = ".accelerate-txn.lock"
 STAGING_NAME = re.compile(r"\.(?P<name>.+)\.staging-(?P<run>[0-9a-f]+)-(?P<txid>[0-9a-f]+)\Z")
 # Run ids are letters and digits (manifest rule); transaction ids are new_id() hex.
 RETIRED_NAME = re.compile(r"\.(?P<name>.+)\.deleting-(?P<run>[0-9A-Za-z]+)-(?P<txid>[0-9a-f]+)\Z")
+REPLACED_NAME = re.compile(r"\.(?P<name>.+)\.replaced-(?P<txid>[0-9a-f]+)\Z")
 # flock errno meaning "this filesystem cannot lock" (ENOTSUP equals EOPNOTSUPP on Linux, not everywhere).
 _NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
 _BUSY = frozenset({errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES})
@@ -374,13 +381,26 @@ class StagedDirectory:
         self.staging.mkdir(parents=False, exist_ok=False)
         return self.staging
 
-    def publish(self, *, synced: bool = False) -> Path:
+    def create_beside(self) -> Path:
+        """Create the staging directory while ``final`` exists and stays in service until a replacing
+        :meth:`publish` (the caller holds the parent's lock and decided ``final`` may be replaced)."""
+        self.staging.mkdir(parents=False, exist_ok=False)
+        return self.staging
+
+    def publish(self, *, synced: bool = False, replace: bool = False, between: Callable[[], None] | None = None,
+                committed: Callable[[], None] | None = None) -> Path:
         """fsync the staged tree (unless the caller did: ``synced``), rename it onto ``final`` and fsync the
         parent. Atomic on POSIX. The rename is the commit point: a failure after it is logged, not raised, since
-        the directory is published and complete."""
+        the directory is published and complete.
+
+        ``replace``: an existing ``final`` is replaced by :func:`replace_directory` (``between`` and ``committed``
+        are its callbacks); without it an existing ``final`` is refused."""
         if not synced:
             fsync_tree(self.staging)
-        if self.final.exists():
+        if replace and (self.final.exists() or self.final.is_symlink()):
+            replace_directory(self.staging, self.final, self.txid, between=between, committed=committed)
+            return self.final
+        if self.final.exists() or self.final.is_symlink():
             raise CheckpointExistsError(f"Checkpoint destination {self.final} appeared while saving; nothing was published.")
         os.rename(self.staging, self.final)
         try:
@@ -393,6 +413,111 @@ class StagedDirectory:
     def discard(self) -> None:
         """Remove the staging directory if it still exists (never touches ``final``)."""
         remove_tree(self.staging)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_EXCHANGE_UNSUPPORTED = frozenset({errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP})
+
+
+def exchange(first: Path, second: Path) -> bool:
+    """Atomically swap two existing paths with Linux ``renameat2(RENAME_EXCHANGE)``; ``False`` where that is
+    unsupported (another OS, an old libc or kernel, a filesystem without exchange: NFS, some FUSE filesystems),
+    so the caller falls back to two renames. Any other failure raises ``OSError``."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes  # on first use: the offline CLI imports this module
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _EXCHANGE_UNSUPPORTED:
+        return False
+    raise OSError(code, f"renameat2(RENAME_EXCHANGE) failed: {os.strerror(code)}", str(first), None, str(second))
+
+
+def replace_directory(staging: Path, final: Path, txid: str, *, between: Callable[[], None] | None = None,
+                      committed: Callable[[], None] | None = None) -> None:
+    """Replace the directory ``final`` by the complete, fsynced ``staging`` (same parent; the caller holds the
+    parent's lock), then delete the old tree.
+
+    One atomic exchange where supported: afterwards ``staging`` holds the old tree. Elsewhere ``final`` is renamed
+    aside to ``.NAME.replaced-<txid>`` (parent fsynced; then ``between()`` runs: a crash point for the tests), and
+    ``staging`` onto ``final``; a kill between the two leaves the complete old tree aside, which
+    :func:`recover_replaced` puts back. Either way the parent is fsynced before the old tree is deleted (and
+    ``committed()`` runs, a crash point too): the replacement is durable first. After the commit nothing raises: a
+    failure to fsync the parent or to delete the old tree is logged (the new tree is published)."""
+    final, parent = Path(final), Path(final).parent
+    if exchange(staging, final):
+        old = Path(staging)
+    else:
+        old = parent / f".{final.name}.replaced-{txid}"
+        os.rename(final, old)
+        fsync_path(parent)
+        if between is not None:
+            between()
+        try:
+            os.rename(staging, final)
+        except BaseException:
+            os.rename(old, final)  # put the old tree back before reporting the failure
+            raise
+    try:
+        fsync_path(parent)
+    except OSError as exc:
+        logger.warning("Published %s, but fsync of %s failed (%s): the replacement may not survive a power loss",
+                       final, parent, exc)
+    if committed is not None:
+        committed()
+    try:
+        remove_tree(old)
+    except OSError as exc:
+        logger.warning("Published %s but could not remove the tree it replaced, %s: %s", final, old, exc)
+
+
+def replaced_leftovers(parent: Path, name: str | None = None) -> list[Path]:
+    """The ``.NAME.replaced-<txid>`` directories under ``parent`` (of ``name`` only, if given), oldest name first."""
+    if not Path(parent).is_dir():
+        return []
+    found = []
+    for entry in sorted(Path(parent).iterdir()):
+        match = REPLACED_NAME.fullmatch(entry.name)
+        if match and (name is None or match.group("name") == name) and entry.is_dir() and not entry.is_symlink():
+            found.append(entry)
+    return found
+
+
+def recover_replaced(parent: Path, name: str | None = None) -> list[Path]:
+    """Finish what a killed :func:`replace_directory` fallback left under ``parent`` (of ``name`` only, if given).
+    Call only while holding ``DirectoryLock(parent)``.
+
+    A ``.NAME.replaced-*`` whose ``NAME`` is missing is the complete old tree of a replacement that never
+    committed: it is renamed back (the newest if several). Every other one was replaced already: deleted. Returns
+    the paths put back."""
+    restored = []
+    by_name: dict[str, list[Path]] = {}
+    for path in replaced_leftovers(parent, name):
+        match = REPLACED_NAME.fullmatch(path.name)
+        assert match is not None
+        by_name.setdefault(match.group("name"), []).append(path)
+    for entry, asides in by_name.items():
+        final = Path(parent) / entry
+        if not final.exists() and not final.is_symlink():
+            aside = asides.pop()  # one at most: the lock holder that found it missing put it back
+            logger.warning("Restoring %s from %s: a replacement of it was killed between its two renames", final,
+                           aside)
+            os.rename(aside, final)
+            fsync_path(Path(parent))
+            restored.append(final)
+        for leftover in asides:
+            logger.warning("Removing %s: the tree a completed replacement of %s left behind", leftover, final)
+            remove_tree(leftover)
+    return restored
 
 
 def retire(path: Path, run_id: str) -> Path:
