@@ -19,6 +19,7 @@ import torch
 from ..errors import CheckpointConfigurationError, RestoreFailedError
 from ..fsdp.optimizer_state import raw_optimizer
 from .internals import prepared_optimizers
+from .resume_changes import check_accept_names
 
 FINITE_ENV = "VIDEOX_CHECKPOINT_FINITE"
 LOCK_TIMEOUT_ENV = "VIDEOX_CHECKPOINT_LOCK_TIMEOUT"
@@ -74,6 +75,7 @@ class CheckpointConfig:
     staging_pool: Any = None  # ``fsdp.host_memory.StagingPool`` while reuse_staging_memory is on
     allow_reshard: bool = False
     reshard_rank_map: dict[int, int] | None = None
+    accept_changes: tuple[str, ...] = ()  # named resume changes accepted on purpose (``resume_changes``)
     # During a restore: where this run's per-rank state comes from (``accelerate.elastic.RankPlan``); after an elastic
     # resume, what the next save records as ``resharded_from`` (then cleared).
     rank_plan: Any = None
@@ -140,6 +142,7 @@ def configure_checkpointing(
     reuse_staging_memory: bool | None = None,
     allow_reshard: bool | None = None,
     reshard_rank_map: Mapping[int, int] | None = None,
+    accept_changes: Iterable[str] | None = None,
 ) -> Any:
     """Configure protected checkpoints of one Accelerator; returns it.
 
@@ -181,6 +184,11 @@ def configure_checkpointing(
       dropped, with a warning). Default False: a world-size change is refused before anything is restored.
     * ``reshard_rank_map``: ``{this run's rank: saved rank}`` for an elastic resume: the named ranks take that
       saved rank's per-rank state exactly (random generators included) instead of the default policy.
+    * ``accept_changes``: changes a resume refuses unless named, accepted on purpose, each exactly as the refusal
+      prints it: ``"schedulers[N].<value>"`` (a learning-rate schedule's warmup, cycles, ...; a built-in
+      scheduler's setting, which the restore keeps at its saved value) or ``"training.<key>"`` (a metadata
+      value). A schedule's total length and run-length or cadence metadata need no name: docs/configuration.md,
+      "What may change on resume". Pass ``()`` to clear.
     """
     config = checkpoint_config(accelerator)
     changes: dict[str, Any] = {}
@@ -233,6 +241,8 @@ def configure_checkpointing(
         changes["allow_reshard"] = allow_reshard
     if reshard_rank_map is not None:
         changes["reshard_rank_map"] = check_rank_map(reshard_rank_map)
+    if accept_changes is not None:
+        changes["accept_changes"] = check_accept_names(accept_changes)
     if lock_timeout is not None:
         changes["lock_timeout"] = _valid_lock_timeout(lock_timeout, "configure_checkpointing(lock_timeout=...)")
     for name, value in changes.items():  # everything validated: now change it
