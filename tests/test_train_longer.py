@@ -234,10 +234,13 @@ def test_other_metadata_change_is_refused_and_accepted_by_name() -> None:
     saved = _descriptor(_diffusers("cosine"), {"num_epochs": 1, "seed": 3})
     live = _descriptor(_diffusers("cosine"), {"num_epochs": 2, "seed": 4})
     message = _refusal(saved, live)
-    assert "training.seed: 3 (saved) vs 4 (live): if accepted, the next checkpoint records the new value" in message
+    assert "\n  training.seed: 3 (saved) vs 4 (live)\n" in message  # as any other difference reads
     assert "num_epochs" not in message
     assert _accept_names(message) == ["training.seed"]
-    assert len(check_resume(saved, live, accept_changes=["training.seed"]).accepted) == 2
+    result = check_resume(saved, live, accept_changes=["training.seed"])
+    assert [change.accepted_line() for change in result.accepted] == [
+        "training metadata num_epochs changed from 1 to 2: the next checkpoint records the new value",
+        "training.seed: 3 (saved) vs 4 (live): the next checkpoint records the new value"]
 
 
 def test_a_run_length_metadata_key_added_or_removed_is_still_refused() -> None:

@@ -113,21 +113,22 @@ class Change:
     """One recognised difference between a checkpoint and the live run.
 
     ``name`` is what ``configure_checkpointing(accept_changes=[...])`` takes; ``text`` says what changed and
-    ``effect`` what resuming with the change does; ``automatic`` changes need no name; ``schedule`` is the index
-    of a ``LambdaLR`` whose live functions continue with a new value (its learning rate is re-evaluated at the
-    restored step, :func:`continue_live_schedules`)."""
+    ``effect`` what resuming with the change does (``explain``: also in a refusal); ``automatic`` changes need no
+    name; ``schedule`` is the index of a ``LambdaLR`` whose live functions continue with a new value (its learning
+    rate is re-evaluated at the restored step, :func:`continue_live_schedules`)."""
 
     name: str
     text: str
     effect: str
     automatic: bool = False
     schedule: int | None = None
+    explain: bool = True
 
     def accepted_line(self) -> str:
         return f"{self.text}: {self.effect}"
 
     def refused_line(self) -> str:
-        return f"{self.text}: if accepted, {self.effect}"
+        return f"{self.text}: if accepted, {self.effect}" if self.explain else self.text
 
 
 def _show(value: Any) -> str:
@@ -253,9 +254,9 @@ def _metadata_changes(saved: Any, live: Any, path: str, changes: list[Change]) -
         if key in RUN_METADATA_KEYS:
             changes.append(Change(name, f"training metadata {where[1:]} changed from {_show(before)} to {_show(after)}",
                                   "the next checkpoint records the new value", automatic=True))
-        else:  # the user's own fact: only they know whether the restore still matches it
+        else:  # the user's own fact, refused in the words of any other difference: only they can judge it
             changes.append(Change(name, f"{name}: {_show(before)} (saved) vs {_show(after)} (live)",
-                                  "the next checkpoint records the new value"))
+                                  "the next checkpoint records the new value", explain=False))
         saved[key] = after
 
 
