@@ -1,8 +1,9 @@
 """The training-configuration descriptor: what a checkpoint was saved *for*, and its comparison on load.
 
 The descriptor is plain JSON recorded in the manifest. On load the live descriptor must equal the saved
-one, except for the documented migrations in :func:`compare_descriptor` (legacy metadata keys, scheduler
-class names recorded with their module, FSDP group order when no scheduler depends on it).
+one, except for the documented migrations in :func:`check_resume` (legacy metadata keys, scheduler
+class names recorded with their module, FSDP group order when no scheduler depends on it) and the changes
+``resume_changes`` names (a schedule's new length, run-length metadata; others when accepted by name).
 """
 
 from __future__ import annotations
