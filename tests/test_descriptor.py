@@ -290,21 +290,23 @@ def warmup(step: int, scale: float = 0.5, *, floor: float = 0.1) -> float:
     return max(floor, scale * step)
 
 
-def test_callable_signature_of_plain_function_records_name_defaults_and_closure() -> None:
+def test_callable_signature_of_plain_function_records_name_defaults_and_closure_with_their_names() -> None:
     factor = 0.25
 
     def decay(step: int) -> float:
         return factor**step
 
-    assert _callable_signature(warmup) == {"function": "warmup", "defaults": [0.5], "keywords": {"floor": 0.1},
-                                           "closure": []}
-    assert _callable_signature(decay) == {"function": "decay", "defaults": None, "keywords": None, "closure": [0.25]}
+    assert _callable_signature(warmup) == {"function": "warmup", "defaults": [0.5], "default_names": ["scale"],
+                                           "keywords": {"floor": 0.1}, "closure": [], "closure_names": []}
+    assert _callable_signature(decay) == {"function": "decay", "defaults": None, "default_names": [],
+                                          "keywords": None, "closure": [0.25], "closure_names": ["factor"]}
 
 
 def test_callable_signature_of_partial_records_arguments_and_wrapped_function() -> None:
     function = functools.partial(warmup, scale=2.0)
     assert _callable_signature(function) == {
-        "partial": {"function": "warmup", "defaults": [0.5], "keywords": {"floor": 0.1}, "closure": []},
+        "partial": {"function": "warmup", "defaults": [0.5], "default_names": ["scale"], "keywords": {"floor": 0.1},
+                    "closure": [], "closure_names": []},
         "args": [],
         "kwargs": {"scale": 2.0},
     }

@@ -19,6 +19,7 @@ import torch
 from ..errors import CheckpointConfigurationError, RestoreFailedError
 from ..fsdp.optimizer_state import raw_optimizer
 from .internals import prepared_optimizers
+from .resume_changes import check_accept_names
 
 FINITE_ENV = "VIDEOX_CHECKPOINT_FINITE"
 LOCK_TIMEOUT_ENV = "VIDEOX_CHECKPOINT_LOCK_TIMEOUT"
@@ -83,6 +84,7 @@ class CheckpointConfig:
     staging_pool: Any = None  # ``fsdp.host_memory.StagingPool`` while reuse_staging_memory is on
     allow_reshard: bool = False
     reshard_rank_map: dict[int, int] | None = None
+    accept_changes: tuple[str, ...] = ()  # named resume changes accepted on purpose (``resume_changes``)
     # During a restore: where this run's per-rank state comes from (``accelerate.elastic.RankPlan``); after an elastic
     # resume, what the next save records as ``resharded_from`` (then cleared).
     rank_plan: Any = None
@@ -151,6 +153,7 @@ def configure_checkpointing(
     reshard_rank_map: Mapping[int, int] | None = None,
     overwrite: str | None = None,
     protect: str | None = None,
+    accept_changes: Iterable[str] | None = None,
 ) -> Any:
     """Configure protected checkpoints of one Accelerator; returns it.
 
@@ -199,6 +202,11 @@ def configure_checkpointing(
       directory, the working or project directory) is never replaced: the save runs native Accelerate with one
       warning. Saving beside another run's checkpoints is allowed with one warning (retention prunes only this
       run's). ``"refuse"``: both raise ``CheckpointExistsError`` before anything is written.
+    * ``accept_changes``: changes a resume refuses unless named, accepted on purpose, each exactly as the refusal
+      prints it: ``"schedulers[N].<value>"`` (a learning-rate schedule's warmup, cycles, ...; a built-in
+      scheduler's setting, which the restore keeps at its saved value) or ``"training.<key>"`` (a metadata
+      value). A schedule's total length and run-length or cadence metadata need no name: docs/configuration.md,
+      "What may change on resume". Pass ``()`` to clear.
     """
     config = checkpoint_config(accelerator)
     changes: dict[str, Any] = {}
@@ -259,6 +267,8 @@ def configure_checkpointing(
                 f"configure_checkpointing(overwrite={overwrite!r}): use 'replace' (an existing checkpoint at the "
                 "destination is replaced atomically, as native save_state overwrites) or 'refuse'")
         changes["overwrite"] = overwrite
+    if accept_changes is not None:
+        changes["accept_changes"] = check_accept_names(accept_changes)
     if lock_timeout is not None:
         changes["lock_timeout"] = _valid_lock_timeout(lock_timeout, "configure_checkpointing(lock_timeout=...)")
     for name, value in changes.items():  # everything validated: now change it

@@ -1,8 +1,9 @@
 """The training-configuration descriptor: what a checkpoint was saved *for*, and its comparison on load.
 
 The descriptor is plain JSON recorded in the manifest. On load the live descriptor must equal the saved
-one, except for the documented migrations in :func:`compare_descriptor` (legacy metadata keys, scheduler
-class names recorded with their module, FSDP group order when no scheduler depends on it).
+one, except for the documented migrations in :func:`check_resume` (legacy metadata keys, scheduler
+class names recorded with their module, FSDP group order when no scheduler depends on it) and the changes
+``resume_changes`` names (a schedule's new length, run-length metadata; others when accepted by name).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import json
 import re
 import types
 import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from ..core.jsondiff import differences
@@ -21,6 +24,7 @@ from ..fsdp.internals import inter_node_group, uses_orig_params
 from ..fsdp.optimizer_state import raw_optimizer
 from .config import checkpoint_config, plain
 from .internals import custom_objects, prepared_dataloaders, prepared_models, prepared_optimizers, prepared_schedulers
+from .resume_changes import Change, accept_hint, builtin_settings, named_changes
 
 SUPPORTED_BACKENDS = ("FSDP", "NO", "MULTI_CPU", "MULTI_GPU")
 
@@ -141,11 +145,17 @@ def _callable_signature(function: Any) -> dict[str, Any]:
         return {"partial": _callable_signature(function.func), "args": plain(function.args, "partial args"),
                 "kwargs": plain(function.keywords, "partial kwargs")}
     if isinstance(function, types.FunctionType):
+        code = function.__code__
+        positional = code.co_varnames[:code.co_argcount]
+        defaults = len(function.__defaults__ or ())
+        # The names let a resume speak of "num_training_steps", not "closure[1]" (``resume_changes``).
         return {
             "function": function.__name__,
             "defaults": plain(function.__defaults__, f"{function.__name__} defaults"),
+            "default_names": list(positional[len(positional) - defaults:]) if defaults else [],
             "keywords": plain(function.__kwdefaults__, f"{function.__name__} keyword defaults"),
             "closure": [plain(cell.cell_contents, f"{function.__name__} closure") for cell in function.__closure__ or ()],
+            "closure_names": list(code.co_freevars),
         }
     raise CheckpointConfigurationError(
         f"LR scheduler callable {class_name(function)} cannot be described for a checkpoint: use a plain function or "
@@ -232,6 +242,9 @@ def describe(accelerator: Any, *, require_model_ids: bool = True) -> dict[str, A
         row: dict[str, Any] = {"class": class_name(scheduler), "optimizer": index}
         if hasattr(scheduler, "lr_lambdas"):
             row["functions"] = [_callable_signature(function) for function in scheduler.lr_lambdas]
+        settings = builtin_settings(scheduler)
+        if settings is not None:  # what load_state_dict restores from the checkpoint, overriding the live value
+            row["settings"] = _safe_plain(settings)
         schedulers.append(row)
     return {
         "world_size": accelerator.num_processes,
@@ -336,22 +349,40 @@ def _strip_callable_module(signature: dict[str, Any]) -> None:
     signature.pop("code", None)
 
 
-def compare_descriptor(
+@dataclass(frozen=True)
+class ResumeCheck:
+    """What a passing comparison decided: the legacy metadata keys migrated, and the named changes accepted
+    (automatically or by ``accept_changes``), which the load reports in one line and applies."""
+
+    migrated: list[str]
+    accepted: list[Change]
+
+
+def compare_descriptor(saved: dict[str, Any], current: dict[str, Any], **options: Any) -> list[str]:
+    """Raise :class:`CheckpointConfigurationError` unless a run described by ``current`` may resume ``saved``
+    (:func:`check_resume`, same options); returns the migrated legacy metadata keys."""
+    return check_resume(saved, current, **options).migrated
+
+
+def check_resume(
     saved: dict[str, Any],
     current: dict[str, Any],
     *,
     legacy_metadata_keys: tuple[str, ...] = (),
     legacy_metadata_groups: tuple[tuple[str, ...], ...] = (),
+    accept_changes: Iterable[str] = (),
     where: str = "checkpoint",
     warn: bool = True,
     allow_reshard: bool = False,
     limit: int | None = 8,
-) -> list[str]:
-    """Raise :class:`CheckpointConfigurationError` unless ``saved`` matches ``current``; its message lists up to
-    ``limit`` differences (every one with ``None``: ``accelerate-txn diff``).
+) -> ResumeCheck:
+    """Raise :class:`CheckpointConfigurationError` unless ``saved`` matches ``current``; its message lists the
+    refused named changes and up to ``limit`` other differences (every one with ``None``: ``accelerate-txn diff``).
 
     Migrations: legacy metadata groups (absent as a whole -> current values, with a warning; partially absent
-    -> error); FSDP optimizer group order when neither side has a scheduler. Returns migrated keys.
+    -> error); FSDP optimizer group order when neither side has a scheduler. Named changes
+    (``resume_changes``): a schedule's length and run-length or cadence metadata are accepted; the other named
+    changes only when ``accept_changes`` names them. Pure: the same inputs decide the same on every rank.
     """
     reorder = (saved.get("backend") == current.get("backend") == "FSDP"
                and not saved.get("schedulers") and not current.get("schedulers"))
@@ -370,20 +401,34 @@ def compare_descriptor(
         migrated.extend(absent)
     for key in migrated:
         training[key] = current["training"][key]
+    accept = set(accept_changes)
+    changes = named_changes(saved, current)
+    refused = [change for change in changes if not change.automatic and change.name not in accept]
     found = differences(saved, current, limit=limit)
-    if found:
+    if found or refused:
         raise CheckpointConfigurationError(
-            f"{where} was saved for a different training configuration:\n  " + "\n  ".join(found)
+            f"{where} was saved for a different training configuration:\n  "
+            + "\n  ".join([change.refused_line() for change in refused] + found)
             + "\nResume with the configuration it was saved with (models and roles, optimizer type and groups, "
             "schedulers, precision, accumulation, world size, dataloaders, metadata), or start a new run directory."
-            + _reshard_hint(saved, current)
+            + _accept_hint(refused, bool(found)) + _reshard_hint(saved, current)
         )
     if migrated and warn:
         warnings.warn(
             f"{where} lacks training metadata {migrated}; using the current values. They cannot be verified "
             "historically; the next save records them.", RuntimeWarning, stacklevel=3,
         )
-    return migrated
+    return ResumeCheck(migrated, [change for change in changes if change not in refused])
+
+
+def _accept_hint(refused: list[Change], others: bool) -> str:
+    """The part of a refusal that says how to resume with its named changes anyway."""
+    if not refused:
+        return ""
+    also = " (the other differences above must still match)" if others else ""
+    return (f"\nTo resume with {'this change' if len(refused) == 1 else 'these changes'} on purpose{also}, accept "
+            f"{'it' if len(refused) == 1 else 'them'} by name: {accept_hint(c.name for c in refused)} "
+            '(docs/configuration.md, "What may change on resume").')
 
 
 def _without_world_size(saved: dict[str, Any], current: dict[str, Any]) -> None:

@@ -39,7 +39,7 @@ from ..fsdp.optimizer_state import raw_optimizer
 from ..store.posix import new_id
 from . import async_save as _async
 from .config import checkpoint_config, mark_failed, read_configs
-from .descriptor import backend, compare_descriptor, describe, is_fsdp2_sharded, participants
+from .descriptor import backend, check_resume, describe, is_fsdp2_sharded, participants
 from .elastic import plan_ranks
 from .finite import check_finite_state
 from .internals import (
@@ -48,12 +48,14 @@ from .internals import (
     load_state_pre_hooks,
     prepared_models,
     prepared_optimizers,
+    prepared_schedulers,
     save_state_pre_hooks,
 )
 from .loader_state import apply_loader_states
 from .native import fsdp_routing, native_method, synchronized_hooks
 from .optimizers import validate_optimizer_checkpoint, verify_restored
 from .required import Preflight, check_inventory_covers, check_required_files, private_patterns, rank_files, saved_world_size
+from .resume_changes import continue_live_schedules
 from .rng import RNG_FILE, apply_rng, derive_rng
 from .selection import checkpoint_candidates
 from .versions import checkpoint_compatibility, require_supported_versions
@@ -122,6 +124,7 @@ def _check_live(path: Path, manifest: dict[str, Any] | None, group: dict[str, An
                 f"load_state() found accumulated gradients (e.g. {pending[0]}): call "
                 "optimizer.zero_grad(set_to_none=True) before restoring."
             )
+    accepted: dict[str, list[Any]] = {}  # per component: the named changes this resume accepts
     if manifest is None:
         if not all(checkpoint_config(owner).allow_legacy for owner in group.values()):
             raise CheckpointIntegrityError(
@@ -130,12 +133,13 @@ def _check_live(path: Path, manifest: dict[str, Any] | None, group: dict[str, An
     else:
         for name, current in descriptors.items():
             config = checkpoint_config(group[name])
-            compare_descriptor(
+            accepted[name] = check_resume(
                 manifest["components"][name], current,
                 legacy_metadata_keys=config.legacy_metadata_keys if config.allow_legacy else (),
                 legacy_metadata_groups=config.legacy_metadata_groups if config.allow_legacy else (),
+                accept_changes=config.accept_changes,
                 where=str(path / name), warn=rank() == 0, allow_reshard=config.allow_reshard,
-            )
+            ).accepted
     states = {}
     for name, owner in group.items():
         config = checkpoint_config(owner)
@@ -160,6 +164,7 @@ def _check_live(path: Path, manifest: dict[str, Any] | None, group: dict[str, An
         ranks = range(plan.saved_world) if rank() == 0 else (plan.source(owner.process_index),)
         states[name] = check_required_files(owner, path / name, ranks)
         states[name].plan = plan
+        states[name].changes = accepted.get(name, [])
     if manifest is not None:
         for name, state in states.items():
             check_inventory_covers(path, manifest, {f"{name}/{file}" if name else file for file in state.names})
@@ -216,6 +221,10 @@ def _restore(path: Path, group: dict[str, Any], found: dict[str, Preflight], kwa
                 verify_restored(model, optimizer, directory / f"optimizer_{index}")
                 for index, (model, optimizer) in enumerate(zip(prepared_models(owner), prepared_optimizers(owner)))
             ], "Verifying the optimizer restore")
+        schedules = [change.schedule for change in found[name].changes if change.schedule is not None]
+        if schedules:  # an accepted schedule change: the first step after the resume follows the live schedule
+            run_phase(lambda owner=owner, schedules=schedules: continue_live_schedules(
+                prepared_schedulers(owner), schedules), "Continuing with the live learning-rate schedule")
         if checkpoint_config(owner).check_finite:
             run_phase(lambda owner=owner: (
                 check_finite_state([list(m.parameters()) for m in prepared_models(owner)], "restored model parameters"),
@@ -277,6 +286,10 @@ def load_training_checkpoint(owners: Any, input_dir: str | Path | None = None, *
         for name, plan in plans.items():
             if plan.resharded:
                 logger.warning("Elastic resume of %s: %s", path / name if name else path, plan.describe())
+        for name, state in found.items():  # one line per load (and component): what changed on purpose
+            if state.changes:
+                logger.warning("Resumed %s with changes: %s", path / name if name else path,
+                               "; ".join(change.accepted_line() for change in state.changes))
     run_id = manifest["run_id"] if manifest else on_main(new_id, "Choosing a run id")
     match = CHECKPOINT_NAME.fullmatch(path.name)
     # Past every existing checkpoint_N, not just the restored one: a newer sibling that was skipped (corrupt) must
@@ -304,7 +317,8 @@ def _verify(path: Path, group: dict[str, Any], templates: list[str]) -> tuple[di
     hooks = {name: [len(save_state_pre_hooks(o)), len(load_state_pre_hooks(o))] for name, o in group.items()}
     policies = {name: [checkpoint_config(o).allow_legacy, checkpoint_config(o).check_finite,
                        checkpoint_config(o).trust_custom_objects, checkpoint_config(o).allow_reshard,
-                       sorted((checkpoint_config(o).reshard_rank_map or {}).items())] for name, o in group.items()}
+                       sorted((checkpoint_config(o).reshard_rank_map or {}).items()),
+                       list(checkpoint_config(o).accept_changes)] for name, o in group.items()}
     agree({"path": str(path), "manifest": digest(manifest).hex(), "hooks": hooks, "policies": policies},
           "the checkpoint to load")
     agree(descriptors, "the training configuration")

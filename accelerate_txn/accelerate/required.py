@@ -38,6 +38,7 @@ class Preflight:
     names: set[str] = field(default_factory=set)
     loaders: dict[int, dict[int, Any] | None] = field(default_factory=dict)  # saved rank -> per-rank loader states
     plan: Any = None  # the per-rank state plan (``accelerate.elastic.RankPlan``), set by the restore preflight
+    changes: list[Any] = field(default_factory=list)  # accepted resume changes (``resume_changes.Change``)
 
 
 def _need(directory: Path, name: str, what: str, found: Preflight) -> Path:
