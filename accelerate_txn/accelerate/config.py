@@ -27,7 +27,7 @@ LOCK_TIMEOUT_ENV = "VIDEOX_CHECKPOINT_LOCK_TIMEOUT"
 DEFAULT_LOCK_TIMEOUT = 60.0
 ARRIVAL_TIMEOUT_ENV = "VIDEOX_CHECKPOINT_ARRIVAL_TIMEOUT"
 #: Seconds the ranks that reached an FSDP save_state/load_state wait for the others before raising
-#: CheckpointArrivalError: under NCCL's 10-minute watchdog, which would kill the job silently first.
+#: CheckpointArrivalError: shorter than NCCL's 10-minute watchdog, which would otherwise kill the job first, unexplained.
 DEFAULT_ARRIVAL_TIMEOUT = 300.0
 CHECKSUM_MODES = ("metadata", "full")
 
