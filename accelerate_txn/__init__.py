@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .accelerate.autopatch import install_on_import
 from .errors import (
+    CheckpointArrivalError,
     CheckpointConfigurationError,
     CheckpointError,
     CheckpointExistsError,
@@ -99,6 +100,7 @@ install_on_import()
 __all__ = [
     "MANIFEST",
     "PROTOCOL",
+    "CheckpointArrivalError",
     "CheckpointConfigurationError",
     "CheckpointError",
     "CheckpointExistsError",

@@ -26,6 +26,12 @@ class CheckpointRankError(CheckpointError):
     """Ranks failed with different errors (or with errors that are not the library's own)."""
 
 
+class CheckpointArrivalError(CheckpointRankError):
+    """Only some ranks reached a collective checkpoint call (``save_state``/``load_state`` under FSDP), or ranks
+    reached different ones; raised on the ranks that did, before any collective, and nothing was written or
+    restored."""
+
+
 class CheckpointIntegrityError(CheckpointError, ValueError):
     """A checkpoint on disk is incomplete, truncated, altered or not a checkpoint at all."""
 
@@ -59,6 +65,7 @@ class NonFiniteStateError(CheckpointError, ValueError):
 
 
 __all__ = [
+    "CheckpointArrivalError",
     "CheckpointConfigurationError",
     "CheckpointError",
     "CheckpointExistsError",

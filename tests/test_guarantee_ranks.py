@@ -71,6 +71,8 @@ def test_a_background_write_whose_group_was_destroyed_publishes_nothing_and_fail
 @pytest.mark.parametrize("variable, value, message", [
     ("VIDEOX_CHECKPOINT_LOCK_TIMEOUT", "soon", "VIDEOX_CHECKPOINT_LOCK_TIMEOUT is 'soon'"),
     ("VIDEOX_CHECKPOINT_LOCK_TIMEOUT", "-3", "VIDEOX_CHECKPOINT_LOCK_TIMEOUT is '-3'"),
+    # Read (leniently) before any agreement, by the arrival check: the ranks still meet, then all raise.
+    ("VIDEOX_CHECKPOINT_ARRIVAL_TIMEOUT", "soon", "VIDEOX_CHECKPOINT_ARRIVAL_TIMEOUT is 'soon'"),
 ])
 def test_a_setting_invalid_on_one_rank_raises_the_same_error_on_every_rank(
         tmp_path: Path, variable: str, value: str, message: str) -> None:

@@ -151,6 +151,23 @@ def test_optimizer_load_state_dict_pre_hooks_are_seen() -> None:
     assert _internals.has_load_state_dict_pre_hooks(optimizer) is False
 
 
+def test_default_store_is_the_store_the_default_process_group_was_built_on(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    base = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=base, rank=0, world_size=1)
+    try:
+        store = _internals.default_store()
+        before = base.num_keys()
+        store.set("accelerate_txn_probe", "1")
+        assert base.num_keys() == before + 1  # written through to the group's own store (under its prefix)
+        assert _internals.default_store().get("accelerate_txn_probe") == b"1"
+        assert store.compare_set("accelerate_txn_probe_2", "", "first") == b"first"  # what core.ranks.arrive uses
+        assert store.compare_set("accelerate_txn_probe_2", "", "second") == b"first"
+    finally:
+        dist.destroy_process_group()
+
+
 def test_thread_exit_hook_runs_before_concurrent_futures_shuts_down() -> None:
     import subprocess
     import sys

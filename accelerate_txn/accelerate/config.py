@@ -26,6 +26,10 @@ LOCK_TIMEOUT_ENV = "VIDEOX_CHECKPOINT_LOCK_TIMEOUT"
 #: Seconds rank 0 waits for the directory lock: a writer that died on another node of NFS or Lustre keeps its
 #: lock until the server notices (tens of seconds); a live writer's save usually takes longer than this.
 DEFAULT_LOCK_TIMEOUT = 60.0
+ARRIVAL_TIMEOUT_ENV = "VIDEOX_CHECKPOINT_ARRIVAL_TIMEOUT"
+#: Seconds the ranks that reached an FSDP save_state/load_state wait for the others before raising
+#: CheckpointArrivalError: shorter than NCCL's 10-minute watchdog, which would otherwise kill the job first, unexplained.
+DEFAULT_ARRIVAL_TIMEOUT = 300.0
 CHECKSUM_MODES = ("metadata", "full")
 PROTECT_ENV = "VIDEOX_ACCELERATE_PROTECT"
 #: Which ``save_state``/``load_state`` calls automatic dispatch protects: FSDP sharded ones (default), or every one of
@@ -75,6 +79,7 @@ class CheckpointConfig:
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT
     overwrite: str = "replace"
     protect: str | None = None  # None: VIDEOX_ACCELERATE_PROTECT decides at each call (see ``protect_mode``)
+    arrival_timeout: float = DEFAULT_ARRIVAL_TIMEOUT
     # File-name template -> schema recorded in the descriptor; and -> validator(directory, rank).
     private_states: dict[str, dict[str, Any]] = field(default_factory=dict)
     validators: dict[str, Validator] = field(default_factory=dict)
@@ -101,7 +106,8 @@ def checkpoint_config(accelerator: Any) -> CheckpointConfig:
     config = _CONFIGS.get(accelerator)
     if config is None:
         config = CheckpointConfig(
-            check_finite=os.environ.get(FINITE_ENV, "0").strip() == "1", lock_timeout=_lock_timeout_from_env()
+            check_finite=os.environ.get(FINITE_ENV, "0").strip() == "1", lock_timeout=_lock_timeout_from_env(),
+            arrival_timeout=_arrival_timeout_from_env(),
         )
         _CONFIGS[accelerator] = config
     return config
@@ -135,6 +141,42 @@ def _lock_timeout_from_env() -> float:
     return _valid_lock_timeout(raw, f"The environment variable {LOCK_TIMEOUT_ENV}") if raw else DEFAULT_LOCK_TIMEOUT
 
 
+def _valid_arrival_timeout(value: Any, where: str) -> float:
+    """``value`` as seconds to wait for every rank to reach a checkpoint call: finite, >= 0, else an error."""
+    from ..store.posix import wait_seconds
+
+    seconds = wait_seconds(value)
+    if seconds is None:
+        raise CheckpointConfigurationError(
+            f"{where} is {value!r}: the wait for every rank to reach save_state()/load_state() must be a finite "
+            f"number of seconds >= 0 (default {DEFAULT_ARRIVAL_TIMEOUT:g})."
+        )
+    return seconds
+
+
+def _arrival_timeout_from_env() -> float:
+    raw = os.environ.get(ARRIVAL_TIMEOUT_ENV, "").strip()
+    return _valid_arrival_timeout(raw, f"The environment variable {ARRIVAL_TIMEOUT_ENV}") if raw else DEFAULT_ARRIVAL_TIMEOUT
+
+
+def arrival_timeout(accelerator: Any) -> float:
+    """The arrival wait of ``accelerator``, read before any agreement and therefore never raising: its configured
+    value once it has a configuration, else ``VIDEOX_CHECKPOINT_ARRIVAL_TIMEOUT``, or the default where that is
+    unset or invalid. An invalid value is not lost: the first rank phase reads the configuration
+    (:func:`read_configs`) and raises the same error on every rank. Raising here instead would raise on that rank
+    alone, and the others would wait the whole arrival timeout for it."""
+    try:
+        config = _CONFIGS.get(accelerator)
+    except TypeError:  # not an Accelerator (the explicit API refuses it inside its first phase)
+        config = None
+    if config is not None:
+        return config.arrival_timeout
+    from ..store.posix import wait_seconds
+
+    seconds = wait_seconds(os.environ.get(ARRIVAL_TIMEOUT_ENV, "").strip() or DEFAULT_ARRIVAL_TIMEOUT)
+    return DEFAULT_ARRIVAL_TIMEOUT if seconds is None else seconds
+
+
 def configure_checkpointing(
     accelerator: Any,
     *,
@@ -146,6 +188,7 @@ def configure_checkpointing(
     legacy_metadata_keys: Iterable[str] | None = None,
     legacy_metadata_groups: Iterable[Iterable[str]] | None = None,
     lock_timeout: float | None = None,
+    arrival_timeout: float | None = None,
     trust_custom_objects: bool | None = None,
     async_save: bool | None = None,
     reuse_staging_memory: bool | None = None,
@@ -174,6 +217,10 @@ def configure_checkpointing(
     * ``lock_timeout``: seconds rank 0 waits for the output directory's lock held by another writer (a writer
       that died on another node of NFS or Lustre holds it until the server notices). Finite, >= 0; default
       60, or ``VIDEOX_CHECKPOINT_LOCK_TIMEOUT``.
+    * ``arrival_timeout``: seconds the ranks that reached an FSDP ``save_state``/``load_state`` (or the explicit
+      API) wait for the others before raising ``CheckpointArrivalError`` (a call made on some ranks only, e.g.
+      inside ``if accelerator.is_main_process:``). Finite, >= 0; default 300, or
+      ``VIDEOX_CHECKPOINT_ARRIVAL_TIMEOUT``. Raise it if a rank may legitimately reach a save that much later.
     * ``trust_custom_objects``: let Accelerate unpickle registered custom objects (``custom_checkpoint_N.pkl``)
       with ``weights_only=False``, for objects whose state holds arbitrary Python types. Default False: they are
       read with ``weights_only=True`` in the restore preflight and restored from that state, so nothing in a
@@ -271,6 +318,9 @@ def configure_checkpointing(
         changes["accept_changes"] = check_accept_names(accept_changes)
     if lock_timeout is not None:
         changes["lock_timeout"] = _valid_lock_timeout(lock_timeout, "configure_checkpointing(lock_timeout=...)")
+    if arrival_timeout is not None:
+        changes["arrival_timeout"] = _valid_arrival_timeout(arrival_timeout,
+                                                            "configure_checkpointing(arrival_timeout=...)")
     for name, value in changes.items():  # everything validated: now change it
         setattr(config, name, value)
     return accelerator

@@ -38,6 +38,7 @@ from ..fsdp.internals import uninitialise_grad_scaler
 from ..fsdp.optimizer_state import raw_optimizer
 from ..store.posix import new_id
 from . import async_save as _async
+from .arrival import check_arrival
 from .config import checkpoint_config, mark_failed, read_configs
 from .descriptor import backend, check_resume, describe, is_fsdp2_sharded, participants
 from .elastic import plan_ranks
@@ -245,6 +246,7 @@ def load_training_checkpoint(owners: Any, input_dir: str | Path | None = None, *
     during the restore itself every rank raises and the Accelerators are marked failed until a load succeeds.
     Returns the restored checkpoint's path.
     """
+    check_arrival(owners, "load_training_checkpoint")  # no collective yet: a call on some ranks only is explained
     # Everything that can differ between ranks (environment, configuration, arguments) is read inside a rank phase.
     group = run_phase(lambda: read_configs(participants(owners)), "Checking checkpoint participants")
     _async.settle(list(group.values()))  # an asynchronous save in flight is published (or raises) first

@@ -38,6 +38,7 @@ import wrapt
 
 from ..core.ranks import agree, any_rank, distributed, run_phase, world_size
 from ..errors import CheckpointConfigurationError, UnsupportedVersionError
+from .arrival import arrived, check_arrival
 from .config import protect_mode, read_configs
 from .descriptor import is_fsdp1_sharded, is_fsdp2_sharded, is_fsdp_sharded, unsupported_reason
 from .internals import accelerator_module, prepared_optimizers
@@ -205,7 +206,9 @@ def _eligibility(accelerator: Any) -> tuple[bool, bool]:
 
 
 def _protected(accelerator: Any, input_dir: Any = None, *, loading: bool = False, output_dir: Any = None) -> bool:
-    """The dispatch decision; for FSDP with dispatch on, a collective (all ranks must agree)."""
+    """The dispatch decision; for FSDP (and, with ``protect="all"``, one process and DDP) with dispatch on, a
+    collective (all ranks must agree), preceded by the collective-free check that every rank reached this call
+    (``accelerate.arrival``)."""
     global _warned_versions
     kind = accelerator.distributed_type.name
     opted_in = accelerator in OPTED_IN
@@ -220,6 +223,9 @@ def _protected(accelerator: Any, input_dir: Any = None, *, loading: bool = False
         # INFO line per Accelerator that says protection is off).
         _note_native(accelerator, _native_condition(accelerator, enabled, False, False))
         return False
+    # Before the first collective: a call made on some ranks only (save_state under ``if is_main_process:``) ends
+    # there with an explained CheckpointArrivalError on those ranks, not in a mismatched collective.
+    check_arrival(accelerator, "load_state" if loading else "save_state")
     eligible, validated = run_phase(functools.partial(_eligibility, accelerator),
                                     "Deciding whether to use the protected checkpoint path")
     agree({"enabled": enabled, "eligible": eligible, "validated": validated,
@@ -261,7 +267,8 @@ def _save_state(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
 def _protected_save(instance: Any, output_dir: Any = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
     from .save import save_training_checkpoint
 
-    with fsdp_routing(instance):  # FSDP2 optimizer saves go through _save_fsdp_optimizer's own writer
+    # arrived(): this call already checked that every rank reached it (in _protected)
+    with fsdp_routing(instance), arrived():  # FSDP2 optimizer saves go through _save_fsdp_optimizer's own writer
         return save_training_checkpoint(instance, output_dir, safe_serialization=safe_serialization, **kwargs)
 
 
@@ -277,7 +284,8 @@ def _protected_load(instance: Any, input_dir: Any = None, load_kwargs: dict | No
 
     if load_kwargs is not None:  # the parameter exists from Accelerate 1.8 on; pass it only when given
         kwargs["load_kwargs"] = load_kwargs
-    load_training_checkpoint(instance, input_dir, **kwargs)
+    with arrived():  # this call already checked that every rank reached it (in _protected)
+        load_training_checkpoint(instance, input_dir, **kwargs)
 
 
 def _load_fsdp_model(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:

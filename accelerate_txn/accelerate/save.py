@@ -71,6 +71,7 @@ from ..store.posix import (
     walk_tree,
 )
 from . import async_save as _async
+from .arrival import check_arrival
 from .config import checkpoint_config, ensure_not_failed, read_configs
 from .descriptor import describe, participants
 from .elastic import POLICY as RESHARD_POLICY
@@ -465,6 +466,7 @@ def save_training_checkpoint(
     staged in memory, with an ``AsyncCheckpoint`` handle (a path-like; ``.wait()``, ``.done()``); the rest of the
     transaction runs in the background. A save in flight is always waited for first (its error raised).
     """
+    check_arrival(owners, "save_training_checkpoint")  # no collective yet: a call on some ranks only is explained
     # Everything that can differ between ranks (environment, configuration, arguments) is read inside a rank phase.
     group, background, policies, hooks = run_phase(lambda: _settings(owners, async_save),
                                                    "Checking checkpoint participants and settings")

@@ -9,12 +9,17 @@ in the same order. Without a process group they run locally.
 * :func:`agree` exchanges a fixed-size sha256 digest of a value (O(world) bytes, not O(world x value)). Only on
   a mismatch is rank 0's value broadcast, so each disagreeing rank can explain what differs.
 * :func:`on_main` computes a value on rank 0 (as a phase) and broadcasts it.
+
+One helper is not a collective: :func:`arrive` checks, through the process group's key-value store, that every rank
+reached the same checkpoint call before its first collective, so a call made on some ranks only ends with an
+explained error on those ranks, in bounded time, instead of a mismatched collective.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 import zlib
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
@@ -22,7 +27,7 @@ from typing import Any, NoReturn, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointConfigurationError, CheckpointError, CheckpointRankError
+from ..errors import CheckpointArrivalError, CheckpointConfigurationError, CheckpointError, CheckpointRankError
 from .jsondiff import differences
 
 T = TypeVar("T")
@@ -196,6 +201,107 @@ def on_main(function: Callable[[], T], context: str = "Checkpoint phase") -> T:
         dist.broadcast_object_list(holder, src=0)
         value = holder[0]
     return value
+
+
+# --- arrival: every rank reached the same checkpoint call (through the store, no collective) -----------------
+
+ARRIVAL_PREFIX = "accelerate_txn/arrival"
+"""Prefix of the keys :func:`arrive` keeps in the process group's store."""
+_POLL_FIRST = 0.001  # seconds between two looks at the store while waiting: doubling from this ...
+_POLL_MAX = 0.1  # ... up to this (a waiting rank asks the store at most about ten times a second)
+# This process's arrival calls so far, and the lowest call number whose shared keys may still be in the store.
+_ARRIVALS = {"calls": 0, "clean_from": 1}
+
+
+def arrive(op: str, timeout: float, store: Any, *, advice: str = "", wait_hint: str = "") -> None:
+    """Return once every rank of the default process group has reached checkpoint call ``op``. Raise
+    :class:`CheckpointArrivalError` on this rank when some rank did not get there within ``timeout`` seconds, when
+    a rank reached another call at the same point, or when this rank came after the others stopped waiting.
+    ``advice`` (what to do) ends every message, ``wait_hint`` (how to wait longer) the timeout's.
+
+    Not a collective: the ranks meet in ``store`` (the default group's key-value store), so a call that only some
+    ranks make ends with an explained error on those ranks instead of a mismatched collective. Calls are numbered
+    per process, the same on every rank while every rank makes the same calls. For call N every rank records
+    ``rank R = "N op"``, claims ``N/first = "R op"`` if it is still free, and if its ``op`` differs from the first
+    rank's it decides "mismatch", all before it counts itself in ``N/count``. The rank whose count completes the
+    world decides "go"; a rank that waited ``timeout`` seconds decides "abort", naming the ranks that had arrived.
+    A decision is a create-if-absent ``compare_set`` of ``N/decision``: every rank follows the first one written,
+    and a rank arriving after an abort reads it and raises too, instead of waiting in a later collective.
+
+    The keys stay bounded: each rank reuses its one ``rank R`` key, and once call N is "go" every rank is past
+    every earlier call, so the rank that decided it deletes the earlier calls' keys. Waiting is polling the store
+    with a backoff of at most :data:`_POLL_MAX` seconds, within the deadline.
+
+    Without a process group, or with one rank, it returns at once and touches nothing.
+    """
+    if not distributed() or world_size() == 1:
+        return
+    deadline = time.monotonic() + timeout
+    _ARRIVALS["calls"] += 1
+    number = _ARRIVALS["calls"]
+    me, world = rank(), world_size()
+    try:
+        keys = dist.PrefixStore(ARRIVAL_PREFIX, store)
+        decision_key = f"{number}/decision"
+        keys.set(f"rank {me}", f"{number} {op}")
+        first_rank, _, first_op = keys.compare_set(f"{number}/first", "", f"{me} {op}").decode().partition(" ")
+        if first_op != op:  # decided before this rank counts itself: "go" can never be written first
+            _decide(keys, decision_key, {"kind": "mismatch", "calls": sorted([[int(first_rank), first_op], [me, op]])})
+        completes = keys.add(f"{number}/count", 1) == world
+        decision = _decide(keys, decision_key, {"kind": "go"}) if completes else _await(keys, decision_key, deadline)
+        if decision is None:  # waited ``timeout`` seconds
+            arrived = [r for r in range(world) if _arrived(keys, r, number)]
+            decision = _decide(keys, decision_key, {"kind": "abort", "op": op, "arrived": arrived, "timeout": timeout})
+        if decision["kind"] == "go":
+            if completes:  # every rank is past every earlier call: their keys are garbage
+                for old in range(_ARRIVALS["clean_from"], number):
+                    for name in ("first", "count", "decision"):
+                        keys.delete_key(f"{old}/{name}")
+            _ARRIVALS["clean_from"] = number
+            return
+    except (RuntimeError, ValueError) as exc:  # the store itself failed (its host rank died, a timeout)
+        raise CheckpointRankError(
+            f"Could not check that every rank reached {op}(): the process group's store failed "
+            f"({_describe(exc)}). A rank may have died; restart the job from the last complete checkpoint."
+        ) from exc
+    raise CheckpointArrivalError(_arrival_message(decision, me, world, op, advice, wait_hint))
+
+
+def _decide(keys: Any, key: str, decision: dict[str, Any]) -> dict[str, Any]:
+    """Write ``decision`` unless one was written first; the decision that stands."""
+    return json.loads(keys.compare_set(key, "", json.dumps(decision, sort_keys=True)).decode())
+
+
+def _await(keys: Any, key: str, deadline: float) -> dict[str, Any] | None:
+    """The decision at ``key`` once written, or None at ``deadline``."""
+    delay = _POLL_FIRST
+    while not keys.check([key]):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        time.sleep(min(delay, remaining))  # a poll interval within the deadline, not a synchronisation
+        delay = min(2 * delay, _POLL_MAX)
+    return json.loads(keys.get(key).decode())
+
+
+def _arrived(keys: Any, other: int, number: int) -> bool:
+    return keys.check([f"rank {other}"]) and keys.get(f"rank {other}").decode().partition(" ")[0] == str(number)
+
+
+def _arrival_message(decision: dict[str, Any], me: int, world: int, op: str, advice: str, wait_hint: str) -> str:
+    if decision["kind"] == "mismatch":
+        (one, one_op), (other, other_op) = decision["calls"]
+        text = f"Rank {one} called {one_op}() while rank {other} called {other_op}() at the same point."
+    else:
+        arrived, seconds = decision["arrived"], f"{decision['timeout']:g} s"
+        missing = [r for r in range(world) if r not in arrived]
+        if me in arrived:
+            text = f"{op}() was called on ranks {arrived} but ranks {missing} did not reach it within {seconds}."
+        else:
+            text = (f"This rank ({me}) reached {op}() after ranks {arrived} had stopped waiting for ranks {missing} "
+                    f"at {decision['op']}() (they waited {seconds} and raised CheckpointArrivalError).")
+        advice = f"{advice} {wait_hint}".strip()
+    return f"{text} {advice}".strip()
 
 
 # --- the background group of asynchronous saves ------------------------------------------------------------

@@ -205,6 +205,26 @@ def storage_item(reader: Any, index: Any) -> tuple[str, int, int, bool]:
             bool(getattr(info, "transform_descriptors", None)))
 
 
+# --- torch.distributed: the default process group's store ----------------------------------------------------
+# The key-value store the default group was rendezvoused through, which every rank reaches without a collective.
+# torch 2.13: public ``ProcessGroup.get_group_store()`` returns the same ``PrefixStore`` as the private
+# ``distributed_c10d._get_default_store()``; the private function (torch 2.7 and 2.13) is the fallback where a
+# release lacks the method or its group cannot give its store.
+
+
+def default_store() -> Any:
+    """The default process group's key-value store (a process group must be initialised)."""
+    import torch.distributed as dist
+
+    getter = getattr(dist.group.WORLD, "get_group_store", None)
+    if getter is not None:
+        try:
+            return getter()
+        except (RuntimeError, NotImplementedError):
+            pass
+    return dist.distributed_c10d._get_default_store()
+
+
 # --- torch.optim ------------------------------------------------------------------------------------------------
 # torch 2.7.0 and 2.13.0: ``Optimizer._optimizer_load_state_dict_pre_hooks`` (an ``OrderedDict``, filled by the
 # public ``register_load_state_dict_pre_hook``).
