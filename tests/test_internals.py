@@ -194,6 +194,17 @@ def test_uninitialise_grad_scaler_lets_a_load_and_lazy_init_rebuild_the_scale() 
     assert scaler.get_scale() == 4.0 and scaler._get_growth_tracker() == 3
 
 
+def test_scheduler_accessors_read_one_cycle_phases_and_set_what_get_last_lr_returns() -> None:
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    one_cycle = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1.0, total_steps=100, pct_start=0.25)
+    phases = _internals.one_cycle_phases(one_cycle)
+    assert len(phases) == 2 and phases[0]["end_step"] == 24  # pct_start * total_steps - 1
+    assert len(_internals.one_cycle_phases(torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=1.0, total_steps=100, three_phase=True))) == 3
+    _internals.set_last_lr(one_cycle, [0.5])
+    assert one_cycle.get_last_lr() == [0.5]
+
+
 def test_module_state_dict_accessors_see_hooks_persistent_buffers_and_fsdp_names() -> None:
     from torch.distributed.fsdp import ShardedStateDictConfig
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointConfigurationError
+from ..fsdp.internals import one_cycle_phases, set_last_lr
 
 #: Names of a ``LambdaLR`` function's value (closure variable, default, keyword) that hold the schedule's total
 #: length in steps. A change of one of them is accepted: the live function continues with the new length.
@@ -61,11 +62,11 @@ def _milestones(scheduler: Any) -> list[int]:
 
 def _pct_start(scheduler: Any) -> float:
     # Not kept as given: OneCycleLR records its first phase's end step, pct_start * total_steps - 1.
-    return round((float(scheduler._schedule_phases[0]["end_step"]) + 1) / scheduler.total_steps, 6)
+    return round((float(one_cycle_phases(scheduler)[0]["end_step"]) + 1) / scheduler.total_steps, 6)
 
 
 def _three_phase(scheduler: Any) -> bool:
-    return len(scheduler._schedule_phases) == 3
+    return len(one_cycle_phases(scheduler)) == 3
 
 
 #: The settings of torch's built-in schedulers (exact classes of ``torch.optim.lr_scheduler``) that the descriptor
@@ -311,5 +312,5 @@ def continue_live_schedules(schedulers: list[Any], indices: Iterable[int]) -> No
                 group["lr"].fill_(float(value))
             else:
                 group["lr"] = value
-        scheduler._last_lr = [group["lr"].clone() if isinstance(group["lr"], torch.Tensor) else group["lr"]
-                              for group in scheduler.optimizer.param_groups]
+        set_last_lr(scheduler, [group["lr"].clone() if isinstance(group["lr"], torch.Tensor) else group["lr"]
+                                for group in scheduler.optimizer.param_groups])

@@ -249,6 +249,22 @@ def uninitialise_grad_scaler(scaler: Any) -> None:
     scaler._growth_tracker = None
 
 
+# --- learning-rate schedulers -----------------------------------------------------------------------------------
+# torch 2.7.0 and 2.13.0: ``OneCycleLR._schedule_phases`` (a list of dicts with ``end_step``; two phases, three with
+# ``three_phase=True``) is where it keeps ``pct_start`` (as the first phase's end step); ``LRScheduler._last_lr`` is
+# what ``get_last_lr()`` returns (set by ``step()``, saved and restored with the state dict).
+
+
+def one_cycle_phases(scheduler: Any) -> list[dict[str, Any]]:
+    """A ``OneCycleLR``'s phases (each with its ``end_step``)."""
+    return list(scheduler._schedule_phases)
+
+
+def set_last_lr(scheduler: Any, values: list[Any]) -> None:
+    """Make ``scheduler.get_last_lr()`` return ``values`` (as ``step()`` would after computing them)."""
+    scheduler._last_lr = list(values)
+
+
 # --- Python runtime ---------------------------------------------------------------------------------------------
 # threading._register_atexit (CPython 3.9+, checked on 3.10-3.13): hooks that run at interpreter exit before
 # non-daemon threads are joined and before atexit, newest first; concurrent.futures registers its own there.
