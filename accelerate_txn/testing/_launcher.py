@@ -149,7 +149,7 @@ class ScriptJob:
         self._stream = stream
         self._kill_reason: str | None = None
         self._result: ScriptResult | None = None
-        self._logs = []
+        self._logs: list[TextIO] = []
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
             self._logs = [(log_dir / f"rank{rank}.log").open("w", encoding="utf-8") for rank in range(num_processes)]
