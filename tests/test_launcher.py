@@ -205,7 +205,7 @@ def test_kill_on_output_kills_the_whole_job_and_a_rerun_resumes_from_the_newest_
     for rank, report in enumerate(_reports(resumed)):
         assert (report["rank"], report["resumed"], report["finished"]) == (
             rank, f"checkpoint-{newest}", newest + 1), resumed.describe()
-        assert report["fsdp_version"] == 2 and report["protected"]
+        assert (report["fsdp_version"], report["units"], report["protected"]) == (2, 3, True), report
     assert _checkpoints(out)[f"checkpoint-{newest + 1}"] is True
 
 
@@ -324,13 +324,14 @@ def test_a_failing_rank_decides_the_exit_status_and_nothing_of_the_job_survives(
     # Rank 1 exits 3 once rank 0 has started its child and blocks for good: rank 0 must be killed after the grace,
     # its child with it (its process group), and the job's status is rank 1's.
     result = run_script(_blocker(tmp_path), ["--dir", str(tmp_path), "--fail-rank", "1", "--fail-code", "3"],
-                        num_processes=2, grace=1.0, timeout=JOB_TIMEOUT)
+                        num_processes=2, grace=1.0, timeout=JOB_TIMEOUT, log_dir=tmp_path / "logs")
     assert (result.returncode, result.first_failure, result.returncodes) == (3, 1, [137, 3]), result.describe()
     assert result.killed_after_grace == [0] and not result.timed_out and result.kill_reason is None
     assert "rank 1 failed first, exit status 3" in result.summary()
     children = _children(tmp_path)
     assert len(children) == 1 and f"child {children[0]}" in result.output[0]
     assert [pid for pid in children if _alive(pid)] == [], "a process the script started outlived the job"
+    assert [(tmp_path / "logs" / f"rank{rank}.log").read_text() for rank in (0, 1)] == result.output
 
 
 @pytest.mark.timeout(600)
@@ -390,6 +391,8 @@ def test_bad_options_are_refused_before_any_process_starts(tmp_path: Path, capsy
         run_script(script, num_processes=0)
     with pytest.raises(FileNotFoundError, match=r"missing.py: no such script"):
         run_script("missing.py", cwd=tmp_path)
+    with pytest.raises(ValueError, match=r"never_run.py exists already, so the job would be killed at once"):
+        run_script(script, kill_on_path=script)
 
     with pytest.raises(SystemExit) as exited:
         cli_main(["run", "--state-dict-type", "FULL_STATE_DICT", str(script)])
@@ -402,7 +405,7 @@ def test_bad_options_are_refused_before_any_process_starts(tmp_path: Path, capsy
 
 def test_the_plugin_a_script_passes_is_kept_where_it_can_run_on_cpu_and_overridden_where_asked() -> None:
     from accelerate import FullyShardedDataParallelPlugin
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy, transformer_auto_wrap_policy
 
     from accelerate_txn.testing._cpu_fsdp import plugin_for_script
 
@@ -421,5 +424,5 @@ def test_the_plugin_a_script_passes_is_kept_where_it_can_run_on_cpu_and_overridd
                        r"for FSDP2\. Leave out the launcher's fsdp_version"):
         plugin_for_script(own, fsdp_version=2)
     default = plugin_for_script(None, fsdp_version=2)  # no plugin of the script: fsdp_accelerator's defaults
-    assert (default.fsdp_version, default.state_dict_type.name, default.auto_wrap_policy(torch.nn.Linear(1, 1))) == (
-        2, "SHARDED_STATE_DICT", True)
+    assert (default.fsdp_version, default.state_dict_type.name, default.auto_wrap_policy,
+            default.transformer_cls_names_to_wrap) == (2, "SHARDED_STATE_DICT", transformer_auto_wrap_policy, ["Linear"])

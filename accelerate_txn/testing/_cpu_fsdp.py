@@ -18,7 +18,6 @@ ends the script anyway.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 UNSUPPORTED_STATE_DICT_TYPES = {
@@ -61,18 +60,24 @@ def refuse_unsupported(state_dict_type: Any, what: str, fix: str) -> None:
         raise configuration_error(f"{what} cannot run on this CPU harness: {UNSUPPORTED_STATE_DICT_TYPES[kind]} {fix}")
 
 
-def wrap_policy(auto_wrap: type, fsdp_version: int) -> Any:
-    """An FSDP auto-wrap policy wrapping every ``auto_wrap`` module: ``ModuleWrapPolicy`` for FSDP1, a predicate
-    for FSDP2 (Accelerate calls it on each module)."""
+def auto_wrap_fields(auto_wrap: type | None, fsdp_version: int) -> dict[str, Any]:
+    """The plugin fields that make FSDP wrap every ``auto_wrap`` module in a unit of its own (``None``: none, the
+    model is one unit).
+
+    FSDP1 takes a ``ModuleWrapPolicy``. Accelerate's FSDP2 preparation honours only its transformer-based and
+    size-based policies (any other callable wraps nothing but the root), so FSDP2 gets the transformer-based one
+    with the class's name, which Accelerate looks up in the model at ``prepare`` (a model without such a module
+    is refused there, naming the class).
+    """
+    if auto_wrap is None:
+        return {"auto_wrap_policy": None, "transformer_cls_names_to_wrap": None}
     if fsdp_version == 1:
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        return ModuleWrapPolicy({auto_wrap})
-    return functools.partial(_is_instance, kind=auto_wrap)
+        return {"auto_wrap_policy": ModuleWrapPolicy({auto_wrap}), "transformer_cls_names_to_wrap": None}
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
-
-def _is_instance(module: Any, kind: type) -> bool:
-    return isinstance(module, kind)
+    return {"auto_wrap_policy": transformer_auto_wrap_policy, "transformer_cls_names_to_wrap": [auto_wrap.__name__]}
 
 
 def make_plugin(*, fsdp_version: int = 1, state_dict_type: str = "SHARDED_STATE_DICT", use_orig_params: bool = True,
@@ -87,7 +92,7 @@ def make_plugin(*, fsdp_version: int = 1, state_dict_type: str = "SHARDED_STATE_
         fsdp_version=fsdp_version,
         state_dict_type=state_dict_type,
         use_orig_params=use_orig_params if fsdp1 else None,  # FSDP2 has neither: None spares Accelerate's warning
-        auto_wrap_policy=wrap_policy(auto_wrap, fsdp_version) if auto_wrap is not None else None,
+        **auto_wrap_fields(auto_wrap, fsdp_version),
         cpu_offload=CPUOffload(offload_params=cpu_offload) if fsdp1 else cpu_offload,
         sync_module_states=False if fsdp1 else None,
         cpu_ram_efficient_loading=False,
@@ -131,7 +136,8 @@ def plugin_for_script(plugin: Any, *, fsdp_version: int | None = None, state_dic
         "Override it with the launcher's state_dict_type='SHARDED_STATE_DICT' (--state-dict-type "
         "SHARDED_STATE_DICT), the configuration accelerate-txn protects, or test FULL_STATE_DICT on GPUs.")
     if auto_wrap is not KEEP_SCRIPT_POLICY:
-        plugin.auto_wrap_policy = wrap_policy(auto_wrap, plugin.fsdp_version) if auto_wrap is not None else None
+        for name, value in auto_wrap_fields(auto_wrap, plugin.fsdp_version).items():
+            setattr(plugin, name, value)
     if plugin.fsdp_version == 1:
         plugin.sync_module_states = False
     plugin.cpu_ram_efficient_loading = False

@@ -358,6 +358,12 @@ def start_script(
                                 "an absolute one, or module=True (-m) for a module name.")
     if module and (not target or target.startswith("-")):
         raise ValueError(f"module={target!r}: give a module name, as for python -m.")
+    if kill_on_output is not None and not kill_on_output:
+        raise ValueError("kill_on_output='': give the text whose printing kills the job (every line contains '').")
+    watched = None if kill_on_path is None else (workdir / kill_on_path)
+    if watched is not None and watched.exists():
+        raise ValueError(f"kill_on_path={os.fspath(kill_on_path)!r}: {watched} exists already, so the job would be "
+                         "killed at once; remove it first, or name a file the script creates.")
     worker_env = {**os.environ}
     worker_env.setdefault("OMP_NUM_THREADS", "1")
     worker_env.setdefault("PYTHONUNBUFFERED", "1")  # lines arrive when printed: the echo and kill_on_output need it
@@ -365,7 +371,6 @@ def start_script(
     worker_env.update(env or {})
     command = [sys.executable, str(WORKER), json.dumps(settings), *(["-m"] if module else []), target,
                *[os.fspath(arg) for arg in args]]
-    watched = None if kill_on_path is None else (workdir / kill_on_path)
     return ScriptJob(command, num_processes, env=worker_env, cwd=workdir, timeout=float(timeout),
                      grace=float(grace), stream=stream, log_dir=Path(log_dir) if log_dir is not None else None,
                      kill_on_output=kill_on_output, kill_on_path=watched)
