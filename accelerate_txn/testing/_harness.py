@@ -37,6 +37,8 @@ def fsdp_accelerator(
     (what the protected path handles) or ``"LOCAL_STATE_DICT"``; ``"FULL_STATE_DICT"`` is refused because its
     native save crashes the saving process on CPU (see :data:`UNSUPPORTED_STATE_DICT_TYPES`). ``fsdp_version=2``:
     Accelerate's FSDP2 (``fully_shard``, DTensor parameters); prepare the model and its optimizer together.
+    ``auto_wrap``: the module class FSDP wraps in units of its own (``None``: the model is one unit); FSDP2
+    finds it by its class name in the model at ``prepare``.
     To run a whole training script this way without changing it, see :func:`run_script`.
     """
     refuse_unsupported(
