@@ -36,7 +36,7 @@ LAYERS: dict[str, set[str]] = {
     "__init__": {"errors", "store", "core", "fsdp", "accelerate", "weights"},
     "__main__": {"cli"},
 }
-ROOT_FILES = {"__init__.py", "__main__.py", "errors.py", "testing.py", "validated.json"}
+ROOT_FILES = {"__init__.py", "__main__.py", "errors.py", "validated.json"}
 
 
 def _module_name(path: Path) -> str:
@@ -97,7 +97,7 @@ def test_the_package_root_holds_only_the_public_face_and_subpackages() -> None:
                    if not entry.name.startswith(".") and entry.name != "__pycache__"
                    and not (entry.is_dir() and (entry / "__init__.py").is_file()) and entry.name not in ROOT_FILES)
     assert extra == [], f"Only the public face and subpackages belong in {PACKAGE}; found {extra}"
-    assert {"core", "store", "fsdp", "accelerate", "weights", "cli"} <= {
+    assert {"core", "store", "fsdp", "accelerate", "weights", "cli", "testing"} <= {
         entry.name for entry in PACKAGE.iterdir() if (entry / "__init__.py").is_file()}
 
 

@@ -1,0 +1,103 @@
+"""``python -m accelerate_txn.testing run``: an unmodified training script on N CPU processes with FSDP forced on.
+
+Exit status: the job's (:class:`~accelerate_txn.testing.ScriptResult` ``returncode``: 0, the first failing rank's
+status, 124 after the timeout, 137 when killed by a kill trigger), 2 for a usage error, 130 on Ctrl-C and 143 on
+``SIGTERM`` (the whole job killed first in both cases).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ._launcher import start_script
+
+PROG = "python -m accelerate_txn.testing"
+USAGE_ERROR = 2
+
+EPILOG = """\
+Every worker runs SCRIPT as `python SCRIPT ARGS` would (sys.argv, __main__, the script's directory on sys.path),
+with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
+OMP_NUM_THREADS=1 unless set, and no visible GPU. Every Accelerator the script constructs runs FSDP on CPU with
+gloo. The launcher does not install accelerate-txn's checkpoint protection: the script's own
+`import accelerate_txn` does, so the same script can be run with and without it.
+
+Options after SCRIPT are the script's. FSDP options not given come from a FullyShardedDataParallelPlugin the
+script passes itself, else: FSDP1, SHARDED_STATE_DICT, every torch.nn.Linear wrapped.
+
+examples:
+  python -m accelerate_txn.testing run --fsdp-version 2 train.py --output_dir out --checkpointing_steps 2
+  python -m accelerate_txn.testing run --kill-on-output "saved checkpoint-4" train.py --output_dir out
+  python -m accelerate_txn.testing run -n 4 -m mypackage.train --epochs 1
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="CPU test launcher of accelerate-txn.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="run")
+    run = commands.add_parser(
+        "run", help="run a training script on N CPU processes with FSDP forced on",
+        description="Run an unmodified training script on N CPU processes as one FSDP job (gloo).",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("-n", "--num-processes", type=int, default=2, metavar="N", help="worker processes (default 2)")
+    run.add_argument("--fsdp-version", type=int, choices=(1, 2), default=None,
+                     help="FSDP1 or FSDP2 (default: the script's plugin's, else 1)")
+    run.add_argument("--state-dict-type", default=None, metavar="TYPE",
+                     help="SHARDED_STATE_DICT or LOCAL_STATE_DICT (default: the script's plugin's, else "
+                          "SHARDED_STATE_DICT); FULL_STATE_DICT is refused: its native save crashes on CPU")
+    run.add_argument("--auto-wrap", default=None, metavar="CLASS",
+                     help="import path of the module class FSDP wraps, e.g. torch.nn.Linear or mymodel.Block; "
+                          "'none' for no policy (default: the script's plugin's, else torch.nn.Linear)")
+    run.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                     help="hard time limit of the whole job; then every worker is killed, exit status 124 "
+                          "(default 600)")
+    run.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
+                     help="after a rank fails, how long the others may take to end before they are killed "
+                          "(default 10)")
+    run.add_argument("--log-dir", default=None, metavar="DIR", help="also write each rank's output to DIR/rankN.log")
+    run.add_argument("--kill-on-output", default=None, metavar="TEXT",
+                     help="kill -9 the whole job as soon as any rank prints a line containing TEXT (exit status 137)")
+    run.add_argument("--kill-on-path", default=None, metavar="PATH",
+                     help="kill -9 the whole job as soon as PATH exists (exit status 137)")
+    run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, run as python -m would")
+    run.add_argument("script", metavar="SCRIPT", help="the training script (or module, with -m)")
+    run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's arguments")
+    return parser
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the job's cleanup, which kills every worker
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the job with its output echoed as ``[rankN] line``, return
+    the exit status."""
+    parser = _parser()
+    options = parser.parse_args(argv)
+    import threading
+
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may install signal handlers
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    try:
+        try:
+            job = start_script(
+                options.script, options.args, module=options.module, num_processes=options.num_processes,
+                fsdp_version=options.fsdp_version, state_dict_type=options.state_dict_type,
+                auto_wrap=options.auto_wrap, timeout=options.timeout, grace=options.grace, stream=sys.stdout,
+                log_dir=options.log_dir, kill_on_output=options.kill_on_output, kill_on_path=options.kill_on_path)
+        except (ValueError, FileNotFoundError) as exc:  # CheckpointConfigurationError is a ValueError
+            parser.exit(USAGE_ERROR, f"{PROG} run: error: {exc}\n")
+        try:
+            result = job.wait()
+        except KeyboardInterrupt:
+            sys.stderr.write(f"{PROG} run: interrupted: every worker was killed\n")
+            return 128 + signal.SIGINT
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+    if result.returncode != 0:
+        sys.stderr.write(f"{PROG} run: {result.summary()}\n")
+    return result.returncode

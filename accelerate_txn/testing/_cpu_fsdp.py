@@ -1,0 +1,157 @@
+"""FSDP on CPU: the plugin the CPU harness runs, and forcing it onto an ``Accelerator``.
+
+Accelerate never selects FSDP on CPU by itself: ``Accelerator(cpu=True)`` in a gloo process group is
+``MULTI_CPU``. :func:`force_fsdp` then sets ``distributed_type`` (on the Accelerator's state and on
+``PartialState``), the FSDP plugin and the device; FSDP1 and FSDP2 then prepare, train, save and load on CPU.
+
+One implementation, two callers: :func:`accelerate_txn.testing.fsdp_accelerator` (a test builds the Accelerator
+itself) and the launcher's worker (``_worker.py``), which applies :func:`plugin_for_script` and
+:func:`force_fsdp` to every ``Accelerator`` an unmodified script constructs.
+
+Import rule: the worker loads this file by its path, not as ``accelerate_txn.testing._cpu_fsdp``. Importing
+anything under ``accelerate_txn`` runs the package's ``__init__``, which installs accelerate-txn's checkpoint patch,
+and whether that patch is installed is the script's own decision (its ``import accelerate_txn``). So this module
+imports the standard library only at import time and torch and Accelerate inside its functions; the library's
+error type is imported (absolutely: there is no parent package when loaded by path) only to refuse, and a refusal
+ends the script anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+UNSUPPORTED_STATE_DICT_TYPES = {
+    "FULL_STATE_DICT": "Accelerate's native FULL_STATE_DICT save kills rank 0 with a segmentation fault on CPU "
+                       "with gloo (a crash, not an exception: the job would hang or die without a message).",
+}
+"""``state_dict_type`` values the CPU harness refuses (:func:`~accelerate_txn.testing.fsdp_accelerator` and
+:func:`~accelerate_txn.testing.run_script`), with the reason."""
+
+STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "LOCAL_STATE_DICT")
+"""The ``state_dict_type`` values the CPU harness runs (FSDP2 has no ``LOCAL_STATE_DICT``)."""
+
+
+class _KeepScriptPolicy:
+    def __repr__(self) -> str:
+        return "KEEP_SCRIPT_POLICY"
+
+
+KEEP_SCRIPT_POLICY: Any = _KeepScriptPolicy()
+"""``auto_wrap`` of :func:`plugin_for_script` when the launcher was given none: the script's plugin keeps its own
+policy; without a plugin of the script, ``torch.nn.Linear`` is wrapped (as :func:`fsdp_accelerator` does)."""
+
+
+def state_dict_kind(state_dict_type: Any) -> str:
+    """``"SHARDED_STATE_DICT"`` for the string, the ``StateDictType`` member or its name in any case."""
+    return str(getattr(state_dict_type, "name", state_dict_type)).upper()
+
+
+def configuration_error(message: str) -> Exception:
+    """The library's ``CheckpointConfigurationError`` (imported here, on a refusal only: see the module docstring)."""
+    from accelerate_txn.errors import CheckpointConfigurationError
+
+    return CheckpointConfigurationError(message)
+
+
+def refuse_unsupported(state_dict_type: Any, what: str, fix: str) -> None:
+    """Raise ``CheckpointConfigurationError`` naming ``what`` and ``fix`` if the harness cannot run this type."""
+    kind = state_dict_kind(state_dict_type)
+    if kind in UNSUPPORTED_STATE_DICT_TYPES:
+        raise configuration_error(f"{what} cannot run on this CPU harness: {UNSUPPORTED_STATE_DICT_TYPES[kind]} {fix}")
+
+
+def auto_wrap_fields(auto_wrap: type | None, fsdp_version: int) -> dict[str, Any]:
+    """The plugin fields that make FSDP wrap every ``auto_wrap`` module in a unit of its own (``None``: none, the
+    model is one unit).
+
+    FSDP1 takes a ``ModuleWrapPolicy``. Accelerate's FSDP2 preparation honours only its transformer-based and
+    size-based policies (any other callable wraps nothing but the root), so FSDP2 gets the transformer-based one
+    with the class's name, which Accelerate looks up in the model at ``prepare`` (a model without such a module
+    is refused there, naming the class).
+    """
+    if auto_wrap is None:
+        return {"auto_wrap_policy": None, "transformer_cls_names_to_wrap": None}
+    if fsdp_version == 1:
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        return {"auto_wrap_policy": ModuleWrapPolicy({auto_wrap}), "transformer_cls_names_to_wrap": None}
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    return {"auto_wrap_policy": transformer_auto_wrap_policy, "transformer_cls_names_to_wrap": [auto_wrap.__name__]}
+
+
+def make_plugin(*, fsdp_version: int = 1, state_dict_type: str = "SHARDED_STATE_DICT", use_orig_params: bool = True,
+                cpu_offload: bool = False, auto_wrap: type | None = None) -> Any:
+    """A ``FullyShardedDataParallelPlugin`` that runs on CPU: no ``sync_module_states`` and no
+    ``cpu_ram_efficient_loading`` (both need an accelerator device). The caller has refused unsupported types."""
+    from accelerate import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import CPUOffload
+
+    fsdp1 = fsdp_version == 1
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=fsdp_version,
+        state_dict_type=state_dict_type,
+        use_orig_params=use_orig_params if fsdp1 else None,  # FSDP2 has neither: None spares Accelerate's warning
+        **auto_wrap_fields(auto_wrap, fsdp_version),
+        cpu_offload=CPUOffload(offload_params=cpu_offload) if fsdp1 else cpu_offload,
+        sync_module_states=False if fsdp1 else None,
+        cpu_ram_efficient_loading=False,
+    )
+
+
+def plugin_for_script(plugin: Any, *, fsdp_version: int | None = None, state_dict_type: str | None = None,
+                      auto_wrap: Any = KEEP_SCRIPT_POLICY) -> Any:
+    """The FSDP plugin of an ``Accelerator`` a script constructs under the launcher.
+
+    ``plugin`` is the script's own ``fsdp_plugin`` argument, or ``None``. The launcher's settings (``None``: not
+    given) override it; what the launcher leaves open comes from the script's plugin; without one, the defaults of
+    :func:`fsdp_accelerator` (FSDP1, ``SHARDED_STATE_DICT``, every ``torch.nn.Linear`` wrapped). ``auto_wrap``:
+    a module class, ``None`` (no policy: the model is one FSDP unit), or :data:`KEEP_SCRIPT_POLICY`. Whatever the
+    script asked for, ``sync_module_states`` and ``cpu_ram_efficient_loading`` are off (both need a GPU). Refuses
+    a ``fsdp_version`` that contradicts the script's plugin and a state-dict type the harness cannot run.
+    """
+    if plugin is None:
+        kind = state_dict_type or "SHARDED_STATE_DICT"
+        refuse_unsupported(kind, f"state_dict_type {kind}", "Use SHARDED_STATE_DICT (the default).")
+        if auto_wrap is KEEP_SCRIPT_POLICY:
+            import torch
+
+            auto_wrap = torch.nn.Linear
+        return make_plugin(fsdp_version=fsdp_version or 1, state_dict_type=kind, auto_wrap=auto_wrap)
+    if fsdp_version is not None and plugin.fsdp_version != fsdp_version:
+        raise configuration_error(
+            f"The script passes Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version="
+            f"{plugin.fsdp_version}, ...)) but the launcher was asked for FSDP{fsdp_version}. Leave out the "
+            "launcher's fsdp_version (--fsdp-version) to run the script's own, or make the version the script "
+            "builds its plugin with configurable.")
+    if state_dict_type is not None:
+        # set_state_dict_type keeps a config it finds: a FULL config under a SHARDED type would break the save.
+        plugin.state_dict_config = None
+        plugin.optim_state_dict_config = None
+        plugin.set_state_dict_type(state_dict_type)
+    refuse_unsupported(
+        plugin.state_dict_type,
+        f"The script's FullyShardedDataParallelPlugin with state_dict_type {state_dict_kind(plugin.state_dict_type)} "
+        "(given, or Accelerate's FSDP1 default when none is)",
+        "Override it with the launcher's state_dict_type='SHARDED_STATE_DICT' (--state-dict-type "
+        "SHARDED_STATE_DICT), the configuration accelerate-txn protects, or test FULL_STATE_DICT on GPUs.")
+    if auto_wrap is not KEEP_SCRIPT_POLICY:
+        for name, value in auto_wrap_fields(auto_wrap, plugin.fsdp_version).items():
+            setattr(plugin, name, value)
+    if plugin.fsdp_version == 1:
+        plugin.sync_module_states = False
+    plugin.cpu_ram_efficient_loading = False
+    return plugin
+
+
+def force_fsdp(accelerator: Any, plugin: Any) -> None:
+    """Turn ``accelerator`` (built with ``cpu=True``) into an FSDP Accelerator using ``plugin`` on CPU: every rank,
+    right after construction and before ``prepare``."""
+    import torch
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState().distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    accelerator.state.device = torch.device("cpu")

@@ -1,0 +1,89 @@
+"""The in-process CPU harness: a real Accelerate FSDP1 (or FSDP2) ``Accelerator`` on CPU with gloo, and a model.
+
+:func:`fsdp_accelerator` builds ``Accelerator(cpu=True)`` in the gloo process group of the calling rank and forces
+FSDP onto it (``_cpu_fsdp``, the same code the launcher applies to unmodified scripts). Call it in every rank of a
+job started by :func:`~accelerate_txn.testing.launch` or :func:`~accelerate_txn.testing.start_ranks`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointConfigurationError
+from ._cpu_fsdp import force_fsdp, make_plugin, refuse_unsupported
+
+
+def fsdp_accelerator(
+    *,
+    use_orig_params: bool = True,
+    state_dict_type: str = "SHARDED_STATE_DICT",
+    cpu_offload: bool = False,
+    auto_wrap: type[torch.nn.Module] | None = torch.nn.Linear,
+    project_dir: str | Path | None = None,
+    automatic_checkpoint_naming: bool = False,
+    total_limit: int | None = None,
+    gradient_accumulation_steps: int = 1,
+    fsdp_version: int = 1,
+    project_config: Any = None,
+    **accelerator_kwargs: Any,
+) -> Any:
+    """A real ``Accelerator`` using FSDP on CPU (gloo). Call once per process, in every rank.
+
+    Pass either ``project_config`` (an Accelerate ``ProjectConfiguration``) or the shortcuts ``project_dir``,
+    ``automatic_checkpoint_naming`` and ``total_limit``, not both. ``state_dict_type``: ``"SHARDED_STATE_DICT"``
+    (what the protected path handles) or ``"LOCAL_STATE_DICT"``; ``"FULL_STATE_DICT"`` is refused because its
+    native save crashes the saving process on CPU (see :data:`UNSUPPORTED_STATE_DICT_TYPES`). ``fsdp_version=2``:
+    Accelerate's FSDP2 (``fully_shard``, DTensor parameters); prepare the model and its optimizer together.
+    ``auto_wrap``: the module class FSDP wraps in units of its own (``None``: the model is one unit); FSDP2
+    finds it by its class name in the model at ``prepare``.
+    To run a whole training script this way without changing it, see :func:`run_script`.
+    """
+    refuse_unsupported(
+        state_dict_type, f"fsdp_accelerator(state_dict_type={state_dict_type!r})",
+        "Use state_dict_type='SHARDED_STATE_DICT' (the default, the configuration accelerate-txn protects), or "
+        "test FULL_STATE_DICT on GPUs with a real launcher.")
+    shortcuts = {"project_dir": project_dir, "automatic_checkpoint_naming": automatic_checkpoint_naming,
+                 "total_limit": total_limit}
+    given = sorted(name for name, value in shortcuts.items() if value not in (None, False))
+    if project_config is not None and given:
+        raise CheckpointConfigurationError(
+            f"fsdp_accelerator: pass project_config or {', '.join(given)}, not both (they configure the same "
+            "ProjectConfiguration); put those settings into your ProjectConfiguration."
+        )
+
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    plugin = make_plugin(fsdp_version=fsdp_version, state_dict_type=state_dict_type, use_orig_params=use_orig_params,
+                         cpu_offload=cpu_offload, auto_wrap=auto_wrap)
+    project = project_config if project_config is not None else ProjectConfiguration(
+        project_dir=str(project_dir) if project_dir is not None else None,
+        automatic_checkpoint_naming=automatic_checkpoint_naming,
+        total_limit=total_limit,
+    )
+    accelerator = Accelerator(cpu=True, project_config=project,
+                              gradient_accumulation_steps=gradient_accumulation_steps, **accelerator_kwargs)
+    force_fsdp(accelerator, plugin)
+    return accelerator
+
+
+class TinyModel(torch.nn.Module):
+    """A small MLP whose layers FSDP wraps one by one (``auto_wrap=torch.nn.Linear``)."""
+
+    # Its public name, recorded in every checkpoint's training descriptor: moving the class between private
+    # modules must not make checkpoints saved with it look like another model's.
+    __module__ = "accelerate_txn.testing"
+
+    def __init__(self, width: int = 16, depth: int = 3, odd_rows: int = 5) -> None:
+        super().__init__()
+        layers: list[torch.nn.Module] = []
+        for _ in range(depth):
+            layers += [torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Dropout(0.1)]
+        self.body = torch.nn.Sequential(*layers)
+        self.head = torch.nn.Linear(width, odd_rows)  # rows not divisible by the world size: padded shards
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))

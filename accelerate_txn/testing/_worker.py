@@ -1,0 +1,139 @@
+"""One worker of the script launcher: run a training script as ``python script.py ARGS`` would, on FSDP on CPU.
+
+Started by ``_launcher.py`` as a file, ``python .../_worker.py SETTINGS SCRIPT ARGS...`` (or ``SETTINGS -m MODULE
+ARGS...``), with torchrun's environment. It
+
+1. puts ``sys.path`` as Python would for the script (its directory first; for ``-m``, the working directory) and
+   appends the directory holding this ``accelerate_txn``, so that the script's ``import accelerate_txn`` finds the
+   launcher's copy when nothing earlier on the path provides one;
+2. imports Accelerate and wraps ``Accelerator.__init__``: every Accelerator the script constructs gets ``cpu=True``
+   and then FSDP, with the plugin ``_cpu_fsdp.plugin_for_script`` makes of the script's own ``fsdp_plugin`` and the
+   launcher's SETTINGS; ``FullyShardedDataParallelPlugin.__init__`` is wrapped so that a plugin the script builds
+   with ``sync_module_states`` or ``cpu_ram_efficient_loading`` (both need a GPU) gets them off;
+3. runs the script as ``__main__``: a fresh module with the script's ``__file__`` and loader, ``sys.argv`` =
+   ``[script, *args]``, compiled without this file's ``__future__`` flags; ``-m`` goes through ``runpy`` as
+   ``python -m`` does. Its exit status, exceptions and tracebacks are the script's.
+
+What it must not do: import the ``accelerate_txn`` package. Its ``__init__`` installs the checkpoint patch, and only
+the script's own ``import accelerate_txn`` may do that (so a script runs native without the import, protected with
+it). So it loads ``_cpu_fsdp.py`` by path, and imports nothing of the package. The only other addition is a
+``faulthandler`` on ``SIGUSR1``: the launcher asks for every thread's stack before killing a job that timed out.
+"""
+
+from __future__ import annotations
+
+import builtins
+import faulthandler
+import importlib
+import importlib.machinery
+import importlib.util
+import json
+import os
+import runpy
+import signal
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+PACKAGE_PARENT = str(HERE.parents[1])  # the directory that holds this copy of accelerate_txn
+CPU_FSDP_NAME = "accelerate_txn_launcher_cpu_fsdp"  # _cpu_fsdp.py loaded by path: not under accelerate_txn
+USAGE_ERROR = 2
+
+
+def load_cpu_fsdp() -> types.ModuleType:
+    """``_cpu_fsdp.py`` as a stand-alone module (importing it under ``accelerate_txn`` would install the patch)."""
+    spec = importlib.util.spec_from_file_location(CPU_FSDP_NAME, HERE / "_cpu_fsdp.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[CPU_FSDP_NAME] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def resolve_auto_wrap(setting: str, cpu_fsdp: types.ModuleType) -> Any:
+    """The module class named by the launcher's ``auto_wrap`` (imported from the script's ``sys.path``)."""
+    if setting == "keep":
+        return cpu_fsdp.KEEP_SCRIPT_POLICY
+    if setting == "none":
+        return None
+    module, _, name = setting.rpartition(".")
+    try:
+        kind = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        sys.stderr.write(f"accelerate_txn.testing run: --auto-wrap {setting}: cannot import it ({exc}). Give the "
+                         "import path of a module class, e.g. torch.nn.Linear or mymodel.Block.\n")
+        raise SystemExit(USAGE_ERROR) from None
+    if not isinstance(kind, type):
+        sys.stderr.write(f"accelerate_txn.testing run: --auto-wrap {setting}: {kind!r} is not a class.\n")
+        raise SystemExit(USAGE_ERROR)
+    return kind
+
+
+def force_fsdp_on_every_accelerator(settings: dict[str, Any], cpu_fsdp: types.ModuleType, auto_wrap: Any) -> None:
+    """Wrap ``Accelerator.__init__`` and ``FullyShardedDataParallelPlugin.__init__`` (see the module docstring)."""
+    import inspect
+
+    import accelerate.accelerator
+    import accelerate.utils.dataclasses
+    import wrapt
+
+    def accelerator_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        bound = inspect.signature(wrapped).bind(*args, **kwargs)
+        plugin = cpu_fsdp.plugin_for_script(
+            bound.arguments.pop("fsdp_plugin", None), fsdp_version=settings["fsdp_version"],
+            state_dict_type=settings["state_dict_type"], auto_wrap=auto_wrap)
+        bound.arguments["cpu"] = True
+        result = wrapped(*bound.args, **bound.kwargs)
+        cpu_fsdp.force_fsdp(instance, plugin)
+        return result
+
+    def plugin_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        bound = inspect.signature(wrapped).bind(*args, **kwargs)
+        for name in ("sync_module_states", "cpu_ram_efficient_loading"):
+            if bound.arguments.get(name):
+                bound.arguments[name] = False
+        return wrapped(*bound.args, **bound.kwargs)
+
+    wrapt.wrap_function_wrapper(accelerate.accelerator, "Accelerator.__init__", accelerator_init)
+    wrapt.wrap_function_wrapper(accelerate.utils.dataclasses, "FullyShardedDataParallelPlugin.__init__", plugin_init)
+
+
+def run_file(path: str, args: list[str]) -> None:
+    """Execute ``path`` as ``python path ARGS`` does: a new ``__main__`` module, ``sys.argv = [path, *args]``."""
+    absolute = os.path.abspath(path)
+    code = compile(Path(path).read_bytes(), absolute, "exec", dont_inherit=True)  # honours a coding cookie
+    script = types.ModuleType("__main__")  # __spec__ and __package__ None, as for python script.py
+    script.__file__ = absolute
+    script.__cached__ = None  # type: ignore[attr-defined]
+    script.__loader__ = importlib.machinery.SourceFileLoader("__main__", absolute)
+    script.__builtins__ = builtins  # type: ignore[attr-defined]
+    sys.modules["__main__"] = script  # pickling, multiprocessing and `import __main__` see the script
+    sys.argv[:] = [path, *args]
+    exec(code, script.__dict__)
+
+
+def main() -> None:
+    settings = json.loads(sys.argv[1])
+    target = sys.argv[2:]
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    module = target[0] == "-m"
+    if not getattr(sys.flags, "safe_path", False):  # (3.11+) python put this file's directory first; the script's
+        # directory belongs there (python -m: the working directory)
+        sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.realpath(target[0]))
+    if PACKAGE_PARENT not in sys.path:
+        sys.path.append(PACKAGE_PARENT)
+    cpu_fsdp = load_cpu_fsdp()
+    auto_wrap = resolve_auto_wrap(settings["auto_wrap"], cpu_fsdp)
+    force_fsdp_on_every_accelerator(settings, cpu_fsdp, auto_wrap)
+    if module:
+        sys.argv[:] = [target[1], *target[2:]]  # runpy replaces argv[0] with the module's file, as python -m does
+        # python -m runs in the existing __main__, whose __builtins__ is the module (a fresh dict would get the dict)
+        runpy.run_module(target[1], init_globals={"__builtins__": builtins}, run_name="__main__", alter_sys=True)
+    else:
+        run_file(target[0], target[1:])
+
+
+if __name__ == "__main__":
+    main()
