@@ -11,6 +11,8 @@ compare bitwise with the uninterrupted run's.
 
 from __future__ import annotations
 
+import os
+import signal
 import warnings
 from pathlib import Path
 from typing import Any
@@ -52,12 +54,13 @@ def _train_step(accelerator: Any, model: Any, optimizer: Any, indices: torch.Ten
 
 def run(fsdp_version: int, *, seedable: bool = False, stateful: bool = False, save_at: tuple[int, ...] = (),
         out: str | None = None, epoch_end_save: bool = False, resume: str | None = None,
-        style: str = "skip") -> dict[str, Any]:
+        style: str = "skip", kill_at: int | None = None) -> dict[str, Any]:
     """Train ``EPOCHS`` epochs, from ``resume`` (a ``step_<N>`` checkpoint) if given, skipping the resumed epoch's
     consumed batches by ``style`` ("skip": ``skip_first_batches``, "continue", or "none": a stateful loader resumes
     by itself). Saves ``out/step_<N>`` after the steps in ``save_at``, and ``out/epoch_<e>`` after each epoch's loop
-    with ``epoch_end_save``. Returns the batches trained on (global step -> sample indices) and the final local
-    state."""
+    with ``epoch_end_save``. With ``kill_at`` every rank kills itself with ``SIGKILL`` after that step (training
+    went on past its last checkpoint). Returns the batches trained on (global step -> sample indices) and the final
+    local state."""
     accelerator, model, optimizer, loader = _build(fsdp_version, seedable=seedable, stateful=stateful)
     steps_per_epoch = len(loader)
     global_step = first_epoch = resume_step = 0
@@ -79,6 +82,8 @@ def run(fsdp_version: int, *, seedable: bool = False, stateful: bool = False, sa
             seen[global_step] = indices.tolist()
             if global_step in save_at:
                 accelerator.save_state(str(Path(str(out)) / f"step_{global_step}"))
+            if global_step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
         if epoch_end_save:
             accelerator.save_state(str(Path(str(out)) / f"epoch_{epoch}"))
     return {"rank": accelerator.process_index, "seen": seen, "state": _plain(_local_state(model, optimizer))}

@@ -28,18 +28,22 @@ TIMEOUT = 300  # a hang guard per launch: each took about 40 s on 2 loaded cores
 
 
 def _prepared(*, generator: torch.Generator | None = None, sampler: Any = None, batch_sampler: Any = None,
-              stateful: bool = False, size: int = 12) -> tuple[Any, Any]:
-    """A real single-process Accelerator and a prepared loader over ``size`` indices (batches of 2)."""
+              stateful: bool = False, size: int = 12, **options: Any) -> tuple[Any, Any]:
+    """A real single-process Accelerator and a prepared loader over ``size`` indices (batches of 2); ``sampler`` may
+    be a function of the dataset."""
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration
 
-    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stateful))
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
+        use_stateful_dataloader=stateful, dispatch_batches=options.pop("dispatch", None)))
     data = torch.utils.data.TensorDataset(torch.arange(size))
+    if callable(sampler) and not isinstance(sampler, torch.utils.data.Sampler):
+        sampler = sampler(data)
     if batch_sampler is not None:
-        loader = torch.utils.data.DataLoader(data, batch_sampler=batch_sampler)
+        loader = torch.utils.data.DataLoader(data, batch_sampler=batch_sampler, **options)
     else:
         loader = torch.utils.data.DataLoader(data, batch_size=2, shuffle=sampler is None, sampler=sampler,
-                                             generator=generator)
+                                             generator=generator, **options)
     return accelerator, accelerator.prepare(loader)
 
 
@@ -102,12 +106,14 @@ def test_a_record_holds_the_epoch_start_mid_epoch_and_the_next_epoch_after_its_l
     assert after["epoch"] == 2 and torch.equal(after["generators"]["sampler"], last["generators"]["sampler"])
 
 
-def test_a_mid_epoch_resume_replays_a_sampler_that_seeds_from_the_global_rng() -> None:
-    # One process: the RandomSampler has no generator and draws each epoch's seed from the global RNG, and the
-    # DataLoader iterator its base seed: the resumed epoch must start from the interrupted epoch's global state, and
-    # the draws after it must continue from the restored one.
+@pytest.mark.parametrize("dispatch", [False, True], ids=["shard", "dispatcher"])
+def test_a_mid_epoch_resume_replays_a_sampler_that_seeds_from_the_global_rng(dispatch: bool) -> None:
+    # One process (or DataLoaderDispatcher): the RandomSampler has no generator and draws each epoch's seed from the
+    # global RNG, and the DataLoader iterator its base seed: the resumed epoch must start from the interrupted epoch's
+    # global state, and the draws after it must continue from the restored one.
     torch.manual_seed(11)
-    _accelerator, loader = _prepared()
+    _accelerator, loader = _prepared(dispatch=dispatch)
+    assert type(loader).__name__ == ("DataLoaderDispatcher" if dispatch else "DataLoaderShard")
     _batches(loader)
     iterator = iter(loader)
     consumed = [next(iterator)[0].tolist() for _ in range(2)]
@@ -117,7 +123,7 @@ def test_a_mid_epoch_resume_replays_a_sampler_that_seeds_from_the_global_rng() -
     expected = _batches(iterator, noise) + _batches(loader, noise)
 
     torch.manual_seed(99)  # another process: whatever its global state, the restore decides
-    accelerator, resumed = _prepared()
+    accelerator, resumed = _prepared(dispatch=dispatch)
     torch.set_rng_state(rng)  # what Accelerate's RNG file restores
     assert data_order.restore_order(accelerator, {0: record}, replay=True) == []
     assert resumed.iteration == 1
@@ -140,6 +146,29 @@ def test_without_the_replay_the_resumed_epoch_would_differ() -> None:
     torch.set_rng_state(rng)
     data_order.restore_order(accelerator, {0: record}, replay=False)
     assert _batches(accelerator.skip_first_batches(resumed, 2)) != expected
+
+
+def test_persistent_workers_resume_mid_epoch_through_skip_first_batches_without_extra_draws() -> None:
+    # The uninterrupted run re-uses its persistent iterator after epoch 0; the resumed run creates one for the
+    # skip_first_batches loader and one for the prepared loader: neither creation may draw from the global RNG.
+    def sampler(data: Any) -> Any:
+        return torch.utils.data.RandomSampler(data, generator=torch.Generator().manual_seed(4))
+
+    torch.manual_seed(13)
+    _accelerator, loader = _prepared(sampler=sampler, num_workers=1, persistent_workers=True)
+    _batches(loader)
+    iterator = iter(loader)
+    next(iterator), next(iterator)
+    record, rng = data_order.order_record(loader), torch.get_rng_state()
+    noise: list[float] = []
+    expected = _batches(iterator, noise) + _batches(loader, noise)
+
+    accelerator, resumed = _prepared(sampler=sampler, num_workers=1, persistent_workers=True)
+    torch.set_rng_state(rng)
+    assert data_order.restore_order(accelerator, {0: record}, replay=True) == []
+    again: list[float] = []
+    assert _batches(accelerator.skip_first_batches(resumed, 2), again) + _batches(resumed, again) == expected
+    assert again == noise
 
 
 def test_malformed_data_order_records_are_refused_before_anything_changes() -> None:
@@ -184,8 +213,15 @@ def test_loaders_that_cannot_resume_exactly_are_told_apart_from_those_that_can()
         _prepared(sampler=_OwnRandomness())[1])
     assert "batch sampler tests.test_data_order._CustomBatches is not one" in data_order.inexact_reason(
         _prepared(batch_sampler=_CustomBatches())[1])
-    assert "stateful loader" in data_order.inexact_reason(_prepared(stateful=True)[1])
-    assert data_order.inexact_reason(_prepared(stateful=True, generator=torch.Generator())[1]) is None
+    assert "a stateful loader does not create" in data_order.inexact_reason(_prepared(stateful=True)[1])
+    assert "generator= also seeds each new iterator" in data_order.inexact_reason(
+        _prepared(stateful=True, generator=torch.Generator())[1])
+    def own(data: Any) -> Any:
+        return torch.utils.data.RandomSampler(data, generator=torch.Generator())
+
+    assert data_order.inexact_reason(_prepared(stateful=True, sampler=own)[1]) is None
+    assert data_order.inexact_reason(_prepared(sampler=own, num_workers=1, persistent_workers=True)[1]) is None
+    assert "persistent workers" in data_order.inexact_reason(_prepared(num_workers=1, persistent_workers=True)[1])
 
 
 # --- real 2-rank runs ----------------------------------------------------------------------------------------
@@ -330,3 +366,30 @@ def test_a_loader_that_cannot_resume_exactly_is_named_once_at_save_time(fsdp1: d
     (message,) = rank0["custom_warnings"]
     assert message.startswith("accelerate-txn: data loader 0 (")
     assert "sampler tests._data_order_scenarios.ShuffledEveryTime is not one accelerate-txn can restore" in message
+
+
+@pytest.mark.distributed
+def test_a_job_killed_with_sigkill_after_a_mid_epoch_checkpoint_resumes_bitwise_equal(
+        fsdp1: dict[str, Any], tmp_path: Path) -> None:
+    import signal
+    import time
+
+    from accelerate_txn.testing import start_ranks
+
+    # Both ranks train past the step-9 checkpoint and die by SIGKILL after step 11 (no orderly exit of any kind).
+    code = f"from tests._data_order_scenarios import run; run(1, save_at=(9,), out={str(tmp_path)!r}, kill_at=11)"
+    processes = start_ranks(code)
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        while any(process.poll() is None for process in processes):  # poll the exits, with a deadline
+            assert time.monotonic() < deadline, "the job never reached its kill point"
+            time.sleep(0.05)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait(timeout=120)  # a hang guard only: a SIGKILLed process exits at once
+    assert [process.returncode for process in processes] == [-signal.SIGKILL] * 2
+    jobs = [{"resume": str(tmp_path / "step_9"), "style": "skip"}]
+    resumed = _by_job(launch("tests._data_order_scenarios:resumes", 2, args=(1, jobs), timeout=TIMEOUT))
+    _resumed([rank["plain"] for rank in fsdp1["reference"]], resumed[0], 9)

@@ -35,9 +35,11 @@ runs its start (up to its first batch) with the global torch RNG set to the stat
 started (the same base seed, the same sampler seed, so the same order), and afterwards the global RNG is put back to
 what it was just before (the restored checkpoint state): nothing is drawn that the uninterrupted run did not draw.
 Without persistent workers an iterator at an epoch boundary draws exactly what the uninterrupted run's did, so nothing
-is done there. With ``persistent_workers`` the uninterrupted run re-used its iterator (no draw), so the resumed
-iterator's draw is undone at a boundary too. Why this rather than re-seeding the loader: it keeps native Accelerate's
-objects and draws as they are, and is exact for every loader whose start draws only from these generators.
+is done there. With ``persistent_workers`` the uninterrupted run re-used its iterator (no draw) after its first
+epoch, so the first iteration of every loader of the family after the restore (the ``skip_first_batches`` loader, then
+the prepared one: each creates its iterator anew) has its draws undone, mid-epoch and at a boundary alike.
+Why this rather than giving the loader a generator of its own, or re-seeding it: it keeps native Accelerate's objects,
+seeds and draws as they are, and is exact for every loader whose start draws only from these generators.
 
 **Stateful loaders** (``use_stateful_dataloader=True``): the iterator state itself is restored by Accelerate and the
 per-rank file (``accelerate.loader_state``); its sampler order still comes from the generators (restored here). Right
@@ -46,11 +48,13 @@ after the restore the iterator is created from the restored state with every glo
 uninterrupted run did not.
 
 **Not exact**, said once per loader at save time (a ``RuntimeWarning`` on rank 0): a sampler or batch sampler this
-module does not know (it may hold randomness of its own), and a sampler that draws its seed from the global RNG in
-a stateful loader or with persistent workers. Randomness inside the dataset (augmentation) is the dataset's: exact
-only if it draws from nothing the resume changes (with worker processes: per-worker generators seeded per iterator).
-After a world-size change (elastic resume) the order continues at the saved epoch, but the batches are sharded
-differently; a new rank's global RNG is derived, so it replays no saved epoch start.
+module does not know (it may hold randomness of its own); and, in a stateful loader or with persistent workers (which
+do not create their iterators where the uninterrupted run did), a sampler that draws its seed from the global RNG or a
+``DataLoader(generator=...)`` (each new iterator draws its base seed from it). Randomness inside the dataset
+(augmentation) is the dataset's: exact only if it draws from nothing the resume changes (with worker processes:
+per-worker generators seeded per iterator). After a world-size change (elastic resume) the order continues at the
+saved epoch, but the batches are sharded differently; a new rank's global RNG is derived, so it replays no saved epoch
+start.
 
 Restore runs after every check passed (``accelerate.load``); a checkpoint without these records (native, or an earlier
 accelerate-txn) restores nothing here, as before. Only the CPU torch generator is replayed: a default device other than
@@ -60,6 +64,7 @@ the CPU (``torch.set_default_device``) makes the iterator draw from that device'
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
@@ -72,6 +77,7 @@ from ..errors import CheckpointIntegrityError
 from .internals import prepared_dataloaders
 from .rng import apply_rng, capture_rng
 
+logger = logging.getLogger(__name__)
 _TARGETS = ("DataLoaderShard.__iter__", "DataLoaderDispatcher.__iter__")
 _ORIGINALS: dict[str, Any] = {}
 _RECORD_KEYS = ("epoch", "mid_epoch", "generators", "global_rng", "seed")
@@ -106,6 +112,9 @@ class _Family:
     running: Any = None  # weak reference to the loader iterating now
     token: object | None = None  # the running iteration (an abandoned older one must not clear it)
     pending: _Resume | None = None
+    # Persistent workers, restored after the saved run had created its iterator: the loaders of the family that have
+    # created theirs since (each one's creation is a draw the uninterrupted run did not make). None otherwise.
+    renewed: weakref.WeakSet | None = None
 
 
 _FAMILIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # order source -> family
@@ -226,6 +235,8 @@ def inexact_reason(loader: Any) -> str | None:
 
         known_samplers += (StatefulRandomSampler,)
         known_batches += (StatefulBatchSampler,)
+    if type(getattr(loader, "iteration", None)) is not int:
+        return f"it is a {type(loader).__name__}, not a data loader Accelerate prepared (no epoch counter to restore)"
     if _iterable(loader):
         return None  # the dataset decides the order (documented: not checkable here)
     batch = _inner_batch_sampler(loader)
@@ -236,11 +247,14 @@ def inexact_reason(loader: Any) -> str | None:
     if sampler is not None and type(sampler) not in known_samplers:
         return (f"its sampler {type(sampler).__module__}.{type(sampler).__qualname__} is not one accelerate-txn can "
                 "restore (any randomness of its own is not in the checkpoint)")
-    if _draws_globally(loader) and (_stateful(loader) or _persistent(loader)):
-        return ("its sampler draws each epoch's seed from the global torch RNG, and a "
-                + ("stateful loader" if _stateful(loader) else "loader with persistent workers")
-                + " does not start its epochs where the uninterrupted run did; give the DataLoader a "
-                "generator=torch.Generator().manual_seed(...)")
+    kind = "a stateful loader" if _stateful(loader) else "a loader with persistent workers"
+    if (_stateful(loader) or _persistent(loader)) and _draws_globally(loader):
+        return (f"its sampler draws each epoch's seed from the global torch RNG, and {kind} does not create its "
+                "iterators where the uninterrupted run did; give the sampler a generator of its own")
+    if (_stateful(loader) or _persistent(loader)) and isinstance(getattr(loader, "generator", None), torch.Generator):
+        return (f"the DataLoader's own generator= also seeds each new iterator, and {kind} does not create its "
+                "iterators where the uninterrupted run did; give the generator to the sampler instead "
+                "(sampler=RandomSampler(dataset, generator=...))")
     return None
 
 
@@ -264,12 +278,12 @@ def _capture(loader: Any) -> _Start:
                   seed=_seed(loader))
 
 
-def _first(inner: Iterator[Any], plan: _Resume) -> tuple[Any, bool]:
-    """The resumed iteration's first batch (or exhaustion), its start run from ``plan.replay`` and the global
+def _first(inner: Iterator[Any], replay: torch.Tensor | None) -> tuple[Any, bool]:
+    """The resumed iteration's first batch (or exhaustion), its start run from ``replay`` (if given) and the global
     torch RNG put back afterwards (see the module docstring)."""
     before = torch.get_rng_state()
-    if plan.replay is not None:
-        torch.set_rng_state(plan.replay)
+    if replay is not None:
+        torch.set_rng_state(replay)
     try:
         return next(inner), False
     except StopIteration:
@@ -280,17 +294,31 @@ def _first(inner: Iterator[Any], plan: _Resume) -> tuple[Any, bool]:
 
 def _epoch(inner: Iterator[Any], loader: Any) -> Iterator[Any]:
     """Yields what ``inner`` (the native epoch generator of ``loader``) yields; notes where the epoch started."""
-    family = _family(loader, create=True)
-    assert family is not None
+    family: _Family | None = None
+    try:
+        family = _family(loader, create=True)
+        assert family is not None
+        start = family.pending.start if family.pending is not None and family.pending.start is not None \
+            else _capture(loader)
+    except Exception as exc:  # bookkeeping must never break a native iteration: this epoch is not tracked
+        logger.warning("accelerate-txn: cannot note where an epoch of %s starts (%s: %s); its data order after a "
+                       "resume is not exact", type(loader).__name__, type(exc).__name__, exc)
+        family = None
+    if family is None:
+        yield from inner
+        return
     plan, family.pending = family.pending, None
     token = object()
-    family.start = plan.start if plan is not None and plan.start is not None else _capture(loader)
-    family.running, family.token = weakref.ref(loader), token
-    epoch = family.start.epoch
+    family.start, family.running, family.token = start, weakref.ref(loader), token
+    epoch = start.epoch
+    keep = plan is not None and (plan.keep_rng or plan.replay is not None)
+    if family.renewed is not None and loader not in family.renewed:
+        family.renewed.add(loader)
+        keep = True
     completed = False
     try:
-        if plan is not None and (plan.keep_rng or plan.replay is not None):
-            first, completed = _first(inner, plan)
+        if keep:
+            first, completed = _first(inner, plan.replay if plan is not None else None)
             if completed:
                 return
             yield first
@@ -358,7 +386,7 @@ def order_record(loader: Any) -> dict[str, Any]:
     epoch = int(loader.iteration)
     if running is not None and family.start is not None:
         start = family.start
-        if not running.end_of_dataloader:
+        if not getattr(running, "end_of_dataloader", False):
             return {"epoch": start.epoch, "mid_epoch": True, "generators": dict(start.generators),
                     "global_rng": start.global_rng, "seed": start.seed}
         epoch = start.epoch + 1  # the last batch was yielded: the next epoch starts from the current state
@@ -371,7 +399,8 @@ def order_records(accelerator: Any, *, warn: bool) -> dict[int, dict[str, Any]]:
     is named once (a ``RuntimeWarning``)."""
     records = {}
     for index, loader in enumerate(prepared_dataloaders(accelerator)):
-        records[index] = order_record(loader)
+        if type(getattr(loader, "iteration", None)) is int:
+            records[index] = order_record(loader)
         if warn and loader not in _WARNED:
             reason = inexact_reason(loader)
             if reason is not None:
@@ -455,10 +484,12 @@ def restore_order(accelerator: Any, records: Mapping[int, dict[str, Any]] | None
             _create_stateful_iterator(loader)
         start = _Start(record["epoch"], dict(record["generators"]), record["global_rng"], record["seed"]) \
             if mid else None
-        keep_rng = not stateful and (mid or persistent)
+        keep_rng = mid and not stateful and not persistent
         family.pending = _Resume(record=dict(record), start=start,
-                                 replay=record["global_rng"] if mid and replay and keep_rng and not persistent
-                                 else None, keep_rng=keep_rng)
+                                 replay=record["global_rng"] if keep_rng and replay else None, keep_rng=keep_rng)
+        # Persistent workers: the saved run re-used its iterator (no draw) once it had one; every loader of the
+        # family creates one again here.
+        family.renewed = weakref.WeakSet() if persistent and not stateful and (mid or record["epoch"] > 0) else None
     return skipped
 
 
