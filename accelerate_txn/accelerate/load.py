@@ -214,8 +214,14 @@ def _restore(path: Path, group: dict[str, Any], found: dict[str, Preflight], kwa
 
         run_phase(native_load, f"Restoring {directory}")
         _faults.point("load:during-restore")
-        run_phase(lambda owner=owner, state=found[name]: apply_loader_states(
-            owner, state.loaders[state.plan.source(owner.process_index)]), "Restoring per-rank data-loader state")
+        skipped = run_phase(lambda owner=owner, state=found[name]: apply_loader_states(
+            owner, state.loaders[state.plan.source(owner.process_index)],
+            replay=owner.process_index not in state.plan.derived), "Restoring per-rank data-loader state")
+        if skipped and rank() == 0:
+            warnings.warn(
+                f"{directory}: the data order of data loader(s) {skipped} was not restored: their generators differ "
+                "from the ones the checkpoint records (the data-loader setup changed, e.g. use_seedable_sampler). "
+                "They continue as native Accelerate would.", RuntimeWarning, stacklevel=2)
         owner.step = found[name].rng[found[name].plan.source(owner.process_index)]["step"]  # shared by every rank
         if backend(owner) == "FSDP":
             run_phase(lambda owner=owner, directory=directory: [

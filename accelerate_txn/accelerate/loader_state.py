@@ -12,11 +12,15 @@ Native Accelerate has every rank ``torch.save`` its stateful data loader's state
 On restore native ``load_state`` first loads the shared file into every rank's loaders; then each rank loads the
 per-rank state of the saved rank it takes its state from (``accelerate.elastic``): its own without a world-size change.
 Checkpoints without per-rank files (saved natively or by an earlier accelerate-txn) keep the shared file's state.
+
+The same file holds each prepared loader's data order (``"order"``, see ``accelerate.data_order``): written whenever the
+Accelerator has prepared loaders, stateful or not. A file without it (an earlier accelerate-txn) restores no order.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +28,18 @@ import torch
 
 from ..core.manifest import LOADER_FILE
 from ..errors import CheckpointIntegrityError
+from .data_order import check_order_records, order_records, restore_order
 from .internals import prepared_dataloaders
 from .rng import load_weights_only
+
+
+@dataclass
+class SavedLoaders:
+    """One saved rank's per-rank loader file, read and checked: stateful loaders' states (None: restore them from the
+    shared native file) and data-order records (None: the file predates them)."""
+
+    states: dict[int, Any] | None
+    order: dict[int, dict[str, Any]] | None
 
 
 def _stateful(accelerator: Any) -> list[tuple[int, Any]]:
@@ -38,14 +52,16 @@ def _shared_name(index: int) -> str:
 
 
 def write_loader_states(accelerator: Any, directory: Path) -> None:
-    """This rank's stateful loaders' states into its own file; rank 0 also rewrites the shared native files.
-    Run after every rank's native save returned (a phase boundary), so no native write is still in progress."""
-    loaders = _stateful(accelerator)
-    if not loaders:
+    """This rank's stateful loaders' states and every prepared loader's data order into its own file; rank 0 also
+    rewrites the shared native files. Run after every rank's native save returned (a phase boundary), so no native
+    write is still in progress. A loader that cannot resume in exactly the same order is named once (rank 0)."""
+    if not prepared_dataloaders(accelerator):
         return
+    loaders = _stateful(accelerator)
     states = {index: loader.state_dict() for index, loader in loaders}
+    order = order_records(accelerator, warn=accelerator.process_index == 0)
     directory = Path(directory)
-    torch.save({"loaders": states}, directory / LOADER_FILE.format(rank=accelerator.process_index))
+    torch.save({"loaders": states, "order": order}, directory / LOADER_FILE.format(rank=accelerator.process_index))
     if accelerator.process_index == 0:
         for index, state in states.items():
             target = directory / _shared_name(index)
@@ -54,28 +70,34 @@ def write_loader_states(accelerator: Any, directory: Path) -> None:
             os.replace(temporary, target)
 
 
-def read_loader_states(accelerator: Any, directory: Path, rank: int) -> dict[int, Any] | None:
-    """Saved rank ``rank``'s loader states (read safely), or None if the checkpoint has no per-rank file (then
-    the shared native file is what restores the loaders). Raises if a stateful loader has no saved state."""
-    loaders = _stateful(accelerator)
+def read_loader_states(accelerator: Any, directory: Path, rank: int) -> SavedLoaders | None:
+    """Saved rank ``rank``'s per-rank loader file (read safely and checked), or None if the checkpoint has none (then
+    the shared native file is what restores stateful loaders, and no data order is restored). Raises if a stateful
+    loader has no saved state, or the data-order records are malformed."""
     path = Path(directory) / LOADER_FILE.format(rank=rank)
-    if not loaders or (not path.exists() and not path.is_symlink()):
+    if not prepared_dataloaders(accelerator) or (not path.exists() and not path.is_symlink()):
         return None
     if path.is_symlink() or not path.is_file():
         raise CheckpointIntegrityError(f"{path} is not a regular file")
     state = load_weights_only(path)
     saved = state.get("loaders") if isinstance(state, dict) else None
+    loaders = _stateful(accelerator)
     if not isinstance(saved, dict) or any(index not in saved for index, _loader in loaders):
         raise CheckpointIntegrityError(
             f"{path} does not hold the state of every stateful data loader of this run (loaders "
             f"{[index for index, _ in loaders]}): it was altered, or the data loaders changed."
         )
-    return saved
+    order = state.get("order")
+    return SavedLoaders(states=saved if loaders else None,
+                        order=None if order is None else check_order_records(accelerator, order, str(path)))
 
 
-def apply_loader_states(accelerator: Any, states: dict[int, Any] | None) -> None:
-    """Load per-rank states into this rank's stateful loaders (after native ``load_state``)."""
-    if states is None:
-        return
-    for index, loader in _stateful(accelerator):
-        loader.load_state_dict(states[index])
+def apply_loader_states(accelerator: Any, saved: SavedLoaders | None, *, replay: bool = True) -> list[int]:
+    """Load per-rank states into this rank's stateful loaders, then restore every loader's data order (after native
+    ``load_state``). ``replay``: see ``data_order.restore_order``. Returns the loaders whose order was not restored."""
+    if saved is None:
+        return []
+    if saved.states is not None:
+        for index, loader in _stateful(accelerator):
+            loader.load_state_dict(saved.states[index])
+    return restore_order(accelerator, saved.order, replay=replay)

@@ -1,8 +1,9 @@
 """The import-time patch (wrapt), per-instance opt-in/out, and the dispatch decision.
 
 ``install()`` wraps ``Accelerator.save_state``/``load_state`` and Accelerate's ``load_fsdp_model`` /
-``load_fsdp_optimizer`` / ``save_fsdp_optimizer`` (as bound in ``accelerate.accelerator``) exactly once;
-``uninstall()`` puts the originals back. The wrappers only decide and hand off.
+``load_fsdp_optimizer`` / ``save_fsdp_optimizer`` (as bound in ``accelerate.accelerator``) exactly once, and the
+prepared data loaders' ``__iter__`` (``accelerate.data_order``: it notes where each epoch starts, yielding exactly what
+native Accelerate yields); ``uninstall()`` puts the originals back. The wrappers only decide and hand off.
 
 Protected path when all hold (and every rank agrees, else every rank raises):
 automatic dispatch is on (``VIDEOX_ACCELERATE_PATCHES`` unset or truthy) or the instance was opted in with
@@ -38,6 +39,7 @@ import wrapt
 
 from ..core.ranks import agree, any_rank, distributed, run_phase, world_size
 from ..errors import CheckpointConfigurationError, UnsupportedVersionError
+from . import data_order
 from .arrival import arrived, check_arrival
 from .config import protect_mode, read_configs
 from .descriptor import is_fsdp1_sharded, is_fsdp2_sharded, is_fsdp_sharded, unsupported_reason
@@ -375,6 +377,7 @@ def install() -> None:
     """Wrap the Accelerate entry points once (idempotent)."""
     module = accelerator_module()
 
+    data_order.install()  # where each prepared data loader's epochs start (``accelerate.data_order``)
     if installed():
         return
     for target in _TARGETS:
@@ -387,6 +390,7 @@ def uninstall() -> None:
     """Restore the original Accelerate functions (for tests and tools)."""
     module = accelerator_module()
 
+    data_order.uninstall()
     if not installed():
         return
     for target in _TARGETS:

@@ -20,7 +20,7 @@ from ..errors import CheckpointIntegrityError
 from .config import checkpoint_config
 from .descriptor import backend
 from .internals import custom_objects, prepared_dataloaders, prepared_models, prepared_optimizers, prepared_schedulers
-from .loader_state import read_loader_states
+from .loader_state import SavedLoaders, read_loader_states
 from .rng import RNG_FILE, load_weights_only, read_rng_file
 
 
@@ -36,7 +36,7 @@ class Preflight:
     rng: dict[int, dict[str, Any]] = field(default_factory=dict)
     custom: dict[int, Any] = field(default_factory=dict)
     names: set[str] = field(default_factory=set)
-    loaders: dict[int, dict[int, Any] | None] = field(default_factory=dict)  # saved rank -> per-rank loader states
+    loaders: dict[int, SavedLoaders | None] = field(default_factory=dict)  # saved rank -> per-rank loader file
     plan: Any = None  # the per-rank state plan (``accelerate.elastic.RankPlan``), set by the restore preflight
     changes: list[Any] = field(default_factory=list)  # accepted resume changes (``resume_changes.Change``)
 
