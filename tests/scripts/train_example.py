@@ -74,17 +74,21 @@ def main():
     args = parse_args()
     project_config = ProjectConfiguration(project_dir=args.output_dir, logging_dir=os.path.join(args.output_dir, "logs"))
     accelerator = Accelerator(gradient_accumulation_steps=1, project_config=project_config)
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
     set_seed(args.seed)
     model = Denoiser(args.width)
     dataset = Samples(args.num_samples, args.width)
     train_dataloader = torch.utils.data.DataLoader(dataset, batch_size=args.train_batch_size, shuffle=True)
     num_update_steps_per_epoch = math.ceil(len(train_dataloader))
     max_train_steps = args.num_epochs * num_update_steps_per_epoch
-    model = accelerator.prepare(model)  # FSDP: the optimizer is built on the prepared model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
-    lr_scheduler = get_scheduler(args.lr_scheduler, optimizer=optimizer, num_warmup_steps=args.lr_warmup_steps,
-                                 num_training_steps=max_train_steps)
-    optimizer, train_dataloader, lr_scheduler = accelerator.prepare(optimizer, train_dataloader, lr_scheduler)
+    # As Diffusers' examples: the prepared scheduler steps once per process at every optimizer step.
+    lr_scheduler = get_scheduler(args.lr_scheduler, optimizer=optimizer,
+                                 num_warmup_steps=args.lr_warmup_steps * accelerator.num_processes,
+                                 num_training_steps=max_train_steps * accelerator.num_processes)
+    model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
+        model, optimizer, train_dataloader, lr_scheduler)
     num_update_steps_per_epoch = math.ceil(len(train_dataloader))
 
     global_step = 0
