@@ -272,7 +272,10 @@ def killable_save(root: str, block_at_save: int) -> None:
     def block(models: Any, weights: Any, output_dir: str) -> None:
         saves["count"] += 1
         if saves["count"] == block_at_save and acc.process_index == 0:
-            Path(root, "blocked-in-save").write_text(output_dir)
+            # Written whole, then renamed: the test polls for the name and reads it at once (an open-then-write
+            # could be read empty in between).
+            Path(root, "blocked-in-save.tmp").write_text(output_dir)
+            os.replace(Path(root, "blocked-in-save.tmp"), Path(root, "blocked-in-save"))
             while True:  # stay inside the save until SIGKILL
                 signal.pause()
 

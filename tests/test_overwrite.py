@@ -31,6 +31,7 @@ from accelerate_txn.store import posix
 from accelerate_txn.store.posix import DirectoryLock, recover_replaced, replace_directory
 from accelerate_txn.testing import launch
 from tests._crash_harness import KILLED, LAUNCH_TIMEOUT, SURVIVOR_TIMEOUT, WORLD, run_to_completion, run_until_crash_point
+from tests._single import stepped_accelerator
 
 # --------------------------------------------------------------------------------------------- the store
 
@@ -116,16 +117,7 @@ def test_replace_refusal_allows_checkpoints_and_refuses_everything_else(tmp_path
 
 
 def _accelerator(seed: int = 0, **project: Any) -> tuple[Accelerator, Any, Any]:
-    """A one-process Accelerator that took one optimizer step."""
-    from accelerate.utils import ProjectConfiguration
-
-    accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(**project) if project else None)
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(4, 3)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    _step(accelerator, model, optimizer)
-    return accelerator, model, optimizer
+    return stepped_accelerator(seed, **project)
 
 
 def _step(accelerator: Accelerator, model: Any, optimizer: Any) -> None:

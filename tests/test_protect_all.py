@@ -20,20 +20,13 @@ from accelerate_txn import MANIFEST
 from accelerate_txn.accelerate.config import PROTECT_ENV
 from accelerate_txn.errors import CheckpointConfigurationError, CheckpointIntegrityError
 from accelerate_txn.testing import launch
+from tests._single import stepped_accelerator
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _accelerator(seed: int = 0) -> tuple[Accelerator, Any, Any]:
-    accelerator = Accelerator(cpu=True)
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(4, 3)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    model(torch.randn(2, 4)).sum().backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return accelerator, model, optimizer
+    return stepped_accelerator(seed)
 
 
 def _weights(model: Any) -> dict[str, torch.Tensor]:

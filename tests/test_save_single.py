@@ -13,23 +13,14 @@ from accelerate import Accelerator
 import accelerate_txn
 from accelerate_txn import MANIFEST, save_training_checkpoint
 from accelerate_txn.store.posix import fsync_path
+from tests._single import stepped_accelerator
 
 
 def _accelerator(project_dir: Path | None = None, seed: int | None = None) -> tuple[Accelerator, Any, Any]:
     """A one-process Accelerator that took one optimizer step (automatic naming under ``project_dir`` if given)."""
-    from accelerate.utils import ProjectConfiguration
-
-    project = ProjectConfiguration(project_dir=str(project_dir), automatic_checkpoint_naming=True) if project_dir else None
-    accelerator = Accelerator(cpu=True, project_config=project)
-    if seed is not None:
-        torch.manual_seed(seed)
-    model = torch.nn.Linear(4, 3)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    model(torch.randn(2, 4)).sum().backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return accelerator, model, optimizer
+    if project_dir is None:
+        return stepped_accelerator(seed)
+    return stepped_accelerator(seed, project_dir=str(project_dir), automatic_checkpoint_naming=True)
 
 
 def test_every_staged_file_and_directory_is_fsynced_before_publish(tmp_path: Path, monkeypatch: Any) -> None:

@@ -123,40 +123,41 @@ def read_configs(group: dict[str, Any]) -> dict[str, Any]:
     return group
 
 
-def _valid_lock_timeout(value: Any, where: str) -> float:
-    """``value`` as seconds to wait for the directory lock: a finite number >= 0, else a configuration error."""
+#: What each wait is, for messages: (its description, what its default and special values are).
+_LOCK_WAIT = ("the directory-lock wait", f"0 = fail at once if another writer holds the lock; default {DEFAULT_LOCK_TIMEOUT:g}")
+_ARRIVAL_WAIT = ("the wait for every rank to reach save_state()/load_state()", f"default {DEFAULT_ARRIVAL_TIMEOUT:g}")
+
+
+def _valid_seconds(value: Any, where: str, wait: tuple[str, str]) -> float:
+    """``value`` as a wait in seconds (a finite number >= 0), else a configuration error naming the ``wait``."""
     from ..store.posix import wait_seconds
 
     seconds = wait_seconds(value)
     if seconds is None:
         raise CheckpointConfigurationError(
-            f"{where} is {value!r}: the directory-lock wait must be a finite number of seconds >= 0 (0 = fail at "
-            f"once if another writer holds the lock; default {DEFAULT_LOCK_TIMEOUT:g})."
-        )
+            f"{where} is {value!r}: {wait[0]} must be a finite number of seconds >= 0 ({wait[1]}).")
     return seconds
 
 
-def _lock_timeout_from_env() -> float:
-    raw = os.environ.get(LOCK_TIMEOUT_ENV, "").strip()
-    return _valid_lock_timeout(raw, f"The environment variable {LOCK_TIMEOUT_ENV}") if raw else DEFAULT_LOCK_TIMEOUT
+def _valid_lock_timeout(value: Any, where: str) -> float:
+    return _valid_seconds(value, where, _LOCK_WAIT)
 
 
 def _valid_arrival_timeout(value: Any, where: str) -> float:
-    """``value`` as seconds to wait for every rank to reach a checkpoint call: finite, >= 0, else an error."""
-    from ..store.posix import wait_seconds
+    return _valid_seconds(value, where, _ARRIVAL_WAIT)
 
-    seconds = wait_seconds(value)
-    if seconds is None:
-        raise CheckpointConfigurationError(
-            f"{where} is {value!r}: the wait for every rank to reach save_state()/load_state() must be a finite "
-            f"number of seconds >= 0 (default {DEFAULT_ARRIVAL_TIMEOUT:g})."
-        )
-    return seconds
+
+def _seconds_from_env(variable: str, wait: tuple[str, str], default: float) -> float:
+    raw = os.environ.get(variable, "").strip()
+    return _valid_seconds(raw, f"The environment variable {variable}", wait) if raw else default
+
+
+def _lock_timeout_from_env() -> float:
+    return _seconds_from_env(LOCK_TIMEOUT_ENV, _LOCK_WAIT, DEFAULT_LOCK_TIMEOUT)
 
 
 def _arrival_timeout_from_env() -> float:
-    raw = os.environ.get(ARRIVAL_TIMEOUT_ENV, "").strip()
-    return _valid_arrival_timeout(raw, f"The environment variable {ARRIVAL_TIMEOUT_ENV}") if raw else DEFAULT_ARRIVAL_TIMEOUT
+    return _seconds_from_env(ARRIVAL_TIMEOUT_ENV, _ARRIVAL_WAIT, DEFAULT_ARRIVAL_TIMEOUT)
 
 
 def arrival_timeout(accelerator: Any) -> float:
