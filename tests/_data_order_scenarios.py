@@ -69,6 +69,7 @@ def run(fsdp_version: int, *, seedable: bool = False, stateful: bool = False, sa
         global_step = int(Path(resume).name.split("_")[1])
         first_epoch, resume_step = divmod(global_step, steps_per_epoch)
     seen: dict[int, list[int]] = {}
+    order_warnings: list[str] = []
     for epoch in range(first_epoch, EPOCHS):
         model.train()
         active = loader
@@ -81,12 +82,16 @@ def run(fsdp_version: int, *, seedable: bool = False, stateful: bool = False, sa
             global_step += 1
             seen[global_step] = indices.tolist()
             if global_step in save_at:
-                accelerator.save_state(str(Path(str(out)) / f"step_{global_step}"))
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    accelerator.save_state(str(Path(str(out)) / f"step_{global_step}"))
+                order_warnings += [str(w.message) for w in caught if "data order" in str(w.message)]
             if global_step == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
         if epoch_end_save:
             accelerator.save_state(str(Path(str(out)) / f"epoch_{epoch}"))
-    return {"rank": accelerator.process_index, "seen": seen, "state": _plain(_local_state(model, optimizer))}
+    return {"rank": accelerator.process_index, "seen": seen, "state": _plain(_local_state(model, optimizer)),
+            "order_warnings": order_warnings}
 
 
 def _plain(value: Any) -> Any:

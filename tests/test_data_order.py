@@ -324,6 +324,14 @@ def test_resume_mid_epoch_with_a_seedable_sampler_is_bitwise_equal(fsdp1: dict[s
 @pytest.mark.distributed
 def test_resume_mid_epoch_of_a_stateful_loader_is_bitwise_equal(fsdp1: dict[str, Any],
                                                                 fsdp1_variants: list[Any]) -> None:
+    from accelerate_txn.accelerate.internals import stateful_shard_position_exact
+
+    if not stateful_shard_position_exact():
+        # Accelerate before 1.13 records a stateful loader's position a batch early on 2 ranks (accelerate #3938):
+        # not exact, and the save says so, on rank 0, naming the fix.
+        rank0, rank1 = (rank["stateful_saving"]["order_warnings"] for rank in fsdp1["reference"])
+        assert rank1 == [] and len(rank0) == 1 and "accelerate #3938, fixed in Accelerate 1.13" in rank0[0], rank0
+        return
     _resumed([rank["stateful"] for rank in fsdp1["reference"]], fsdp1_variants[1], 9)
 
 

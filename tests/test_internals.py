@@ -194,6 +194,16 @@ def test_uninitialise_grad_scaler_lets_a_load_and_lazy_init_rebuild_the_scale() 
     assert scaler.get_scale() == 4.0 and scaler._get_growth_tracker() == 3
 
 
+def test_stateful_shard_position_exact_is_whether_data_loader_shard_overrides_the_prefetch_adjustment() -> None:
+    import accelerate
+    from accelerate.data_loader import DataLoaderAdapter, DataLoaderShard
+    from packaging.version import Version
+
+    exact = _internals.stateful_shard_position_exact()
+    assert exact == (DataLoaderShard.adjust_state_dict_for_prefetch is not DataLoaderAdapter.adjust_state_dict_for_prefetch)
+    assert exact == (Version(accelerate.__version__) >= Version("1.13"))  # accelerate #3952
+
+
 def test_scheduler_accessors_read_one_cycle_phases_and_set_what_get_last_lr_returns() -> None:
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     one_cycle = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1.0, total_steps=100, pct_start=0.25)

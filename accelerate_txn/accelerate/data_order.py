@@ -63,7 +63,6 @@ the CPU (``torch.set_default_device``) makes the iterator draw from that device'
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import warnings
 import weakref
@@ -74,12 +73,13 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointIntegrityError
-from .internals import prepared_dataloaders
+from .internals import prepared_dataloaders, stateful_shard_position_exact
 from .rng import apply_rng, capture_rng
 
 logger = logging.getLogger(__name__)
 _TARGETS = ("DataLoaderShard.__iter__", "DataLoaderDispatcher.__iter__")
 _ORIGINALS: dict[str, Any] = {}
+_STATEFUL_SAMPLERS = "torchdata.stateful_dataloader.sampler"  # the module of torchdata's stateful samplers
 _RECORD_KEYS = ("epoch", "mid_epoch", "generators", "global_rng", "seed")
 
 
@@ -216,7 +216,8 @@ def _stateful(loader: Any) -> bool:
 
 def inexact_reason(loader: Any) -> str | None:
     """Why ``loader`` cannot resume in exactly the uninterrupted order, or None."""
-    from accelerate.data_loader import SeedableRandomSampler
+    from accelerate import PartialState
+    from accelerate.data_loader import DataLoaderDispatcher, SeedableRandomSampler
     from torch.utils.data import (
         BatchSampler,
         DistributedSampler,
@@ -229,24 +230,30 @@ def inexact_reason(loader: Any) -> str | None:
     known_samplers: tuple[type, ...] = (SequentialSampler, RandomSampler, SeedableRandomSampler, SubsetRandomSampler,
                                         WeightedRandomSampler, DistributedSampler)
     known_batches: tuple[type, ...] = (BatchSampler,)
-    with contextlib.suppress(ImportError):
-        from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchSampler
-        from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
 
-        known_samplers += (StatefulRandomSampler,)
-        known_batches += (StatefulBatchSampler,)
+    def known(value: Any, classes: tuple[type, ...], stateful_name: str) -> bool:
+        # torchdata's stateful RandomSampler/BatchSampler (a stateful loader's own) are known too; recognised by
+        # name, since torchdata is no dependency of ours.
+        kind = type(value)
+        return kind in classes or (kind.__module__ == _STATEFUL_SAMPLERS and kind.__qualname__ == stateful_name)
+
     if type(getattr(loader, "iteration", None)) is not int:
         return f"it is a {type(loader).__name__}, not a data loader Accelerate prepared (no epoch counter to restore)"
     if _iterable(loader):
         return None  # the dataset decides the order (documented: not checkable here)
     batch = _inner_batch_sampler(loader)
-    if batch is not None and type(batch) not in known_batches:
+    if batch is not None and not known(batch, known_batches, "BatchSampler"):
         return (f"its batch sampler {type(batch).__module__}.{type(batch).__qualname__} is not one accelerate-txn "
                 "can restore (any randomness of its own is not in the checkpoint)")
     sampler = _sampler(loader)
-    if sampler is not None and type(sampler) not in known_samplers:
+    if sampler is not None and not known(sampler, known_samplers, "RandomSampler"):
         return (f"its sampler {type(sampler).__module__}.{type(sampler).__qualname__} is not one accelerate-txn can "
                 "restore (any randomness of its own is not in the checkpoint)")
+    if (_stateful(loader) and not isinstance(loader, DataLoaderDispatcher) and PartialState().num_processes > 1
+            and not stateful_shard_position_exact()):
+        return ("this Accelerate records a stateful loader's position num_processes - 1 batches early in a "
+                "multi-process run (accelerate #3938, fixed in Accelerate 1.13): a resume trains on them again; "
+                "upgrade Accelerate to 1.13 or later")
     kind = "a stateful loader" if _stateful(loader) else "a loader with persistent workers"
     if (_stateful(loader) or _persistent(loader)) and _draws_globally(loader):
         return (f"its sampler draws each epoch's seed from the global torch RNG, and {kind} does not create its "
@@ -298,6 +305,11 @@ def _epoch(inner: Iterator[Any], loader: Any) -> Iterator[Any]:
     try:
         family = _family(loader, create=True)
         assert family is not None
+        if family.pending is not None and loader.iteration != family.pending.record["epoch"]:
+            # The first iteration after a restore runs the restored epoch: a skip_first_batches loader Accelerate
+            # 1.7-1.14 made starts at epoch 0 (1.15 hands it the prepared loader's), which a seedable sampler or
+            # dataset would replay.
+            loader.iteration = int(family.pending.record["epoch"])
         start = family.pending.start if family.pending is not None and family.pending.start is not None \
             else _capture(loader)
     except Exception as exc:  # bookkeeping must never break a native iteration: this epoch is not tracked

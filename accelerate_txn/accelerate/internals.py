@@ -55,6 +55,21 @@ def custom_objects(accelerator: Any) -> list[Any]:
     return accelerator._custom_objects
 
 
+# --- Prepared data loaders --------------------------------------------------------------------------------------
+# Where releases differ (read in the wheels): Accelerate 1.15 hands ``skip_first_batches`` loaders the prepared
+# loader's epoch counter (``DataLoaderShard(..., iteration=dataloader.iteration)``); 1.7-1.14 start them at 0. Before
+# 1.13 ``DataLoaderShard`` inherits ``DataLoaderAdapter.adjust_state_dict_for_prefetch``, which takes
+# ``num_processes - 1`` batches off a stateful loader's recorded position in a multi-process run: a resume replays
+# them (accelerate #3938, fixed by #3952 in 1.13, where ``DataLoaderShard`` overrides it with a no-op).
+
+
+def stateful_shard_position_exact() -> bool:
+    """Whether a stateful ``DataLoaderShard`` records the position it yielded (Accelerate 1.13 and later)."""
+    from accelerate.data_loader import DataLoaderShard
+
+    return "adjust_state_dict_for_prefetch" in vars(DataLoaderShard)
+
+
 # --- Accelerator hooks ------------------------------------------------------------------------------------------
 # ``register_save_state_pre_hook``/``register_load_state_pre_hook`` store hooks in these dicts (handle id -> hook),
 # called in order by ``save_state``/``load_state``. Returned live and mutable: ``accelerate.native.synchronized_hooks``

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.jsondiff import differences
 from ..errors import CheckpointConfigurationError
 from ..fsdp.internals import one_cycle_phases, set_last_lr
 
@@ -256,7 +257,8 @@ def _metadata_changes(saved: Any, live: Any, path: str, changes: list[Change]) -
             changes.append(Change(name, f"training metadata {where[1:]} changed from {_show(before)} to {_show(after)}",
                                   "the next checkpoint records the new value", automatic=True))
         else:  # the user's own fact, refused in the words of any other difference: only they can judge it
-            changes.append(Change(name, f"{name}: {_show(before)} (saved) vs {_show(after)} (live)",
+            # In the words of any other difference (long values cut around where they differ: core.jsondiff).
+            changes.append(Change(name, differences(before, after, path=name, limit=1)[0],
                                   "the next checkpoint records the new value", explain=False))
         saved[key] = after
 
