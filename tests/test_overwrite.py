@@ -151,6 +151,26 @@ def test_a_checkpoint_of_this_run_is_replaced_atomically_with_one_warning(tmp_pa
     assert all(torch.equal(expected[name], p) for name, p in model2.named_parameters())
 
 
+def test_an_asynchronous_save_replaces_in_the_background_the_same_way(tmp_path: Path, caplog: Any) -> None:
+    accelerator, model, optimizer = _accelerator()
+    accelerate_txn.configure_checkpointing(accelerator, async_save=True)
+    target = tmp_path / "checkpoint-1"
+    save_training_checkpoint(accelerator, target)
+    accelerate_txn.wait_for_checkpoint(accelerator)
+    first = _transaction(target)
+    _step(accelerator, model, optimizer)
+    expected = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with caplog.at_level(logging.WARNING, logger="accelerate_txn"):
+        save_training_checkpoint(accelerator, target)
+        accelerate_txn.wait_for_checkpoint(accelerator)
+    assert any(r.getMessage().startswith(f"Replacing {target} (a checkpoint of this run)") for r in caplog.records)
+    assert _transaction(target) != first
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".accelerate-txn.lock", "checkpoint-1"]
+    fresh, model2, _ = _accelerator(seed=5)
+    accelerate_txn.load_training_checkpoint(fresh, target)
+    assert all(torch.equal(expected[name], p) for name, p in model2.named_parameters())
+
+
 @pytest.mark.parametrize("kind", ["native", "empty", "unreadable manifest"])
 def test_a_native_checkpoint_or_an_empty_directory_is_replaced(tmp_path: Path, caplog: Any, kind: str) -> None:
     target = tmp_path / "checkpoint-1"
