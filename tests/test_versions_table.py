@@ -53,9 +53,15 @@ def test_table_covers_the_promised_slice() -> None:
     series = {pair.series for pair in TESTED}
     assert {("2.13", f"1.{minor}") for minor in range(7, 16)} <= series  # every Accelerate minor 1.7 to 1.15
     assert ("2.7", "1.7") in series  # the design's own pair
+    assert ("2.14", "1.15") in series  # torch 2.14.1 is the release pip installs by default on the CI machine
     newest_torch = max((pair for pair in TESTED), key=lambda pair: tuple(map(int, pair.torch.split("."))))
     assert newest_torch.series == ("2.15", "1.15")
     assert {python for pair in TESTED for python in pair.python} == set(PYTHONS)
+
+
+def test_fsdp2_is_validated_only_on_pairs_of_the_table() -> None:
+    assert _versions.FSDP2_VALIDATED <= _versions.VALIDATED, "an FSDP2 pair that CI's matrix does not install"
+    assert ("2.14", "1.15") in _versions.FSDP2_VALIDATED
 
 
 def test_requires_python_floor_is_a_tested_python() -> None:
@@ -88,10 +94,12 @@ def test_readme_shows_the_table_read_by_the_code() -> None:
     ("2.7.0", "1.7.0", True),
     ("2.7.1+cu126", "1.7.9", True),
     ("2.15.0", "1.15.0", True),
+    ("2.14.1", "1.15.0", True),      # the release pip installs by default here
+    ("2.14.0+cu128", "1.15.2", True),
     ("2.7.0", "1.15.0", False),      # each validated, but never tested together
     ("2.15.0", "1.7.0", False),
-    ("2.14.1", "1.15.0", False),     # torch minors between the tested ones
-    ("2.12.0", "1.15.0", False),
+    ("2.14.1", "1.13.0", False),
+    ("2.12.0", "1.15.0", False),     # a torch minor between the tested ones
     ("2.13.0", "1.6.0", False),
     ("2.13.0", "1.16.0", False),
     ("2.16.0", "1.15.0", False),
@@ -104,7 +112,7 @@ def test_pair_is_validated_by_minor_series(torch_version: str, accelerate_versio
     ("accelerate", "1.7.0", True), ("accelerate", "1.8.0", True), ("accelerate", "1.14.5", True),
     ("accelerate", "1.6.2", False), ("accelerate", "1.16.0", False), ("accelerate", "2.0.0", False),
     ("torch", "2.7.1", True), ("torch", "2.13.0+cpu", True), ("torch", "2.15.2", True),
-    ("torch", "2.8.0", False), ("torch", "2.14.1", False), ("torch", "2.16.0", False),
+    ("torch", "2.14.1", True), ("torch", "2.8.0", False), ("torch", "2.16.0", False),
 ])
 def test_package_is_validated_when_its_series_is_in_some_pair(package: str, version: str, expected: bool) -> None:
     assert is_validated(package, version) is expected
@@ -112,13 +120,13 @@ def test_package_is_validated_when_its_series_is_in_some_pair(package: str, vers
 
 def test_describe_table_names_every_pair_by_series() -> None:
     assert describe_table() == ("torch 2.7 with accelerate 1.7; torch 2.13 with accelerate 1.7 to 1.15; "
-                                "torch 2.15 with accelerate 1.15 (any patch release)")
+                                "torch 2.14 with accelerate 1.15; torch 2.15 with accelerate 1.15 (any patch release)")
 
 
 @pytest.mark.parametrize("torch_version, accelerate_version, named", [
     ("2.13.0", "1.13.2", []),
     ("2.13.0+cpu", "1.16.0", ["accelerate 1.16.0"]),
-    ("2.14.1", "1.15.0", ["torch 2.14.1"]),
+    ("2.16.0", "1.15.0", ["torch 2.16.0"]),  # an unknown future minor
     ("2.7.0", "1.15.0", ["accelerate 1.15.0", "torch 2.7.0"]),  # each validated, not together: name both
 ])
 def test_unvalidated_names_what_to_change_from_the_real_attributes(
@@ -133,8 +141,9 @@ def test_unsupported_message_names_the_pair_the_table_and_the_override(monkeypat
     monkeypatch.setattr(torch, "__version__", "2.7.0")
     assert unsupported_message() == (
         "accelerate-txn has not been validated with accelerate 1.15.0 and torch 2.7.0 (validated: torch 2.7 with "
-        "accelerate 1.7; torch 2.13 with accelerate 1.7 to 1.15; torch 2.15 with accelerate 1.15 (any patch "
-        f"release)). Install a validated pair, or set {OVERRIDE_ENV}=1 to use the protected path at your own risk.")
+        "accelerate 1.7; torch 2.13 with accelerate 1.7 to 1.15; torch 2.14 with accelerate 1.15; torch 2.15 with "
+        f"accelerate 1.15 (any patch release)). Install a validated pair, or set {OVERRIDE_ENV}=1 to use the protected "
+        "path at your own risk.")
 
 
 def test_installed_pair_decision_matches_the_policy() -> None:

@@ -11,6 +11,9 @@ Checked against (source of each release read side by side): Accelerate 1.7.0, 1.
 the installed version (``packaging.version.Version(accelerate.__version__)``) and note both sides; callers stay
 unchanged.
 
+Under torch 2.14.1 (with Accelerate 1.15.0), nothing here differs from torch 2.13: Accelerate's own branches on the
+torch version (``is_torch_version``) all sit at 2.8 or below, so it takes the same paths under both.
+
 Not here: attributes with public names that the code uses as they are (``accelerator.state.fsdp_plugin``,
 ``AcceleratedOptimizer.optimizer``). Imports of Accelerate are lazy: importing this module costs nothing.
 """

@@ -175,8 +175,9 @@ def require_supported_versions() -> None:
 # --- FSDP2 -------------------------------------------------------------------------------------------------------
 
 #: (torch minor series, Accelerate minor series) on which the protected FSDP2 path was validated (torch 2.13.0
-#: with Accelerate 1.13.0, 1.14.0 and 1.15.0).
-FSDP2_VALIDATED: frozenset[tuple[str, str]] = frozenset({("2.13", "1.13"), ("2.13", "1.14"), ("2.13", "1.15")})
+#: with Accelerate 1.13.0, 1.14.0 and 1.15.0; torch 2.14.1 with Accelerate 1.15.0).
+FSDP2_VALIDATED: frozenset[tuple[str, str]] = frozenset({("2.13", "1.13"), ("2.13", "1.14"), ("2.13", "1.15"),
+                                                         ("2.14", "1.15")})
 
 
 def fsdp2_validated() -> bool:

@@ -10,6 +10,19 @@ Checked against (source of each release read side by side):
 * torch 2.7.0 and 2.13.0: everything below is the same in both (FSDP1 ``_FSDPState``/``FlatParameter`` fields,
   ``_get_param_to_fqns``, ``ShardedTensor``, DCP ``_nested_dict``/``_traverse``, ``DefaultLoadPlanner.load_bytes``,
   ``Optimizer._optimizer_load_state_dict_pre_hooks``).
+* torch 2.14.1 against 2.13.0 (the sources of both wheels compared file by file): every private piece below, and
+  every pickle global ``MetadataUnpickler`` allows, is unchanged: ``fsdp/_common_utils.py``, ``fsdp/api.py``,
+  ``checkpoint/metadata.py``, ``_nested_dict.py``, ``_traverse.py``, ``state_dict_saver.py``,
+  ``amp/grad_scaler.py`` and ``_state_dict_utils.py`` are identical; ``DefaultLoadPlanner``, ``_StorageInfo``,
+  ``FlatParameter``'s fields, ``ShardedTensor._init_from_local_shards_and_global_metadata``, ``DTensor.__new__``/
+  ``_spec``, ``_get_default_store`` (and ``ProcessGroup.get_group_store``), the optimizer pre-hook dict,
+  ``OneCycleLR._schedule_phases``/``_last_lr`` and ``serialization._get_layout`` read the same. What changed
+  around them, none of it on this library's path: FSDP1 ``FlatParamHandle.unshard`` with ``offload_to_cpu`` no
+  longer round-trips a flat parameter already on the CPU; DCP's planners also accept the new
+  ``CheckpointableTensor`` protocol (``checkpoint/protocol.py``, a plain tensor carrying global-shard fields);
+  ``FileSystemWriter(sync_files=True)`` flushes each stream before ``fsync`` and warns (instead of ``os.sync()``)
+  where ``fsync`` is unsupported; ``ShardedTensor.cuda()``/``.to()`` go through ``torch.accelerator``;
+  ``distributed_c10d`` reorganised backend registration (torchcomms), with the same public calls. No branch.
 * NumPy 1.x and 2.x: the one place where releases differ (``_reconstruct`` moved); see :func:`numpy_reconstruct`.
 
 Where a later release differs, branch here on the installed version (``packaging.version.Version`` of
@@ -32,7 +45,7 @@ from typing import Any
 # --- FSDP1 flat parameters --------------------------------------------------------------------------------------
 # FSDP1 (``FullyShardedDataParallel``) keeps each unit's parameters in one ``FlatParameter`` owned by a
 # ``FlatParamHandle``; public torch exposes neither the handle nor the layout of the flat parameter.
-# torch 2.7.0 and 2.13.0: ``_FSDPState._handle`` / ``._use_orig_params`` (``_common_utils``), ``_inter_node_pg``
+# torch 2.7.0, 2.13.0 and 2.14.1: ``_FSDPState._handle`` / ``._use_orig_params`` (``_common_utils``), ``_inter_node_pg``
 # set only for hybrid sharding (``_init_utils``), ``FlatParameter._params`` (None without use_orig_params),
 # ``_shapes``, ``_numels_with_padding``, ``_is_padding_mask``, ``_shard_param_infos`` (``_ShardParamInfo``
 # named tuples: in_shard, offset_in_shard, numel_in_shard, intra_param_start_idx, intra_param_end_idx).
@@ -69,7 +82,7 @@ def flat_local_shard(flat: Any) -> Any | None:
 
 def state_dict_hooks(module: Any) -> list[Any]:
     """Every state-dict hook and pre-hook registered on one ``nn.Module`` (``_state_dict_hooks``,
-    ``_state_dict_pre_hooks``; torch 2.7-2.13), FSDP's own included."""
+    ``_state_dict_pre_hooks``; torch 2.7, 2.13 and 2.14), FSDP's own included."""
     return [*module._state_dict_hooks.values(), *getattr(module, "_state_dict_pre_hooks", {}).values()]
 
 
@@ -82,7 +95,7 @@ def persistent_buffers(module: Any) -> list[tuple[str, Any]]:
 
 def clean_fsdp_name(name: str) -> str:
     """A module-tree name without FSDP1's wrapper prefixes (``_fsdp_wrapped_module.`` and the like), as FSDP names
-    state-dict keys (``torch.distributed.fsdp._common_utils.clean_tensor_name``, torch 2.7-2.13)."""
+    state-dict keys (``torch.distributed.fsdp._common_utils.clean_tensor_name``, torch 2.7, 2.13 and 2.14)."""
     from torch.distributed.fsdp._common_utils import clean_tensor_name
 
     return clean_tensor_name(name)
@@ -122,7 +135,7 @@ def shard_param_infos(flat: Any) -> Any:
 # A rank's piece of an optimizer state tensor is described to DCP as a ``ShardedTensor`` built from local shards
 # and global metadata without any collective; nested state dicts are rebuilt from DCP's flat keys; the safe load
 # planner stores a loaded bytes entry where ``DefaultLoadPlanner.load_bytes`` would.
-# torch 2.7.0 and 2.13.0: ``torch.distributed._shard`` (``ShardMetadata``, ``Shard``, ``ShardedTensor``,
+# torch 2.7.0, 2.13.0 and 2.14.1: ``torch.distributed._shard`` (``ShardMetadata``, ``Shard``, ``ShardedTensor``,
 # ``ShardedTensorMetadata``, ``TensorProperties``), ``ShardedTensor._init_from_local_shards_and_global_metadata
 # (local_shards, sharded_tensor_metadata, process_group=None, ...)``, ``checkpoint._nested_dict.
 # unflatten_state_dict(state_dict, mapping)``, ``checkpoint._traverse.set_element(root, path, value)``, and
@@ -170,8 +183,9 @@ def host_dtensor(local: Any, like: Any) -> Any:
     ``local``, kept where it is: a host copy of a CUDA DTensor stays on the host (public ``DTensor.from_local``
     would move it to the mesh's device). torch's own asynchronous staging (``_state_dict_utils.
     _create_cpu_state_dict``) builds the same object: a CUDA mesh's DTensor over host memory, which DCP writes.
-    torch 2.13: ``DTensor.__new__(local_tensor, spec, *, requires_grad)`` and the ``_spec`` attribute (FSDP2 saves
-    take the protected path only on torch 2.13; read this again when another torch is validated for FSDP2)."""
+    torch 2.13.0 and 2.14.1: ``DTensor.__new__(local_tensor, spec, *, requires_grad)`` and the ``_spec`` attribute
+    (FSDP2 saves take the protected path only on the torch series of ``accelerate.versions.FSDP2_VALIDATED``; read
+    this again when another torch is validated for FSDP2)."""
     from torch.distributed.tensor import DTensor
 
     return DTensor(local, like._spec, requires_grad=False)
@@ -198,7 +212,7 @@ def store_loaded_bytes(planner: Any, read_item: Any, value: Any) -> None:
 def storage_item(reader: Any, index: Any) -> tuple[str, int, int, bool]:
     """Where ``FileSystemReader`` keeps one stored item: (file relative to the checkpoint directory, byte offset,
     byte length, whether a storage transform (an extension such as compression) applies to it).
-    torch 2.7.0 and 2.13.0: ``reader.storage_data[index]`` is a ``filesystem._StorageInfo`` with ``relative_path``,
+    torch 2.7.0, 2.13.0 and 2.14.1: ``reader.storage_data[index]`` is a ``filesystem._StorageInfo`` with ``relative_path``,
     ``offset``, ``length`` and (from 2.7) ``transform_descriptors``."""
     info = reader.storage_data[index]
     return (info.relative_path, int(info.offset), int(info.length),
@@ -207,8 +221,8 @@ def storage_item(reader: Any, index: Any) -> tuple[str, int, int, bool]:
 
 # --- torch.distributed: the default process group's store ----------------------------------------------------
 # The key-value store the default group was rendezvoused through, which every rank reaches without a collective.
-# torch 2.13: public ``ProcessGroup.get_group_store()`` returns the same ``PrefixStore`` as the private
-# ``distributed_c10d._get_default_store()``; the private function (torch 2.7 and 2.13) is the fallback where a
+# torch 2.13 and 2.14: public ``ProcessGroup.get_group_store()`` returns the same ``PrefixStore`` as the private
+# ``distributed_c10d._get_default_store()``; the private function (torch 2.7, 2.13, 2.14) is the fallback where a
 # release lacks the method or its group cannot give its store.
 
 
@@ -226,7 +240,7 @@ def default_store() -> Any:
 
 
 # --- torch.optim ------------------------------------------------------------------------------------------------
-# torch 2.7.0 and 2.13.0: ``Optimizer._optimizer_load_state_dict_pre_hooks`` (an ``OrderedDict``, filled by the
+# torch 2.7.0, 2.13.0 and 2.14.1: ``Optimizer._optimizer_load_state_dict_pre_hooks`` (an ``OrderedDict``, filled by the
 # public ``register_load_state_dict_pre_hook``).
 
 
@@ -236,7 +250,7 @@ def has_load_state_dict_pre_hooks(optimizer: Any) -> bool:
 
 
 # --- torch.amp.GradScaler ---------------------------------------------------------------------------------------
-# ``_scale`` / ``_growth_tracker`` (torch 2.7-2.13: None until the first ``scale()`` or ``load_state_dict`` +
+# ``_scale`` / ``_growth_tracker`` (torch 2.7, 2.13 and 2.14: None until the first ``scale()`` or ``load_state_dict`` +
 # ``_lazy_init_scale_growth_tracker``). Accelerate's FSDP2 ``load_state`` (1.9-1.15) loads ``scaler.pt`` and then
 # calls ``_lazy_init_scale_growth_tracker``, which asserts the tracker is not initialised yet: it fails for a
 # scaler that already scaled a loss (every fp16 step) or was loaded before in the same process.
@@ -250,7 +264,7 @@ def uninitialise_grad_scaler(scaler: Any) -> None:
 
 
 # --- learning-rate schedulers -----------------------------------------------------------------------------------
-# torch 2.7.0 and 2.13.0: ``OneCycleLR._schedule_phases`` (a list of dicts with ``end_step``; two phases, three with
+# torch 2.7.0, 2.13.0 and 2.14.1: ``OneCycleLR._schedule_phases`` (a list of dicts with ``end_step``; two phases, three with
 # ``three_phase=True``) is where it keeps ``pct_start`` (as the first phase's end step); ``LRScheduler._last_lr`` is
 # what ``get_last_lr()`` returns (set by ``step()``, saved and restored with the state dict).
 
