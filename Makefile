@@ -75,7 +75,7 @@ test-accelerate:
 	$(ALT_VENV)/bin/python -m pytest -q -m distributed $(PYTEST_ARGS)
 
 ## The version matrix: MATRIX_TESTS on every job of accelerate_txn/validated.json (each validated torch/Accelerate
-## pair on the Pythons its row lists: every torch minor 2.7-2.15, every Accelerate minor 1.7-1.15, Python 3.10-3.13),
+## pair on the Pythons its row lists: every torch minor 2.7-2.15, every Accelerate minor 1.7-1.16, Python 3.10-3.13),
 ## one environment per (Python, torch) with Accelerate swapped inside it, the next one installed in the background
 ## while the current one's tests run, each deleted when done. Narrow it with MATRIX_ARGS, e.g.
 ## make test-matrix MATRIX_ARGS="--python 3.13 --keep".

@@ -168,6 +168,9 @@ def test_default_store_is_the_store_the_default_process_group_was_built_on(tmp_p
         dist.destroy_process_group()
 
 
+@pytest.mark.xfail(sys.implementation.name == "cpython" and (3, 12, 0) <= sys.version_info[:3] < (3, 12, 3), strict=True,
+                   reason="CPython 3.12.0-3.12.2 start no thread during interpreter shutdown (python/cpython#113964, "
+                          "fixed in 3.12.3): docs/versions.md says what that means for a save in flight at exit")
 def test_thread_exit_hook_runs_before_concurrent_futures_shuts_down() -> None:
     import subprocess
     import sys

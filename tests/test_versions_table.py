@@ -53,19 +53,20 @@ def test_table_rows_are_exact_releases_with_tested_pythons_and_one_row_per_pair_
 
 def test_table_covers_the_promised_slice() -> None:
     series = {pair.series for pair in TESTED}
-    assert {("2.13", f"1.{minor}") for minor in range(7, 16)} <= series  # every Accelerate minor 1.7 to 1.15
+    assert {("2.13", f"1.{minor}") for minor in range(7, 17)} <= series  # every Accelerate minor 1.7 to 1.16
     assert ("2.7", "1.7") in series  # the design's own pair
     assert ("2.14", "1.15") in series  # torch 2.14.1 is the release pip installs by default on the CI machine
     assert {(f"2.{minor}", "1.15") for minor in range(8, 13)} <= series  # every torch minor 2.8 to 2.12
     assert {pair.series[0] for pair in TESTED} == {f"2.{minor}" for minor in range(7, 16)}  # every torch minor
-    newest_torch = max((pair for pair in TESTED), key=lambda pair: tuple(map(int, pair.torch.split("."))))
-    assert newest_torch.series == ("2.15", "1.15")
+    assert {("2.15", "1.15"), ("2.15", "1.16")} <= series  # the newest torch with the two newest Accelerate minors
+    assert max(tuple(map(int, pair.torch.split("."))) for pair in TESTED)[:2] == (2, 15)
     assert {python for pair in TESTED for python in pair.python} == set(PYTHONS)
 
 
 def test_fsdp2_is_validated_only_on_pairs_of_the_table() -> None:
     assert _versions.FSDP2_VALIDATED <= _versions.VALIDATED, "an FSDP2 pair that CI's matrix does not install"
     assert {(f"2.{minor}", "1.15") for minor in range(8, 15)} <= _versions.FSDP2_VALIDATED
+    assert ("2.13", "1.16") in _versions.FSDP2_VALIDATED
 
 
 def test_requires_python_floor_is_a_tested_python() -> None:
@@ -108,7 +109,10 @@ def test_readme_shows_the_table_read_by_the_code() -> None:
     ("2.12.0", "1.13.0", False),     # a torch minor validated only with another Accelerate minor
     ("2.6.0", "1.15.0", False),      # older than the oldest tested torch minor
     ("2.13.0", "1.6.0", False),
-    ("2.13.0", "1.16.0", False),
+    ("2.13.0", "1.16.0", True),
+    ("2.15.0", "1.16.1", True),
+    ("2.14.1", "1.16.0", False),     # torch 2.14 was tested with Accelerate 1.15 only
+    ("2.13.0", "1.17.0", False),
     ("2.16.0", "1.15.0", False),
 ])
 def test_pair_is_validated_by_minor_series(torch_version: str, accelerate_version: str, expected: bool) -> None:
@@ -117,7 +121,8 @@ def test_pair_is_validated_by_minor_series(torch_version: str, accelerate_versio
 
 @pytest.mark.parametrize("package, version, expected", [
     ("accelerate", "1.7.0", True), ("accelerate", "1.8.0", True), ("accelerate", "1.14.5", True),
-    ("accelerate", "1.6.2", False), ("accelerate", "1.16.0", False), ("accelerate", "2.0.0", False),
+    ("accelerate", "1.6.2", False), ("accelerate", "1.16.0", True), ("accelerate", "1.17.0", False),
+    ("accelerate", "2.0.0", False),
     ("torch", "2.7.1", True), ("torch", "2.13.0+cpu", True), ("torch", "2.15.2", True),
     ("torch", "2.14.1", True), ("torch", "2.8.0", True), ("torch", "2.12.1", True), ("torch", "2.6.0", False),
     ("torch", "2.16.0", False),
@@ -128,13 +133,13 @@ def test_package_is_validated_when_its_series_is_in_some_pair(package: str, vers
 
 def test_describe_table_names_every_pair_by_series() -> None:
     assert describe_table() == ("torch 2.7 with accelerate 1.7; torch 2.8 to 2.12 with accelerate 1.15; "
-                                "torch 2.13 with accelerate 1.7 to 1.15; torch 2.14, 2.15 with accelerate 1.15 "
-                                "(any patch release)")
+                                "torch 2.13 with accelerate 1.7 to 1.16; torch 2.14 with accelerate 1.15; "
+                                "torch 2.15 with accelerate 1.15, 1.16 (any patch release)")
 
 
 @pytest.mark.parametrize("torch_version, accelerate_version, named", [
     ("2.13.0", "1.13.2", []),
-    ("2.13.0+cpu", "1.16.0", ["accelerate 1.16.0"]),
+    ("2.13.0+cpu", "1.17.0", ["accelerate 1.17.0"]),
     ("2.16.0", "1.15.0", ["torch 2.16.0"]),  # an unknown future minor
     ("2.7.0", "1.15.0", ["accelerate 1.15.0", "torch 2.7.0"]),  # each validated, not together: name both
 ])
@@ -150,9 +155,9 @@ def test_unsupported_message_names_the_pair_the_table_and_the_override(monkeypat
     monkeypatch.setattr(torch, "__version__", "2.7.0")
     assert unsupported_message() == (
         "accelerate-txn has not been validated with accelerate 1.15.0 and torch 2.7.0 (validated: torch 2.7 with "
-        "accelerate 1.7; torch 2.8 to 2.12 with accelerate 1.15; torch 2.13 with accelerate 1.7 to 1.15; torch 2.14, "
-        f"2.15 with accelerate 1.15 (any patch release)). Install a validated pair, or set {OVERRIDE_ENV}=1 to use the "
-        "protected path at your own risk.")
+        "accelerate 1.7; torch 2.8 to 2.12 with accelerate 1.15; torch 2.13 with accelerate 1.7 to 1.16; torch 2.14 "
+        "with accelerate 1.15; torch 2.15 with accelerate 1.15, 1.16 (any patch release)). Install a validated pair, "
+        f"or set {OVERRIDE_ENV}=1 to use the protected path at your own risk.")
 
 
 def test_installed_pair_decision_matches_the_policy() -> None:

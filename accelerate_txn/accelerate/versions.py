@@ -188,11 +188,11 @@ def require_supported_versions() -> None:
 # --- FSDP2 -------------------------------------------------------------------------------------------------------
 
 #: (torch minor series, Accelerate minor series) on which the protected FSDP2 path was validated (torch 2.8.0,
-#: 2.9.1, 2.10.0, 2.11.0, 2.12.1 and 2.14.1 with Accelerate 1.15.0; torch 2.13.0 with Accelerate 1.13.0, 1.14.0 and
-#: 1.15.0).
+#: 2.9.1, 2.10.0, 2.11.0, 2.12.1 and 2.14.1 with Accelerate 1.15.0; torch 2.13.0 with Accelerate 1.13.0, 1.14.0,
+#: 1.15.0 and 1.16.0).
 FSDP2_VALIDATED: frozenset[tuple[str, str]] = frozenset({
     ("2.8", "1.15"), ("2.9", "1.15"), ("2.10", "1.15"), ("2.11", "1.15"), ("2.12", "1.15"),
-    ("2.13", "1.13"), ("2.13", "1.14"), ("2.13", "1.15"), ("2.14", "1.15"),
+    ("2.13", "1.13"), ("2.13", "1.14"), ("2.13", "1.15"), ("2.13", "1.16"), ("2.14", "1.15"),
 })
 
 

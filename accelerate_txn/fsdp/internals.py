@@ -261,7 +261,7 @@ def has_load_state_dict_pre_hooks(optimizer: Any) -> bool:
 
 # --- torch.amp.GradScaler ---------------------------------------------------------------------------------------
 # ``_scale`` / ``_growth_tracker`` (torch 2.7 to 2.14: None until the first ``scale()`` or ``load_state_dict`` +
-# ``_lazy_init_scale_growth_tracker``). Accelerate's FSDP2 ``load_state`` (1.9-1.15) loads ``scaler.pt`` and then
+# ``_lazy_init_scale_growth_tracker``). Accelerate's FSDP2 ``load_state`` (1.9-1.15; not 1.16) loads ``scaler.pt`` and then
 # calls ``_lazy_init_scale_growth_tracker``, which asserts the tracker is not initialised yet: it fails for a
 # scaler that already scaled a loss (every fp16 step) or was loaded before in the same process.
 
