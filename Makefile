@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP_FLAGS ?= --quiet --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo lint bench test-accelerate test-matrix crash-sweep test-gpu docs clean  # docs/ exists: docs must be phony
+.PHONY: venv test demo lint bench test-accelerate test-matrix test-matrix-full crash-sweep test-gpu docs clean  # docs/ exists: docs must be phony
 
 venv: $(VENV)/.installed
 
@@ -75,8 +75,10 @@ test-accelerate:
 	$(ALT_VENV)/bin/python -m pytest -q -m distributed $(PYTEST_ARGS)
 
 ## The version matrix: MATRIX_TESTS on every job of accelerate_txn/validated.json (each validated torch/Accelerate
-## pair, and Python 3.10, 3.12, 3.13), one environment per (Python, torch) with Accelerate swapped inside it and
-## deleted when done. Narrow it with MATRIX_ARGS, e.g. make test-matrix MATRIX_ARGS="--python 3.13 --keep".
+## pair on the Pythons its row lists: every torch minor 2.7-2.15, every Accelerate minor 1.7-1.16, Python 3.10-3.13),
+## one environment per (Python, torch) with Accelerate swapped inside it, the next one installed in the background
+## while the current one's tests run, each deleted when done. Narrow it with MATRIX_ARGS, e.g.
+## make test-matrix MATRIX_ARGS="--python 3.13 --keep".
 ## MATRIX_TESTS is the one definition of the compact distributed subset: the orig_params round trip (save,
 ## fresh-optimizer restore, corruption and configuration refusal, a hook failing on one rank, no overwrite),
 ## kill -9 mid-save and resume, ranks that disagree, a DCP exception on one rank, a restore failing part way,
@@ -85,6 +87,12 @@ MATRIX_TESTS ?= tests/test_distributed.py tests/test_elastic.py -k "orig_params 
 MATRIX_ARGS ?=
 test-matrix:
 	$(PYTHON) .ci/matrix.py $(MATRIX_ARGS) -- $(MATRIX_TESTS)
+
+## The whole rectangle (not CI: about 81 cells, two hours on 2 cores): every torch release of the table with every
+## Accelerate release of the table, on Python 3.11, MATRIX_TESTS in each; cells outside the table run with
+## VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1. Writes .ci/matrix-full-run.md, which docs/versions.md shows.
+test-matrix-full:
+	$(PYTHON) .ci/matrix.py --rectangle --include-default --record .ci/matrix-full-run.md $(MATRIX_ARGS) -- $(MATRIX_TESTS)
 
 clean:
 	rm -rf $(VENV) .venv-accelerate-* .venv-matrix .venv-docs site demo-output *.egg-info

@@ -4,7 +4,9 @@ validated table, accelerate_txn/validated.json (``make test-matrix``; .ci/run ca
 
 Standard library only, so any Python 3.10+ can drive it. One virtual environment per (Python, torch): torch is
 installed once and Accelerate is swapped inside it (``pip install accelerate==X``) job after job; the
-environment is deleted when its jobs are done (several GB each) unless ``--keep``. The job equal to the default
+environment is deleted when its jobs are done (several GB each) unless ``--keep``. The next group's environment
+is installed in the background while the current group's tests run (downloading and unpacking a CUDA build of
+torch takes minutes; its log is printed when the group starts). The job equal to the default
 pins (this interpreter's Python, torch and Accelerate from constraints.txt) is skipped: ``make test`` already runs
 the whole suite there. Every job checks that the installed versions are the ones asked for and that
 accelerate_txn itself calls the pair validated, then runs pytest with the override variables removed, so the
@@ -20,6 +22,7 @@ these pins for the matrix's own pip calls; nothing outside the matrix environmen
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -29,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +50,7 @@ class Job:
     python: str
     torch: str
     accelerate: str
+    in_table: bool = True  # False: a cell of the rectangle that no table row names (run with the override)
 
     def __str__(self) -> str:
         return f"Python {self.python}, torch {self.torch}, accelerate {self.accelerate}"
@@ -62,6 +67,20 @@ class Outcome:
 def jobs() -> list[Job]:
     table = json.loads(TABLE.read_text(encoding="utf-8"))
     return [Job(python, row["torch"], row["accelerate"]) for row in table["pairs"] for python in row["python"]]
+
+
+def _release_key(release: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in release.split("."))
+
+
+def rectangle(python: str) -> list[Job]:
+    """Every torch release of the table with every Accelerate release of the table (the whole rectangle of
+    validated minor series), on one Python: the table's own pairs and every other combination of the two."""
+    table = json.loads(TABLE.read_text(encoding="utf-8"))["pairs"]
+    named = {(row["torch"], row["accelerate"]) for row in table}
+    torches = sorted({row["torch"] for row in table}, key=_release_key)
+    accelerates = sorted({row["accelerate"] for row in table}, key=_release_key)
+    return [Job(python, torch, accelerate, (torch, accelerate) in named) for torch in torches for accelerate in accelerates]
 
 
 def pins() -> dict[str, str]:
@@ -81,13 +100,19 @@ def _say(message: str) -> None:
     print(f"[matrix] {message}", flush=True)
 
 
-def _run(command: list[str], env: dict[str, str], cwd: Path = ROOT) -> int:
-    """Run ``command``, streaming its output without the machine's find-links noise; its exit code."""
+def _run(command: list[str], env: dict[str, str], cwd: Path = ROOT, sink: list[str] | None = None) -> int:
+    """Run ``command``, streaming its output without the machine's find-links noise (into ``sink`` instead of
+    standard output when given: an environment prepared in the background prints its log when its turn comes);
+    its exit code."""
     process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert process.stdout is not None
     for line in process.stdout:
-        if not NOISE.match(line.rstrip("\n")):
+        if NOISE.match(line.rstrip("\n")):
+            continue
+        if sink is None:
             print(line, end="", flush=True)
+        else:
+            sink.append(line)
     return process.wait()
 
 
@@ -111,24 +136,30 @@ def find_interpreter(version: str) -> str:
 class Environment:
     """One virtual environment for one (Python, torch); Accelerate is swapped inside it."""
 
-    def __init__(self, directory: Path, python: str, torch: str, constraints: Path) -> None:
+    def __init__(self, directory: Path, python: str, torch: str, constraints: Path,
+                 sink: list[str] | None = None) -> None:
         self.directory, self.python, self.torch = directory, python, torch
         self.bin = directory / "bin" / "python"
         self.constraints = constraints
         self.editable_installed = False
+        self.sink = sink
 
-    def env(self) -> dict[str, str]:
+    def env(self, override: bool = False) -> dict[str, str]:
+        """The environment for pip and pytest: no override variable set, unless ``override`` (a rectangle cell
+        outside the table runs the protected path through ``VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1``)."""
         env = {key: value for key, value in os.environ.items() if key not in UNSET}
+        if override:
+            env["VIDEOX_ACCELERATE_ALLOW_UNVALIDATED"] = "1"
         # Replaces the machine-wide constraint file (pip config), which may cap torch below the table's release.
         env["PIP_CONSTRAINT"] = str(self.constraints)
         return env
 
     def pip(self, *requirements: str) -> int:
-        return _run([str(self.bin), *PIP, *requirements], self.env())
+        return _run([str(self.bin), *PIP, *requirements], self.env(), sink=self.sink)
 
     def create(self) -> int:
         shutil.rmtree(self.directory, ignore_errors=True)
-        code = _run([find_interpreter(self.python), "-m", "venv", str(self.directory)], self.env())
+        code = _run([find_interpreter(self.python), "-m", "venv", str(self.directory)], self.env(), sink=self.sink)
         return code or self.pip(f"torch=={self.torch}")
 
     def use_accelerate(self, version: str) -> int:
@@ -152,8 +183,10 @@ class Environment:
         _say(f"installed: Python {seen['python']}, torch {seen['torch']}, accelerate {seen['accelerate']}")
         if (seen["python"], seen["torch"].split("+")[0], seen["accelerate"]) != (job.python, job.torch, job.accelerate):
             return f"expected {job}, found {seen}"
-        if seen["unvalidated"]:
+        if job.in_table and seen["unvalidated"]:
             return f"accelerate_txn does not call this table pair validated: {seen['unvalidated']}"
+        if not job.in_table and not seen["unvalidated"]:
+            return "accelerate_txn calls this pair validated, but no row of the table names it"
         return None
 
     def remove(self) -> None:
@@ -174,21 +207,46 @@ def _constraints_file(directory: Path, keep_pins: bool) -> Path:
     return path
 
 
-def run_group(python: str, torch: str, group: list[Job], pytest_args: list[str], root: Path,
-              keep: bool) -> list[Outcome]:
+@dataclass
+class Prepared:
+    """An environment with torch installed (or the pip exit code that says why not), and what it took."""
+    env: Environment
+    code: int
+    create_s: float
+    log: list[str] | None  # what pip printed, for an environment created in the background; None otherwise
+
+
+def prepare(python: str, torch: str, root: Path, quiet: bool) -> Prepared:
+    """The virtual environment of one (Python, torch) with torch installed. ``quiet``: collect pip's output
+    instead of printing it (the next group's environment is prepared while the current group's tests run: the
+    download and unpacking of several GB overlap the tests instead of adding to them)."""
     directory = root / f"py{python}-torch{torch}"
     root.mkdir(parents=True, exist_ok=True)
-    outcomes = [Outcome(job) for job in group]
+    log: list[str] | None = [] if quiet else None
+    if not quiet:
+        _say(f"== Python {python}, torch {torch}: creating {directory.relative_to(ROOT)} ==")
     started = time.monotonic()
-    env = Environment(directory, python, torch, _constraints_file(directory, keep_pins=True))
-    _say(f"== Python {python}, torch {torch}: creating {directory.relative_to(ROOT)} ==")
+    env = Environment(directory, python, torch, _constraints_file(directory, keep_pins=True), sink=log)
     code = env.create()
     if code and python != host_python():
-        _say(f"constraints.txt's pins do not all install on Python {python}; retrying with only torch and "
-             "accelerate pinned (from the table)")
-        env = Environment(directory, python, torch, _constraints_file(directory, keep_pins=False))
+        message = (f"[matrix] constraints.txt's pins do not all install on Python {python}; retrying with only "
+                   "torch and accelerate pinned (from the table)\n")
+        log.append(message) if log is not None else print(message, end="", flush=True)
+        env.remove()
+        env = Environment(directory, python, torch, _constraints_file(directory, keep_pins=False), sink=log)
         code = env.create()
-    create_s = time.monotonic() - started
+    env.sink = None
+    return Prepared(env, code, time.monotonic() - started, log)
+
+
+def run_group(python: str, torch: str, group: list[Job], pytest_args: list[str], prepared: Prepared,
+              keep: bool) -> list[Outcome]:
+    outcomes = [Outcome(job) for job in group]
+    env, code, create_s = prepared.env, prepared.code, prepared.create_s
+    if prepared.log is not None:
+        _say(f"== Python {python}, torch {torch}: {env.directory.relative_to(ROOT)}, created while the previous "
+             "group's tests ran; its install log: ==")
+        print("".join(prepared.log), end="", flush=True)
     _say(f"venv + torch {torch} on Python {python}: {create_s:.0f} s (exit {code})")
     try:
         for index, outcome in enumerate(outcomes):
@@ -207,7 +265,8 @@ def run_group(python: str, torch: str, group: list[Job], pytest_args: list[str],
                 continue
             step = time.monotonic()
             _say(f"{job}: pytest {shlex.join(pytest_args)}")
-            rc = _run([str(env.bin), "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args], env.env())
+            rc = _run([str(env.bin), "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args],
+                      env.env(override=not job.in_table))
             outcome.test_s = time.monotonic() - step
             outcome.result = {0: "passed", 5: "FAILED: pytest collected no tests (exit 5)"}.get(
                 rc, f"FAILED: pytest exit {rc}")
@@ -215,7 +274,7 @@ def run_group(python: str, torch: str, group: list[Job], pytest_args: list[str],
     finally:
         if not keep:
             env.remove()
-            _say(f"removing {directory.relative_to(ROOT)} (in the background)")
+            _say(f"removing {env.directory.relative_to(ROOT)} (in the background)")
     return outcomes
 
 
@@ -227,13 +286,20 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--include-default", action="store_true", help="also run the job that make test covers")
     parser.add_argument("--keep", action="store_true", help="keep the environments (default: delete each when done)")
     parser.add_argument("--envs", type=Path, default=ROOT / ".venv-matrix", help="where environments are created")
+    parser.add_argument("--rectangle", action="store_true",
+                        help="every torch release of the table with every Accelerate release of the table, on one "
+                             "Python (this interpreter's, or the first --python); cells outside the table run with "
+                             "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1 (make test-matrix-full)")
+    parser.add_argument("--record", type=Path,
+                        help="write the results, one cell per (torch, Accelerate), as Markdown to this file")
     parser.add_argument("--list", action="store_true", help="print the jobs and exit")
     parser.add_argument("pytest_args", nargs="*", help="after --: what pytest runs in every job")
     options = parser.parse_args(argv)
 
     default = pins()
-    selected = [job for job in jobs()
-                if (not options.python or job.python in options.python)
+    candidates = rectangle((options.python or [host_python()])[0]) if options.rectangle else jobs()
+    selected = [job for job in candidates
+                if (options.rectangle or not options.python or job.python in options.python)
                 and (not options.torch or job.torch in options.torch)
                 and (not options.accelerate or job.accelerate in options.accelerate)
                 and (options.include_default
@@ -255,19 +321,74 @@ def main(argv: list[str]) -> int:
     for stale in options.envs.glob("*.removing-*"):  # left by an interrupted run
         shutil.rmtree(stale, ignore_errors=True)
     outcomes: list[Outcome] = []
-    try:
-        for (python, torch), group in groups.items():
-            outcomes += run_group(python, torch, group, options.pytest_args, options.envs.resolve(), options.keep)
-    finally:
-        for removal in _REMOVALS:
-            removal.wait()
+    root = options.envs.resolve()
+    keys = list(groups)
+    # One environment ahead: the next (Python, torch) is installed in the background while this group's tests run.
+    with ThreadPoolExecutor(max_workers=1) as ahead:
+        upcoming: Future[Prepared] | None = None
+        try:
+            for index, (python, torch) in enumerate(keys):
+                prepared = upcoming.result() if upcoming is not None else prepare(python, torch, root, quiet=False)
+                upcoming = (ahead.submit(prepare, *keys[index + 1], root, True) if index + 1 < len(keys) else None)
+                outcomes += run_group(python, torch, groups[(python, torch)], options.pytest_args, prepared,
+                                      options.keep)
+        finally:
+            if upcoming is not None:  # interrupted: the environment prepared ahead is not used
+                with contextlib.suppress(Exception):
+                    upcoming.result().env.remove()
+            for removal in _REMOVALS:
+                removal.wait()
 
     _say(f"== summary ({time.monotonic() - started:.0f} s in all) ==")
     for outcome in outcomes:
         _say(f"{outcome.job!s:<48} install {outcome.install_s:5.0f} s  tests {outcome.test_s:5.0f} s  {outcome.result}")
     failed = sum(outcome.result != "passed" for outcome in outcomes)
     print(f"matrix: {len(outcomes) - failed} passed, {failed} failed", flush=True)
+    if options.record is not None:
+        options.record.write_text(record(outcomes, argv, time.monotonic() - started), encoding="utf-8")
+        _say(f"results written to {options.record}")
     return 1 if failed else 0
+
+
+def _cell(outcome: Outcome) -> str:
+    if outcome.result == "passed":
+        return "passed"
+    if outcome.result.startswith("FAILED: pytest"):
+        return "**tests failed**"
+    return "not installable" if "pip exit" in outcome.result else "**failed**"
+
+
+def record(outcomes: list[Outcome], argv: list[str], seconds: float) -> str:
+    """The results as Markdown: when, the command, and one cell per (torch, Accelerate); a table pair's cell is
+    marked "(table)"."""
+    torches = sorted({o.job.torch for o in outcomes}, key=_release_key)
+    accelerates = sorted({o.job.accelerate for o in outcomes}, key=_release_key)
+    cells = {(o.job.torch, o.job.accelerate): o for o in outcomes}
+    pythons = sorted({o.job.python for o in outcomes})
+    passed = sum(o.result == "passed" for o in outcomes)
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    lines = [
+        "<!-- Written by .ci/matrix.py --record (make test-matrix-full); do not edit by hand. -->",
+        "",
+        f"Run on {when}: `python3 .ci/matrix.py {shlex.join(argv)}` on Python {', '.join(pythons)}, "
+        f"{os.cpu_count()} CPU cores, {seconds / 60:.0f} minutes; {len(outcomes)} cells, {passed} passed, "
+        f"{len(outcomes) - passed} not. \"(table)\" marks a pair of the validated table; the other cells ran with "
+        "`VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1`.",
+        "",
+        "| torch \\ Accelerate | " + " | ".join(accelerates) + " |",
+        "| --- |" + " --- |" * len(accelerates),
+    ]
+    for torch in torches:
+        row = []
+        for accelerate in accelerates:
+            outcome = cells.get((torch, accelerate))
+            row.append("not run" if outcome is None else _cell(outcome) + (" (table)" if outcome.job.in_table else ""))
+        lines.append(f"| {torch} | " + " | ".join(row) + " |")
+    failures = [o for o in outcomes if o.result != "passed"]
+    if failures:
+        lines += ["", "Why each cell that did not pass failed:", ""]
+        lines += [f"- torch {o.job.torch}, Accelerate {o.job.accelerate}: {o.result.splitlines()[0]}" for o in failures]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

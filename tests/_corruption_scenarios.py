@@ -29,6 +29,8 @@ from accelerate_txn.accelerate.config import checkpoint_config, mark_failed
 from accelerate_txn.core.manifest import MANIFEST, hash_file
 from accelerate_txn.testing import TinyModel, fsdp_accelerator
 
+from ._log_records import WarningRecords
+
 # The file classes of a protected FSDP1 checkpoint of ``_build`` (2 ranks), by case-name prefix.
 FILES = {
     "model_payload_0": "pytorch_model_fsdp_0/__0_0.distcp",
@@ -402,22 +404,13 @@ def corruption_matrix(root: str) -> dict[str, Any]:
 
 # --- selection, legacy, staging, large payloads ------------------------------------------------------------------
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def selection(root: str) -> dict[str, Any]:
     """Automatic selection with a corrupt newest checkpoint, newer legacy directories, a staging directory, and
     a flipped byte in a payload over 16 MiB."""
     root_path = Path(root)
     rank = _rank()
     obs: dict[str, Any] = {}
-    records = _Records()
+    records = WarningRecords()
     logging.getLogger("accelerate_txn").addHandler(records)
 
     # Run 1: three complete checkpoints (automatic naming).

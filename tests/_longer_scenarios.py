@@ -15,6 +15,7 @@ from diffusers.optimization import get_scheduler
 from accelerate_txn import configure_checkpointing
 from accelerate_txn.testing import TinyModel, fsdp_accelerator
 
+from ._log_records import WarningRecords
 from ._scenarios import _error, _local_state, _same
 
 BASE_LR = 1e-2
@@ -22,15 +23,6 @@ WARMUP = 2
 SAVED_STEPS = 4  # optimizer steps before the save (past the warmup: the two schedules differ there)
 MORE_STEPS = 3  # optimizer steps after it
 DATA_SEED = 21
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def _build(seed: int, total: int, warmup: int = WARMUP) -> tuple[Any, Any, Any, Any]:
@@ -72,7 +64,7 @@ def _train(accelerator: Any, model: Any, optimizer: Any, scheduler: Any, steps: 
 def train_longer(root: str) -> dict[str, Any]:
     path = Path(root).absolute() / "ckpt"
     obs: dict[str, Any] = {"path": str(path)}
-    records = _Records()
+    records = WarningRecords()
     logging.getLogger("accelerate_txn").addHandler(records)
 
     # The run as first planned: a 40-step schedule, saved after SAVED_STEPS optimizer steps.

@@ -168,6 +168,9 @@ def test_default_store_is_the_store_the_default_process_group_was_built_on(tmp_p
         dist.destroy_process_group()
 
 
+@pytest.mark.xfail(sys.implementation.name == "cpython" and (3, 12, 0) <= sys.version_info[:3] < (3, 12, 3), strict=True,
+                   reason="CPython 3.12.0-3.12.2 start no thread during interpreter shutdown (python/cpython#113964, "
+                          "fixed in 3.12.3): docs/versions.md says what that means for a save in flight at exit")
 def test_thread_exit_hook_runs_before_concurrent_futures_shuts_down() -> None:
     import subprocess
     import sys
@@ -204,9 +207,12 @@ def test_stateful_shard_position_exact_is_whether_data_loader_shard_overrides_th
     assert exact == (Version(accelerate.__version__) >= Version("1.13"))  # accelerate #3952
 
 
-def test_scheduler_accessors_read_one_cycle_phases_and_set_what_get_last_lr_returns() -> None:
+def test_scheduler_accessors_read_one_cycle_phases_and_anneal_strategy_and_set_what_get_last_lr_returns() -> None:
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     one_cycle = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1.0, total_steps=100, pct_start=0.25)
+    assert _internals.one_cycle_anneal_strategy(one_cycle) == "cos"
+    assert _internals.one_cycle_anneal_strategy(torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=1.0, total_steps=100, anneal_strategy="linear")) == "linear"
     phases = _internals.one_cycle_phases(one_cycle)
     assert len(phases) == 2 and phases[0]["end_step"] == 24  # pct_start * total_steps - 1
     assert len(_internals.one_cycle_phases(torch.optim.lr_scheduler.OneCycleLR(

@@ -344,10 +344,12 @@ def test_the_timeout_kills_every_worker(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_the_command_line_echoes_each_rank_and_ctrl_c_kills_the_whole_job(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum, status, said", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+def test_the_command_line_echoes_each_rank_and_ctrl_c_or_sigterm_kills_the_whole_job(
+        tmp_path: Path, signum: int, status: int, said: str) -> None:
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "accelerate_txn.testing", "run", "-n", "2", "--timeout", str(JOB_TIMEOUT),
-         str(_blocker(tmp_path)), "--dir", str(tmp_path)],
+        [sys.executable, "-X", "faulthandler", "-m", "accelerate_txn.testing", "run", "-n", "2", "--timeout",
+         str(JOB_TIMEOUT), str(_blocker(tmp_path)), "--dir", str(tmp_path)],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     ready: dict[int, str] = {}
@@ -361,14 +363,19 @@ def test_the_command_line_echoes_each_rank_and_ctrl_c_kills_the_whole_job(tmp_pa
             if len(ready) == 2:
                 break
         assert len(ready) == 2, "".join(lines) + launcher.stderr.read()
-        launcher.send_signal(signal.SIGINT)
-        _, stderr = launcher.communicate(timeout=240)  # a hang guard only
+        launcher.send_signal(signum)
+        try:
+            _, stderr = launcher.communicate(timeout=240)  # a hang guard only
+        except subprocess.TimeoutExpired:  # say where the launcher hangs: faulthandler prints every thread's stack
+            launcher.send_signal(signal.SIGABRT)
+            _, stderr = launcher.communicate(timeout=60)
+            pytest.fail(f"the launcher did not end within 240 s of the signal; its threads:\n{stderr}")
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
-    assert launcher.returncode == 130, stderr
-    assert "interrupted: every worker was killed" in stderr
+    assert launcher.returncode == status, stderr
+    assert f"{said}: every worker was killed" in stderr
     workers = [int(ready[rank].split(" pid ")[1].split()[0]) for rank in (0, 1)]
     assert [pid for pid in workers + _children(tmp_path) if _alive(pid)] == []
     assert len(_children(tmp_path)) == 2

@@ -4,12 +4,14 @@ matrix (.ci/matrix.py) and the matrix subset defined in the Makefile."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import accelerate
 import pytest
@@ -51,17 +53,20 @@ def test_table_rows_are_exact_releases_with_tested_pythons_and_one_row_per_pair_
 
 def test_table_covers_the_promised_slice() -> None:
     series = {pair.series for pair in TESTED}
-    assert {("2.13", f"1.{minor}") for minor in range(7, 16)} <= series  # every Accelerate minor 1.7 to 1.15
+    assert {("2.13", f"1.{minor}") for minor in range(7, 17)} <= series  # every Accelerate minor 1.7 to 1.16
     assert ("2.7", "1.7") in series  # the design's own pair
     assert ("2.14", "1.15") in series  # torch 2.14.1 is the release pip installs by default on the CI machine
-    newest_torch = max((pair for pair in TESTED), key=lambda pair: tuple(map(int, pair.torch.split("."))))
-    assert newest_torch.series == ("2.15", "1.15")
+    assert {(f"2.{minor}", "1.15") for minor in range(8, 13)} <= series  # every torch minor 2.8 to 2.12
+    assert {pair.series[0] for pair in TESTED} == {f"2.{minor}" for minor in range(7, 16)}  # every torch minor
+    assert {("2.15", "1.15"), ("2.15", "1.16")} <= series  # the newest torch with the two newest Accelerate minors
+    assert max(tuple(map(int, pair.torch.split("."))) for pair in TESTED)[:2] == (2, 15)
     assert {python for pair in TESTED for python in pair.python} == set(PYTHONS)
 
 
 def test_fsdp2_is_validated_only_on_pairs_of_the_table() -> None:
     assert _versions.FSDP2_VALIDATED <= _versions.VALIDATED, "an FSDP2 pair that CI's matrix does not install"
-    assert ("2.14", "1.15") in _versions.FSDP2_VALIDATED
+    assert {(f"2.{minor}", "1.15") for minor in range(8, 15)} <= _versions.FSDP2_VALIDATED
+    assert ("2.13", "1.16") in _versions.FSDP2_VALIDATED
 
 
 def test_requires_python_floor_is_a_tested_python() -> None:
@@ -99,9 +104,15 @@ def test_readme_shows_the_table_read_by_the_code() -> None:
     ("2.7.0", "1.15.0", False),      # each validated, but never tested together
     ("2.15.0", "1.7.0", False),
     ("2.14.1", "1.13.0", False),
-    ("2.12.0", "1.15.0", False),     # a torch minor between the tested ones
+    ("2.12.0", "1.15.0", True),
+    ("2.8.0+cu128", "1.15.1", True),
+    ("2.12.0", "1.13.0", False),     # a torch minor validated only with another Accelerate minor
+    ("2.6.0", "1.15.0", False),      # older than the oldest tested torch minor
     ("2.13.0", "1.6.0", False),
-    ("2.13.0", "1.16.0", False),
+    ("2.13.0", "1.16.0", True),
+    ("2.15.0", "1.16.1", True),
+    ("2.14.1", "1.16.0", False),     # torch 2.14 was tested with Accelerate 1.15 only
+    ("2.13.0", "1.17.0", False),
     ("2.16.0", "1.15.0", False),
 ])
 def test_pair_is_validated_by_minor_series(torch_version: str, accelerate_version: str, expected: bool) -> None:
@@ -110,22 +121,25 @@ def test_pair_is_validated_by_minor_series(torch_version: str, accelerate_versio
 
 @pytest.mark.parametrize("package, version, expected", [
     ("accelerate", "1.7.0", True), ("accelerate", "1.8.0", True), ("accelerate", "1.14.5", True),
-    ("accelerate", "1.6.2", False), ("accelerate", "1.16.0", False), ("accelerate", "2.0.0", False),
+    ("accelerate", "1.6.2", False), ("accelerate", "1.16.0", True), ("accelerate", "1.17.0", False),
+    ("accelerate", "2.0.0", False),
     ("torch", "2.7.1", True), ("torch", "2.13.0+cpu", True), ("torch", "2.15.2", True),
-    ("torch", "2.14.1", True), ("torch", "2.8.0", False), ("torch", "2.16.0", False),
+    ("torch", "2.14.1", True), ("torch", "2.8.0", True), ("torch", "2.12.1", True), ("torch", "2.6.0", False),
+    ("torch", "2.16.0", False),
 ])
 def test_package_is_validated_when_its_series_is_in_some_pair(package: str, version: str, expected: bool) -> None:
     assert is_validated(package, version) is expected
 
 
 def test_describe_table_names_every_pair_by_series() -> None:
-    assert describe_table() == ("torch 2.7 with accelerate 1.7; torch 2.13 with accelerate 1.7 to 1.15; "
-                                "torch 2.14 with accelerate 1.15; torch 2.15 with accelerate 1.15 (any patch release)")
+    assert describe_table() == ("torch 2.7 with accelerate 1.7; torch 2.8 to 2.12 with accelerate 1.15; "
+                                "torch 2.13 with accelerate 1.7 to 1.16; torch 2.14 with accelerate 1.15; "
+                                "torch 2.15 with accelerate 1.15, 1.16 (any patch release)")
 
 
 @pytest.mark.parametrize("torch_version, accelerate_version, named", [
     ("2.13.0", "1.13.2", []),
-    ("2.13.0+cpu", "1.16.0", ["accelerate 1.16.0"]),
+    ("2.13.0+cpu", "1.17.0", ["accelerate 1.17.0"]),
     ("2.16.0", "1.15.0", ["torch 2.16.0"]),  # an unknown future minor
     ("2.7.0", "1.15.0", ["accelerate 1.15.0", "torch 2.7.0"]),  # each validated, not together: name both
 ])
@@ -141,9 +155,9 @@ def test_unsupported_message_names_the_pair_the_table_and_the_override(monkeypat
     monkeypatch.setattr(torch, "__version__", "2.7.0")
     assert unsupported_message() == (
         "accelerate-txn has not been validated with accelerate 1.15.0 and torch 2.7.0 (validated: torch 2.7 with "
-        "accelerate 1.7; torch 2.13 with accelerate 1.7 to 1.15; torch 2.14 with accelerate 1.15; torch 2.15 with "
-        f"accelerate 1.15 (any patch release)). Install a validated pair, or set {OVERRIDE_ENV}=1 to use the protected "
-        "path at your own risk.")
+        "accelerate 1.7; torch 2.8 to 2.12 with accelerate 1.15; torch 2.13 with accelerate 1.7 to 1.16; torch 2.14 "
+        "with accelerate 1.15; torch 2.15 with accelerate 1.15, 1.16 (any patch release)). Install a validated pair, "
+        f"or set {OVERRIDE_ENV}=1 to use the protected path at your own risk.")
 
 
 def test_installed_pair_decision_matches_the_policy() -> None:
@@ -167,7 +181,7 @@ def test_ci_matrix_runs_every_table_job_except_the_one_make_test_covers() -> Non
     host = f"{sys.version_info.major}.{sys.version_info.minor}"
     default = f"Python {host}, torch {pins['torch']}, accelerate {pins['accelerate']}"
     assert _matrix("--list") == [job for job in every if job != default]
-    assert _matrix("--list", "--python", "3.13") == ["Python 3.13, torch 2.13.0, accelerate 1.15.0"]
+    assert _matrix("--list", "--python", "3.13") == ["Python 3.13, torch 2.12.1, accelerate 1.15.0"]
 
 
 def test_matrix_subset_in_the_makefile_selects_each_promised_check() -> None:
@@ -194,3 +208,41 @@ def test_matrix_subset_in_the_makefile_selects_each_promised_check() -> None:
     assert not missing, f"MATRIX_TESTS no longer selects: {missing}"
     # Compact: one round-trip launch (orig_params), not the flat_params one as well.
     assert not any("flat_params" in node for node in selected)
+
+
+def test_full_matrix_is_every_torch_release_of_the_table_with_every_accelerate_release() -> None:
+    host = f"{sys.version_info.major}.{sys.version_info.minor}"
+    torches = {pair.torch for pair in TESTED}
+    accelerates = {pair.accelerate for pair in TESTED}
+    listed = _matrix("--rectangle", "--include-default", "--list")
+    assert len(listed) == len(torches) * len(accelerates)
+    assert set(listed) == {f"Python {host}, torch {t}, accelerate {a}" for t in torches for a in accelerates}
+    assert "make test-matrix-full" not in (REPO / ".ci" / "run").read_text(encoding="utf-8")  # not CI: hours
+
+
+def _matrix_module() -> Any:
+    spec = importlib.util.spec_from_file_location("ci_matrix", MATRIX)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ci_matrix"] = module  # dataclasses resolve their module by name
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules["ci_matrix"]
+    return module
+
+
+def test_full_matrix_record_has_one_cell_per_pair_and_says_why_cells_failed() -> None:
+    matrix = _matrix_module()
+    outcomes = [
+        matrix.Outcome(matrix.Job("3.11", "2.7.0", "1.7.0", True), result="passed"),
+        matrix.Outcome(matrix.Job("3.11", "2.7.0", "1.15.0", False), result="FAILED: pytest exit 1"),
+        matrix.Outcome(matrix.Job("3.11", "2.15.0", "1.7.0", False), result="installing accelerate failed (pip exit 1)"),
+    ]
+    text = matrix.record(outcomes, ["--rectangle", "--", "tests/x.py"], 600.0)
+    lines = text.splitlines()
+    assert "`python3 .ci/matrix.py --rectangle -- tests/x.py`" in text and "3 cells, 1 passed, 2 not" in text
+    assert "| torch \\ Accelerate | 1.7.0 | 1.15.0 |" in lines
+    assert "| 2.7.0 | passed (table) | **tests failed** |" in lines
+    assert "| 2.15.0 | not installable | not run |" in lines
+    assert "- torch 2.7.0, Accelerate 1.15.0: FAILED: pytest exit 1" in lines

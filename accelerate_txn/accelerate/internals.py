@@ -6,13 +6,21 @@ anywhere else, and calls every function of both on the installed versions). Supp
 means reading this file against the new source, and running that test.
 
 Checked against (source of each release read side by side): Accelerate 1.7.0, 1.8.1, 1.9.0, 1.10.1, 1.11.0, 1.12.0,
-1.13.0, 1.14.0, 1.15.0: everything below is the same in all of them (attributes initialised in
+1.13.0, 1.14.0, 1.15.0, 1.16.0: everything below is the same in all of them (attributes initialised in
 ``Accelerator.__init__``, the module globals ``load_state`` calls). Where a later release differs, branch here on
 the installed version (``packaging.version.Version(accelerate.__version__)``) and note both sides; callers stay
 unchanged.
 
-Under torch 2.14.1 (with Accelerate 1.15.0), nothing here differs from torch 2.13: Accelerate's own branches on the
-torch version (``is_torch_version``) all sit at 2.8 or below, so it takes the same paths under both.
+Accelerate 1.16.0 against 1.15.0 (both sources compared file by file): every attribute and module global here is
+unchanged, and ``save_state`` is the same code (same files, names and layout). On the library's path: FSDP2
+``load_state`` loads ``scaler.pt`` once, after the data loaders, and no longer calls
+``_lazy_init_scale_growth_tracker`` (``fsdp.internals.uninitialise_grad_scaler`` is then unneeded and harmless);
+the RNG file's device key comes from ``get_torch_accelerator_backend()`` (unchanged on CPU and CUDA); FSDP2
+``prepare`` accepts a model without an optimizer (such a setup runs native, as before). 1.16 needs Python 3.11+
+and torch 2.6+.
+
+Under torch 2.8 to 2.14 (with Accelerate 1.15.0), nothing here differs from torch 2.13: Accelerate's own branches
+on the torch version (``is_torch_version``) all sit at 2.8 or below, so it takes the same paths under each.
 
 Not here: attributes with public names that the code uses as they are (``accelerator.state.fsdp_plugin``,
 ``AcceleratedOptimizer.optimizer``). Imports of Accelerate are lazy: importing this module costs nothing.

@@ -30,7 +30,7 @@ from typing import Any
 
 from ..core.jsondiff import differences
 from ..errors import CheckpointConfigurationError
-from ..fsdp.internals import one_cycle_phases, set_last_lr
+from ..fsdp.internals import one_cycle_anneal_strategy, one_cycle_phases, set_last_lr
 
 #: Names of a ``LambdaLR`` function's value (closure variable, default, keyword) that hold the schedule's total
 #: length in steps. A change of one of them is accepted: the live function continues with the new length.
@@ -85,7 +85,7 @@ BUILTIN_SETTINGS: dict[str, dict[str, Callable[[Any], Any]]] = {
     "CosineAnnealingWarmRestarts": {"T_0": _attribute("T_0"), "T_mult": _attribute("T_mult"),
                                     "eta_min": _attribute("eta_min")},
     "OneCycleLR": {"total_steps": _attribute("total_steps"), "pct_start": _pct_start, "three_phase": _three_phase,
-                   "anneal_strategy": _attribute("_anneal_func_type"), "cycle_momentum": _attribute("cycle_momentum")},
+                   "anneal_strategy": one_cycle_anneal_strategy, "cycle_momentum": _attribute("cycle_momentum")},
     "CyclicLR": {"max_lrs": _attribute("max_lrs"), "total_size": _attribute("total_size"),
                  "step_ratio": _attribute("step_ratio"), "mode": _attribute("mode"), "gamma": _attribute("gamma"),
                  "scale_mode": _attribute("scale_mode"), "cycle_momentum": _attribute("cycle_momentum")},

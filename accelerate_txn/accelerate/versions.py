@@ -116,12 +116,25 @@ def _span(minors: list[str]) -> str:
     return ", ".join(str(number) for number in numbers)
 
 
+def _adjacent(earlier: str, later: str) -> bool:
+    """Whether minor series ``later`` directly follows ``earlier`` ("2.8", "2.9")."""
+    a, b = Version(earlier), Version(later)
+    return a.major == b.major and b.minor == a.minor + 1
+
+
 def describe_table() -> str:
-    """The validated pairs in one line, e.g. "torch 2.13 with accelerate 1.7 to 1.15; ...", by minor series."""
+    """The validated pairs in one line, by minor series, neighbouring torch series with the same Accelerate series
+    together: "torch 2.8 to 2.12 with accelerate 1.15; torch 2.13 with accelerate 1.7 to 1.15; ..."."""
     by_torch: dict[str, list[str]] = {}
     for torch_series, accelerate_series in sorted(VALIDATED, key=lambda pair: Version(pair[0])):
         by_torch.setdefault(torch_series, []).append(accelerate_series)
-    pairs = "; ".join(f"torch {torch_series} with accelerate {_span(minors)}" for torch_series, minors in by_torch.items())
+    runs: list[tuple[list[str], list[str]]] = []  # (torch series, their common Accelerate series)
+    for torch_series, minors in by_torch.items():
+        if runs and sorted(runs[-1][1]) == sorted(minors) and _adjacent(runs[-1][0][-1], torch_series):
+            runs[-1][0].append(torch_series)
+        else:
+            runs.append(([torch_series], minors))
+    pairs = "; ".join(f"torch {_span(torch_series)} with accelerate {_span(minors)}" for torch_series, minors in runs)
     return f"{pairs} (any patch release)"
 
 
@@ -174,10 +187,13 @@ def require_supported_versions() -> None:
 
 # --- FSDP2 -------------------------------------------------------------------------------------------------------
 
-#: (torch minor series, Accelerate minor series) on which the protected FSDP2 path was validated (torch 2.13.0
-#: with Accelerate 1.13.0, 1.14.0 and 1.15.0; torch 2.14.1 with Accelerate 1.15.0).
-FSDP2_VALIDATED: frozenset[tuple[str, str]] = frozenset({("2.13", "1.13"), ("2.13", "1.14"), ("2.13", "1.15"),
-                                                         ("2.14", "1.15")})
+#: (torch minor series, Accelerate minor series) on which the protected FSDP2 path was validated (torch 2.8.0,
+#: 2.9.1, 2.10.0, 2.11.0, 2.12.1 and 2.14.1 with Accelerate 1.15.0; torch 2.13.0 with Accelerate 1.13.0, 1.14.0,
+#: 1.15.0 and 1.16.0).
+FSDP2_VALIDATED: frozenset[tuple[str, str]] = frozenset({
+    ("2.8", "1.15"), ("2.9", "1.15"), ("2.10", "1.15"), ("2.11", "1.15"), ("2.12", "1.15"),
+    ("2.13", "1.13"), ("2.13", "1.14"), ("2.13", "1.15"), ("2.13", "1.16"), ("2.14", "1.15"),
+})
 
 
 def fsdp2_validated() -> bool:

@@ -23,6 +23,16 @@ Checked against (source of each release read side by side):
   ``FileSystemWriter(sync_files=True)`` flushes each stream before ``fsync`` and warns (instead of ``os.sync()``)
   where ``fsync`` is unsupported; ``ShardedTensor.cuda()``/``.to()`` go through ``torch.accelerator``;
   ``distributed_c10d`` reorganised backend registration (torchcomms), with the same public calls. No branch.
+* torch 2.8.0, 2.9.1, 2.10.0, 2.11.0 and 2.12.1 against 2.13.0 (each wheel's sources, piece by piece, syntax
+  trees compared with docstrings dropped): every private piece below, every pickle global ``MetadataUnpickler``
+  allows, the DCP reader/writer pieces ``fsdp/dcp_reader.py`` and ``core/hashing.py`` use, and the ``fully_shard``
+  class swap read the same, up to annotations and ``assert`` turned into ``raise AssertionError``. Where they
+  differ, none needs a branch: torch 2.8 has no ``ProcessGroup.get_group_store`` (:func:`default_store` falls
+  back to the unchanged ``_get_default_store``) and no ``Metadata.version`` field (never read here; no new pickle
+  global); 2.8 and 2.9 build ``DTensor.__new__`` in Python (same signature, same ``_spec``); 2.8-2.10 write
+  FSDP1's ``_apply_to_modules`` prefix test differently (equivalent); from 2.9 ``LRScheduler._last_lr`` aliases
+  tensor learning rates; 2.11 and newer return a copied ``Metadata`` from ``dcp.save`` (the ``.metadata`` file is
+  the same; the return value is never used here).
 * NumPy 1.x and 2.x: the one place where releases differ (``_reconstruct`` moved); see :func:`numpy_reconstruct`.
 
 Where a later release differs, branch here on the installed version (``packaging.version.Version`` of
@@ -45,7 +55,7 @@ from typing import Any
 # --- FSDP1 flat parameters --------------------------------------------------------------------------------------
 # FSDP1 (``FullyShardedDataParallel``) keeps each unit's parameters in one ``FlatParameter`` owned by a
 # ``FlatParamHandle``; public torch exposes neither the handle nor the layout of the flat parameter.
-# torch 2.7.0, 2.13.0 and 2.14.1: ``_FSDPState._handle`` / ``._use_orig_params`` (``_common_utils``), ``_inter_node_pg``
+# torch 2.7.0 to 2.14.1: ``_FSDPState._handle`` / ``._use_orig_params`` (``_common_utils``), ``_inter_node_pg``
 # set only for hybrid sharding (``_init_utils``), ``FlatParameter._params`` (None without use_orig_params),
 # ``_shapes``, ``_numels_with_padding``, ``_is_padding_mask``, ``_shard_param_infos`` (``_ShardParamInfo``
 # named tuples: in_shard, offset_in_shard, numel_in_shard, intra_param_start_idx, intra_param_end_idx).
@@ -82,7 +92,7 @@ def flat_local_shard(flat: Any) -> Any | None:
 
 def state_dict_hooks(module: Any) -> list[Any]:
     """Every state-dict hook and pre-hook registered on one ``nn.Module`` (``_state_dict_hooks``,
-    ``_state_dict_pre_hooks``; torch 2.7, 2.13 and 2.14), FSDP's own included."""
+    ``_state_dict_pre_hooks``; torch 2.7 to 2.14), FSDP's own included."""
     return [*module._state_dict_hooks.values(), *getattr(module, "_state_dict_pre_hooks", {}).values()]
 
 
@@ -95,7 +105,7 @@ def persistent_buffers(module: Any) -> list[tuple[str, Any]]:
 
 def clean_fsdp_name(name: str) -> str:
     """A module-tree name without FSDP1's wrapper prefixes (``_fsdp_wrapped_module.`` and the like), as FSDP names
-    state-dict keys (``torch.distributed.fsdp._common_utils.clean_tensor_name``, torch 2.7, 2.13 and 2.14)."""
+    state-dict keys (``torch.distributed.fsdp._common_utils.clean_tensor_name``, torch 2.7 to 2.14)."""
     from torch.distributed.fsdp._common_utils import clean_tensor_name
 
     return clean_tensor_name(name)
@@ -135,7 +145,7 @@ def shard_param_infos(flat: Any) -> Any:
 # A rank's piece of an optimizer state tensor is described to DCP as a ``ShardedTensor`` built from local shards
 # and global metadata without any collective; nested state dicts are rebuilt from DCP's flat keys; the safe load
 # planner stores a loaded bytes entry where ``DefaultLoadPlanner.load_bytes`` would.
-# torch 2.7.0, 2.13.0 and 2.14.1: ``torch.distributed._shard`` (``ShardMetadata``, ``Shard``, ``ShardedTensor``,
+# torch 2.7.0 to 2.14.1: ``torch.distributed._shard`` (``ShardMetadata``, ``Shard``, ``ShardedTensor``,
 # ``ShardedTensorMetadata``, ``TensorProperties``), ``ShardedTensor._init_from_local_shards_and_global_metadata
 # (local_shards, sharded_tensor_metadata, process_group=None, ...)``, ``checkpoint._nested_dict.
 # unflatten_state_dict(state_dict, mapping)``, ``checkpoint._traverse.set_element(root, path, value)``, and
@@ -183,7 +193,7 @@ def host_dtensor(local: Any, like: Any) -> Any:
     ``local``, kept where it is: a host copy of a CUDA DTensor stays on the host (public ``DTensor.from_local``
     would move it to the mesh's device). torch's own asynchronous staging (``_state_dict_utils.
     _create_cpu_state_dict``) builds the same object: a CUDA mesh's DTensor over host memory, which DCP writes.
-    torch 2.13.0 and 2.14.1: ``DTensor.__new__(local_tensor, spec, *, requires_grad)`` and the ``_spec`` attribute
+    torch 2.8.0 to 2.14.1: ``DTensor.__new__(local_tensor, spec, *, requires_grad)`` and the ``_spec`` attribute
     (FSDP2 saves take the protected path only on the torch series of ``accelerate.versions.FSDP2_VALIDATED``; read
     this again when another torch is validated for FSDP2)."""
     from torch.distributed.tensor import DTensor
@@ -212,7 +222,7 @@ def store_loaded_bytes(planner: Any, read_item: Any, value: Any) -> None:
 def storage_item(reader: Any, index: Any) -> tuple[str, int, int, bool]:
     """Where ``FileSystemReader`` keeps one stored item: (file relative to the checkpoint directory, byte offset,
     byte length, whether a storage transform (an extension such as compression) applies to it).
-    torch 2.7.0, 2.13.0 and 2.14.1: ``reader.storage_data[index]`` is a ``filesystem._StorageInfo`` with ``relative_path``,
+    torch 2.7.0 to 2.14.1: ``reader.storage_data[index]`` is a ``filesystem._StorageInfo`` with ``relative_path``,
     ``offset``, ``length`` and (from 2.7) ``transform_descriptors``."""
     info = reader.storage_data[index]
     return (info.relative_path, int(info.offset), int(info.length),
@@ -221,8 +231,8 @@ def storage_item(reader: Any, index: Any) -> tuple[str, int, int, bool]:
 
 # --- torch.distributed: the default process group's store ----------------------------------------------------
 # The key-value store the default group was rendezvoused through, which every rank reaches without a collective.
-# torch 2.13 and 2.14: public ``ProcessGroup.get_group_store()`` returns the same ``PrefixStore`` as the private
-# ``distributed_c10d._get_default_store()``; the private function (torch 2.7, 2.13, 2.14) is the fallback where a
+# torch 2.9 to 2.14: public ``ProcessGroup.get_group_store()`` returns the same ``PrefixStore`` as the private
+# ``distributed_c10d._get_default_store()``; the private function (torch 2.7 to 2.14) is the fallback where a
 # release lacks the method or its group cannot give its store.
 
 
@@ -240,7 +250,7 @@ def default_store() -> Any:
 
 
 # --- torch.optim ------------------------------------------------------------------------------------------------
-# torch 2.7.0, 2.13.0 and 2.14.1: ``Optimizer._optimizer_load_state_dict_pre_hooks`` (an ``OrderedDict``, filled by the
+# torch 2.7.0 to 2.14.1: ``Optimizer._optimizer_load_state_dict_pre_hooks`` (an ``OrderedDict``, filled by the
 # public ``register_load_state_dict_pre_hook``).
 
 
@@ -250,8 +260,8 @@ def has_load_state_dict_pre_hooks(optimizer: Any) -> bool:
 
 
 # --- torch.amp.GradScaler ---------------------------------------------------------------------------------------
-# ``_scale`` / ``_growth_tracker`` (torch 2.7, 2.13 and 2.14: None until the first ``scale()`` or ``load_state_dict`` +
-# ``_lazy_init_scale_growth_tracker``). Accelerate's FSDP2 ``load_state`` (1.9-1.15) loads ``scaler.pt`` and then
+# ``_scale`` / ``_growth_tracker`` (torch 2.7 to 2.14: None until the first ``scale()`` or ``load_state_dict`` +
+# ``_lazy_init_scale_growth_tracker``). Accelerate's FSDP2 ``load_state`` (1.9-1.15; not 1.16) loads ``scaler.pt`` and then
 # calls ``_lazy_init_scale_growth_tracker``, which asserts the tracker is not initialised yet: it fails for a
 # scaler that already scaled a loss (every fp16 step) or was loaded before in the same process.
 
@@ -264,14 +274,22 @@ def uninitialise_grad_scaler(scaler: Any) -> None:
 
 
 # --- learning-rate schedulers -----------------------------------------------------------------------------------
-# torch 2.7.0, 2.13.0 and 2.14.1: ``OneCycleLR._schedule_phases`` (a list of dicts with ``end_step``; two phases, three with
-# ``three_phase=True``) is where it keeps ``pct_start`` (as the first phase's end step); ``LRScheduler._last_lr`` is
-# what ``get_last_lr()`` returns (set by ``step()``, saved and restored with the state dict).
+# torch 2.7.0 to 2.14.1: ``OneCycleLR._schedule_phases`` (a list of dicts with ``end_step``; two phases, three with
+# ``three_phase=True``) is where it keeps ``pct_start`` (as the first phase's end step), and
+# ``OneCycleLR._anneal_func_type`` its ``anneal_strategy`` ("cos" or "linear"); ``LRScheduler._last_lr`` is what
+# ``get_last_lr()`` returns (set by ``step()``, saved and restored with the state dict; from torch 2.9 it aliases
+# tensor learning rates instead of copying them, with the same values).
 
 
 def one_cycle_phases(scheduler: Any) -> list[dict[str, Any]]:
     """A ``OneCycleLR``'s phases (each with its ``end_step``)."""
     return list(scheduler._schedule_phases)
+
+
+def one_cycle_anneal_strategy(scheduler: Any) -> str:
+    """A ``OneCycleLR``'s ``anneal_strategy`` ("cos" or "linear"); ``AttributeError`` where the release keeps it
+    elsewhere."""
+    return scheduler._anneal_func_type
 
 
 def set_last_lr(scheduler: Any, values: list[Any]) -> None:

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ._launcher import start_script
+from ._launcher import ScriptJob, ScriptResult, start_script
 
 PROG = "python -m accelerate_txn.testing"
 USAGE_ERROR = 2
@@ -68,8 +68,27 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _terminate(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)  # unwinds through the job's cleanup, which kills every worker
+class _Stop:
+    """The handler of SIGINT and SIGTERM while a job runs: it records the signal and asks the job's supervision to
+    kill every worker (``ScriptJob.request_kill``), so that no exception is raised at an arbitrary point of the
+    supervision loop (one raised inside ``Popen.poll`` could leave that process unreapable)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.job: ScriptJob | None = None
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.signum is None:
+            self.signum = signum
+        if self.job is not None:
+            self.job.request_kill("interrupted" if signum == signal.SIGINT else "terminated")
+        elif signum == signal.SIGINT:  # no job yet (nothing started): as Python's default handler
+            raise KeyboardInterrupt
+        else:
+            raise SystemExit(128 + signum)
+
+
+STOPS = {signal.SIGINT, signal.SIGTERM}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -79,25 +98,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = parser.parse_args(argv)
     import threading
 
-    main_thread = threading.current_thread() is threading.main_thread()  # only it may install signal handlers
-    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
-    try:
+    def start() -> ScriptJob:
         try:
-            job = start_script(
+            return start_script(
                 options.script, options.args, module=options.module, num_processes=options.num_processes,
                 fsdp_version=options.fsdp_version, state_dict_type=options.state_dict_type,
                 auto_wrap=options.auto_wrap, timeout=options.timeout, grace=options.grace, stream=sys.stdout,
                 log_dir=options.log_dir, kill_on_output=options.kill_on_output, kill_on_path=options.kill_on_path)
         except (ValueError, FileNotFoundError) as exc:  # CheckpointConfigurationError is a ValueError
             parser.exit(USAGE_ERROR, f"{PROG} run: error: {exc}\n")
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may handle signals
+        job = start()
         try:
             result = job.wait()
         except KeyboardInterrupt:
             sys.stderr.write(f"{PROG} run: interrupted: every worker was killed\n")
             return 128 + signal.SIGINT
+        return _report(result)
+
+    stop = _Stop()
+    previous = {signum: signal.signal(signum, stop) for signum in STOPS}
+    try:
+        # Held back while the workers start, so that the handler always finds the job to stop: a signal that
+        # arrives meanwhile is handled as soon as the job exists.
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
+        try:
+            stop.job = start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
+        result = stop.job.wait()
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if stop.signum is not None:
+        what = "interrupted" if stop.signum == signal.SIGINT else "terminated"
+        sys.stderr.write(f"{PROG} run: {what}: every worker was killed\n")
+        return 128 + stop.signum
+    return _report(result)
+
+
+def _report(result: ScriptResult) -> int:
     if result.returncode != 0:
         sys.stderr.write(f"{PROG} run: {result.summary()}\n")
     return result.returncode

@@ -148,6 +148,7 @@ class ScriptJob:
         self._lock = threading.Lock()
         self._stream = stream
         self._kill_reason: str | None = None
+        self._kill_requested: str | None = None  # set by request_kill (a signal handler), acted on by wait
         self._result: ScriptResult | None = None
         self._logs: list[TextIO] = []
         if log_dir is not None:
@@ -190,6 +191,11 @@ class ScriptJob:
                 self._kill_reason = reason
         self._signal_groups(signal.SIGKILL)
 
+    def request_kill(self, reason: str) -> None:
+        """Ask the supervising :meth:`wait` to kill the whole job as :meth:`kill` does, within one poll interval.
+        Safe from a signal handler: it only records the request (no lock, no exception raised mid-poll)."""
+        self._kill_requested = reason
+
     def wait(self) -> ScriptResult:
         """Supervise the job until every worker has ended (see the module docstring); the result.
 
@@ -203,6 +209,8 @@ class ScriptJob:
         killed_after_grace: list[int] = []
         try:
             while True:
+                if self._kill_requested is not None:
+                    self.kill(self._kill_requested)
                 codes = [process.poll() for process in self.processes]
                 if first_failure is None and self._kill_reason is None:
                     failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
