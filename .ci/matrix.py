@@ -39,7 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "accelerate_txn" / "validated.json"
 CONSTRAINTS = ROOT / "constraints.txt"
-UNSET = ("VIDEOX_ACCELERATE_ALLOW_UNVALIDATED", "VIDEOX_ACCELERATE_PATCHES")
+OVERRIDE = "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED"
+UNSET = (OVERRIDE, "VIDEOX_ACCELERATE_PATCHES")
 NOISE = re.compile(r"^WARNING: Location '.*' is ignored: it is neither a file nor a directory\.$")
 PIP = ("-m", "pip", "install", "--quiet", "--disable-pip-version-check")
 _REMOVALS: list[subprocess.Popen[bytes]] = []
@@ -149,7 +150,7 @@ class Environment:
         outside the table runs the protected path through ``VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1``)."""
         env = {key: value for key, value in os.environ.items() if key not in UNSET}
         if override:
-            env["VIDEOX_ACCELERATE_ALLOW_UNVALIDATED"] = "1"
+            env[OVERRIDE] = "1"
         # Replaces the machine-wide constraint file (pip config), which may cap torch below the table's release.
         env["PIP_CONSTRAINT"] = str(self.constraints)
         return env
@@ -231,7 +232,10 @@ def prepare(python: str, torch: str, root: Path, quiet: bool) -> Prepared:
     if code and python != host_python():
         message = (f"[matrix] constraints.txt's pins do not all install on Python {python}; retrying with only "
                    "torch and accelerate pinned (from the table)\n")
-        log.append(message) if log is not None else print(message, end="", flush=True)
+        if log is None:
+            print(message, end="", flush=True)
+        else:
+            log.append(message)
         env.remove()
         env = Environment(directory, python, torch, _constraints_file(directory, keep_pins=False), sink=log)
         code = env.create()

@@ -107,19 +107,18 @@ def versions_ok() -> bool:
     return _installed_validated() or override_requested()
 
 
-def _span(minors: list[str]) -> str:
-    """"1.7, 1.8, 1.9" -> "1.7 to 1.9"; a gap in the minors lists them instead."""
-    numbers = sorted(Version(minor) for minor in minors)
-    consecutive = all(b.major == a.major and b.minor == a.minor + 1 for a, b in itertools.pairwise(numbers))
-    if len(numbers) > 2 and consecutive:
-        return f"{numbers[0]} to {numbers[-1]}"
-    return ", ".join(str(number) for number in numbers)
-
-
 def _adjacent(earlier: str, later: str) -> bool:
     """Whether minor series ``later`` directly follows ``earlier`` ("2.8", "2.9")."""
     a, b = Version(earlier), Version(later)
     return a.major == b.major and b.minor == a.minor + 1
+
+
+def _span(minors: list[str]) -> str:
+    """"1.7, 1.8, 1.9" -> "1.7 to 1.9"; a gap in the minors lists them instead."""
+    numbers = sorted(minors, key=Version)
+    if len(numbers) > 2 and all(_adjacent(a, b) for a, b in itertools.pairwise(numbers)):
+        return f"{numbers[0]} to {numbers[-1]}"
+    return ", ".join(numbers)
 
 
 def describe_table() -> str:
