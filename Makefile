@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP_FLAGS ?= --quiet --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo lint bench test-accelerate test-matrix test-matrix-full crash-sweep test-gpu docs clean  # docs/ exists: docs must be phony
+.PHONY: venv test demo lint bench test-accelerate test-matrix test-matrix-table test-matrix-full crash-sweep test-gpu docs clean  # docs/ exists: docs must be phony
 
 venv: $(VENV)/.installed
 
@@ -74,11 +74,13 @@ test-accelerate:
 	$(ALT_VENV)/bin/python -c "import accelerate; assert accelerate.__version__ == '$(ACCELERATE_VERSION)', accelerate.__version__"
 	$(ALT_VENV)/bin/python -m pytest -q -m distributed $(PYTEST_ARGS)
 
-## The version matrix: MATRIX_TESTS on every job of accelerate_txn/validated.json (each validated torch/Accelerate
-## pair on the Pythons its row lists: every torch minor 2.7-2.15, every Accelerate minor 1.7-1.16, Python 3.10-3.13),
-## one environment per (Python, torch) with Accelerate swapped inside it, the next one installed in the background
-## while the current one's tests run, each deleted when done. Narrow it with MATRIX_ARGS, e.g.
-## make test-matrix MATRIX_ARGS="--python 3.13 --keep".
+## The version matrix (CI): MATRIX_TESTS on a covering set of accelerate_txn/validated.json -- every torch minor
+## 2.7-2.15, every Accelerate minor 1.7-1.16 and every Python 3.10-3.13 at least once: the diagonal (torch 2.N with
+## Accelerate 1.N) and the edges (the newest pair; the default torch with the oldest and newest Accelerate), about a
+## dozen jobs (.ci/matrix.py --cover --list prints them). One environment per (Python, torch), installed by uv, with
+## Accelerate swapped inside it, the next one installed in the background while the current one's tests run, each
+## deleted when done. --python/--torch/--accelerate in MATRIX_ARGS name jobs of the whole table instead, e.g.
+## make test-matrix MATRIX_ARGS="--torch 2.13.0 --accelerate 1.10.1 --keep".
 ## MATRIX_TESTS is the one definition of the compact distributed subset: the orig_params round trip (save,
 ## fresh-optimizer restore, corruption and configuration refusal, a hook failing on one rank, no overwrite),
 ## kill -9 mid-save and resume, ranks that disagree, a DCP exception on one rank, a restore failing part way,
@@ -86,6 +88,10 @@ test-accelerate:
 MATRIX_TESTS ?= tests/test_distributed.py tests/test_elastic.py -k "orig_params or kill_9 or ranks_with_different_configuration or silently_empty_native or dcp_checkpoint_exception or restore_failing_part_way or flat_parameters_and_another_optimizer"
 MATRIX_ARGS ?=
 test-matrix:
+	$(PYTHON) .ci/matrix.py --cover $(MATRIX_ARGS) -- $(MATRIX_TESTS)
+
+## Every job of the table (not CI: each row was run when it was added; about 25 jobs, an hour on 2 cores).
+test-matrix-table:
 	$(PYTHON) .ci/matrix.py $(MATRIX_ARGS) -- $(MATRIX_TESTS)
 
 ## The whole rectangle (not CI: about 81 cells, two hours on 2 cores): every torch release of the table with every

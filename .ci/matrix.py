@@ -1,22 +1,32 @@
 #!/usr/bin/env python3
-"""Run the version matrix: the pytest arguments after ``--`` on every (Python, torch, Accelerate) job of the
-validated table, accelerate_txn/validated.json (``make test-matrix``; .ci/run calls it after ``make test``).
+"""Run the version matrix: the pytest arguments after ``--`` on (Python, torch, Accelerate) jobs of the validated
+table, accelerate_txn/validated.json (``make test-matrix``; .ci/run calls it after ``make test``).
 
-Standard library only, so any Python 3.10+ can drive it. One virtual environment per (Python, torch): torch is
-installed once and Accelerate is swapped inside it (``pip install accelerate==X``) job after job; the
-environment is deleted when its jobs are done (several GB each) unless ``--keep``. The next group's environment
-is installed in the background while the current group's tests run (downloading and unpacking a CUDA build of
-torch takes minutes; its log is printed when the group starts). The job equal to the default
-pins (this interpreter's Python, torch and Accelerate from constraints.txt) is skipped: ``make test`` already runs
-the whole suite there. Every job checks that the installed versions are the ones asked for and that
-accelerate_txn itself calls the pair validated, then runs pytest with the override variables removed, so the
-protected path runs because the table says so. pytest's exit code 5 (no tests collected) is a failure.
+Which jobs: every job of the table, or with ``--cover`` (what CI runs) a covering set: every torch minor, every
+Accelerate minor and every Python of the table at least once -- the diagonal of the rectangle (each torch minor
+with the oldest Accelerate minor of its rows not yet covered), its edges (the newest torch with its newest
+Accelerate; the default torch with its oldest and newest Accelerate) -- see :func:`cover`. ``--rectangle``
+runs every torch release of the table with every Accelerate release of the table (make test-matrix-full).
+
+Standard library only, so any Python 3.10+ can drive it. Installs use uv (pinned in constraints.txt, installed
+into the matrix folder first; ``--installer pip`` uses pip instead): it unpacks a CUDA build of torch in seconds
+where pip takes minutes, and links the files from its cache (kept inside the matrix folder, deleted with it).
+One virtual environment per (Python, torch): torch is installed once and Accelerate is swapped inside it job
+after job; the environment is deleted when its jobs are done (several GB each) unless ``--keep``. The next
+group's environment is installed in the background while the current group's tests run (its log is printed when
+the group starts). The job equal to the default pins (this interpreter's Python, torch and Accelerate from
+constraints.txt) is skipped: ``make test`` already runs the whole suite there. Every job checks that the
+installed versions are the ones asked for and that accelerate_txn itself calls the pair validated, then runs
+pytest with the override variables removed, so the protected path runs because the table says so. pytest's exit
+code 5 (no tests collected) is a failure.
 
 Pins: the versions in constraints.txt apply, except torch and Accelerate, which come from the table. Some pins
 name releases that do not support an older Python (numpy 2.4 and filelock 4.3 need Python 3.11+): for a Python
-other than this interpreter's, when pip cannot resolve the pinned set it says so and retries with the table's
-torch and Accelerate pinned only. The machine-wide pip constraint (a torch cap on some machines) is replaced by
-these pins for the matrix's own pip calls; nothing outside the matrix environments is changed.
+other than this interpreter's, when the pinned set does not resolve the matrix says so and retries with the
+table's torch and Accelerate pinned only. The machine-wide pip constraint (a torch cap on some machines) does
+not apply to the matrix's own installs (uv does not read pip's configuration; pip gets these pins instead); its
+find-links folder is still searched (the CPU build of torch on the machine's disk). Nothing outside the matrix
+folder is changed.
 """
 
 from __future__ import annotations
@@ -84,6 +94,49 @@ def rectangle(python: str) -> list[Job]:
     return [Job(python, torch, accelerate, (torch, accelerate) in named) for torch in torches for accelerate in accelerates]
 
 
+def _minor(release: str) -> str:
+    return ".".join(release.split(".")[:2])
+
+
+def cover(table: list[Job], default_torch: str) -> list[Job]:
+    """A covering set of the table's jobs (``--cover``, what CI runs): every torch minor, every Accelerate minor
+    and every Python of the table at least once, in this order of choice --
+
+    1. the diagonal: each torch minor, oldest first, with the oldest Accelerate minor of its rows not yet chosen
+       (its newest Accelerate when all of its rows' minors are chosen already);
+    2. the edges: the newest torch with its newest Accelerate, the default torch with its oldest and newest;
+    3. any Accelerate minor still missing, on the default torch (else the newest torch that has it);
+    4. any Python still missing, with its first row.
+
+    The table's own order is kept. Every pair of the table outside this set was validated by a run of the whole
+    table (make test-matrix with no --cover), and the whole rectangle is make test-matrix-full."""
+    chosen: set[Job] = set()
+    torches = sorted({_minor(job.torch) for job in table}, key=_release_key)
+
+    def rows(torch_minor: str) -> list[Job]:
+        return sorted((job for job in table if _minor(job.torch) == torch_minor),
+                      key=lambda job: (_release_key(job.accelerate), job.python))
+
+    for torch_minor in torches:
+        named = {_minor(job.accelerate) for job in chosen}
+        options = rows(torch_minor)
+        fresh = [job for job in options if _minor(job.accelerate) not in named]
+        chosen.add(fresh[0] if fresh else options[-1])
+    chosen.add(rows(torches[-1])[-1])
+    default_rows = rows(_minor(default_torch))
+    if default_rows:
+        chosen.update((default_rows[0], default_rows[-1]))
+    for accelerate in sorted({_minor(job.accelerate) for job in table}, key=_release_key):
+        if accelerate not in {_minor(job.accelerate) for job in chosen}:
+            having = [job for job in table if _minor(job.accelerate) == accelerate]
+            on_default = [job for job in having if _minor(job.torch) == _minor(default_torch)]
+            chosen.add((on_default or sorted(having, key=lambda job: _release_key(job.torch)))[-1])
+    for python in sorted({job.python for job in table}):
+        if python not in {job.python for job in chosen}:
+            chosen.add(next(job for job in table if job.python == python))
+    return [job for job in table if job in chosen]
+
+
 def pins() -> dict[str, str]:
     found = {}
     for line in CONSTRAINTS.read_text(encoding="utf-8").splitlines():
@@ -134,33 +187,97 @@ def find_interpreter(version: str) -> str:
                      f"{pyenv_root}/versions). Install it (for example `pyenv install {version}`) and run again.")
 
 
+def find_links() -> list[str]:
+    """The folders of wheels pip is configured to search (``find-links``: the CPU build of torch lies there on
+    some machines), for uv, which does not read pip's configuration."""
+    configured = os.environ.get("PIP_FIND_LINKS")
+    if configured is None:
+        probe = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.find-links"],
+                               capture_output=True, text=True, check=False)
+        configured = probe.stdout if probe.returncode == 0 else ""
+    return [location for location in configured.split() if os.path.isdir(location)]
+
+
+@dataclass(frozen=True)
+class Installer:
+    """How packages get into an environment: uv (``uv`` is its binary; its cache lives in ``cache``) or pip."""
+    uv: str | None = None
+    cache: Path | None = None
+    links: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return "uv" if self.uv else "pip"
+
+    def env(self) -> dict[str, str]:
+        return {"UV_CACHE_DIR": str(self.cache), "UV_NO_PROGRESS": "1"} if self.uv else {}
+
+    def venv(self, interpreter: str, directory: Path) -> list[str]:
+        if self.uv:
+            return [self.uv, "venv", "--quiet", "--python", interpreter, str(directory)]
+        return [interpreter, "-m", "venv", str(directory)]
+
+    def install(self, python: Path, constraints: Path, requirements: tuple[str, ...]) -> list[str]:
+        if self.uv:
+            links = [argument for location in self.links for argument in ("--find-links", location)]
+            return [self.uv, "pip", "install", "--quiet", "--python", str(python), "--constraint", str(constraints),
+                    *links, *requirements]
+        return [str(python), *PIP, *requirements]  # the constraints come through PIP_CONSTRAINT (Environment.env)
+
+    def clean(self) -> None:
+        """Empty uv's cache between groups, when no install runs: the environments hold hard links to its files, so
+        this frees the space of the groups already removed (several GB each; the disk then holds about two
+        environments, as with pip), at the cost of downloading again what the next group shares with them."""
+        if self.uv:
+            _run([self.uv, "cache", "clean", "--quiet"], {**os.environ, **self.env()})
+
+
+def uv_installer(root: Path) -> Installer:
+    """uv at the version constraints.txt pins, installed into ``root``/uv-tool (once), with its cache beside it;
+    pip where uv cannot be installed (said once: the matrix still runs, only slower)."""
+    tool = root / "uv-tool"
+    binary = tool / "bin" / "uv"
+    version = pins().get("uv")
+    if not binary.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        code = _run([sys.executable, "-m", "venv", str(tool)], env)
+        code = code or _run([str(tool / "bin" / "python"), *PIP, f"uv=={version}" if version else "uv"], env)
+        if code or not binary.exists():
+            _say(f"installing uv into {tool} failed (exit {code}); installing with pip instead (slower)")
+            return Installer()
+    return Installer(str(binary), root / "uv-cache", tuple(find_links()))
+
+
 class Environment:
     """One virtual environment for one (Python, torch); Accelerate is swapped inside it."""
 
-    def __init__(self, directory: Path, python: str, torch: str, constraints: Path,
+    def __init__(self, directory: Path, python: str, torch: str, constraints: Path, installer: Installer,
                  sink: list[str] | None = None) -> None:
         self.directory, self.python, self.torch = directory, python, torch
         self.bin = directory / "bin" / "python"
         self.constraints = constraints
+        self.installer = installer
         self.editable_installed = False
         self.sink = sink
 
     def env(self, override: bool = False) -> dict[str, str]:
-        """The environment for pip and pytest: no override variable set, unless ``override`` (a rectangle cell
-        outside the table runs the protected path through ``VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1``)."""
+        """The environment for the installer and pytest: no override variable set, unless ``override`` (a
+        rectangle cell outside the table runs the protected path through ``VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1``)."""
         env = {key: value for key, value in os.environ.items() if key not in UNSET}
         if override:
             env[OVERRIDE] = "1"
         # Replaces the machine-wide constraint file (pip config), which may cap torch below the table's release.
         env["PIP_CONSTRAINT"] = str(self.constraints)
+        env.update(self.installer.env())
         return env
 
     def pip(self, *requirements: str) -> int:
-        return _run([str(self.bin), *PIP, *requirements], self.env(), sink=self.sink)
+        return _run(self.installer.install(self.bin, self.constraints, requirements), self.env(), sink=self.sink)
 
     def create(self) -> int:
         shutil.rmtree(self.directory, ignore_errors=True)
-        code = _run([find_interpreter(self.python), "-m", "venv", str(self.directory)], self.env(), sink=self.sink)
+        code = _run(self.installer.venv(find_interpreter(self.python), self.directory), self.env(), sink=self.sink)
         return code or self.pip(f"torch=={self.torch}")
 
     def use_accelerate(self, version: str) -> int:
@@ -210,14 +327,14 @@ def _constraints_file(directory: Path, keep_pins: bool) -> Path:
 
 @dataclass
 class Prepared:
-    """An environment with torch installed (or the pip exit code that says why not), and what it took."""
+    """An environment with torch installed (or the installer's exit code that says why not), and what it took."""
     env: Environment
     code: int
     create_s: float
     log: list[str] | None  # what pip printed, for an environment created in the background; None otherwise
 
 
-def prepare(python: str, torch: str, root: Path, quiet: bool) -> Prepared:
+def prepare(python: str, torch: str, root: Path, installer: Installer, quiet: bool) -> Prepared:
     """The virtual environment of one (Python, torch) with torch installed. ``quiet``: collect pip's output
     instead of printing it (the next group's environment is prepared while the current group's tests run: the
     download and unpacking of several GB overlap the tests instead of adding to them)."""
@@ -227,7 +344,7 @@ def prepare(python: str, torch: str, root: Path, quiet: bool) -> Prepared:
     if not quiet:
         _say(f"== Python {python}, torch {torch}: creating {directory.relative_to(ROOT)} ==")
     started = time.monotonic()
-    env = Environment(directory, python, torch, _constraints_file(directory, keep_pins=True), sink=log)
+    env = Environment(directory, python, torch, _constraints_file(directory, keep_pins=True), installer, sink=log)
     code = env.create()
     if code and python != host_python():
         message = (f"[matrix] constraints.txt's pins do not all install on Python {python}; retrying with only "
@@ -237,7 +354,8 @@ def prepare(python: str, torch: str, root: Path, quiet: bool) -> Prepared:
         else:
             log.append(message)
         env.remove()
-        env = Environment(directory, python, torch, _constraints_file(directory, keep_pins=False), sink=log)
+        env = Environment(directory, python, torch, _constraints_file(directory, keep_pins=False), installer,
+                          sink=log)
         code = env.create()
     env.sink = None
     return Prepared(env, code, time.monotonic() - started, log)
@@ -251,16 +369,17 @@ def run_group(python: str, torch: str, group: list[Job], pytest_args: list[str],
         _say(f"== Python {python}, torch {torch}: {env.directory.relative_to(ROOT)}, created while the previous "
              "group's tests ran; its install log: ==")
         print("".join(prepared.log), end="", flush=True)
-    _say(f"venv + torch {torch} on Python {python}: {create_s:.0f} s (exit {code})")
+    _say(f"venv + torch {torch} on Python {python} ({env.installer.name}): {create_s:.0f} s (exit {code})")
     try:
         for index, outcome in enumerate(outcomes):
             job = outcome.job
             if code:
-                outcome.result = f"environment failed (pip exit {code})"
+                outcome.result = f"environment failed ({env.installer.name} exit {code})"
                 continue
             step = time.monotonic()
             pip_exit = env.use_accelerate(job.accelerate)
-            failure = f"installing accelerate failed (pip exit {pip_exit})" if pip_exit else env.check(job)
+            failure = (f"installing accelerate failed ({env.installer.name} exit {pip_exit})" if pip_exit
+                       else env.check(job))
             outcome.install_s = time.monotonic() - step + (create_s if index == 0 else 0.0)
             _say(f"{job}: install {time.monotonic() - step:.0f} s")
             if failure:
@@ -287,7 +406,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--python", action="append", help="only these Pythons (repeatable), e.g. 3.13")
     parser.add_argument("--torch", action="append", help="only these torch releases (repeatable), e.g. 2.7.0")
     parser.add_argument("--accelerate", action="append", help="only these Accelerate releases (repeatable)")
+    parser.add_argument("--cover", action="store_true",
+                        help="only a covering set of the table: every torch minor, every Accelerate minor and every "
+                             "Python at least once (the diagonal and the edges; what CI runs); ignored when --python, "
+                             "--torch or --accelerate name the jobs")
     parser.add_argument("--include-default", action="store_true", help="also run the job that make test covers")
+    parser.add_argument("--installer", choices=("uv", "pip"), default="uv",
+                        help="what installs the environments (default uv, pinned in constraints.txt)")
     parser.add_argument("--keep", action="store_true", help="keep the environments (default: delete each when done)")
     parser.add_argument("--envs", type=Path, default=ROOT / ".venv-matrix", help="where environments are created")
     parser.add_argument("--rectangle", action="store_true",
@@ -302,6 +427,8 @@ def main(argv: list[str]) -> int:
 
     default = pins()
     candidates = rectangle((options.python or [host_python()])[0]) if options.rectangle else jobs()
+    if options.cover and not (options.rectangle or options.python or options.torch or options.accelerate):
+        candidates = cover(candidates, default["torch"])  # a filter names its jobs: they run, covering set or not
     selected = [job for job in candidates
                 if (options.rectangle or not options.python or job.python in options.python)
                 and (not options.torch or job.torch in options.torch)
@@ -326,14 +453,18 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(stale, ignore_errors=True)
     outcomes: list[Outcome] = []
     root = options.envs.resolve()
+    installer = uv_installer(root) if options.installer == "uv" else Installer()
     keys = list(groups)
     # One environment ahead: the next (Python, torch) is installed in the background while this group's tests run.
     with ThreadPoolExecutor(max_workers=1) as ahead:
         upcoming: Future[Prepared] | None = None
         try:
             for index, (python, torch) in enumerate(keys):
-                prepared = upcoming.result() if upcoming is not None else prepare(python, torch, root, quiet=False)
-                upcoming = (ahead.submit(prepare, *keys[index + 1], root, True) if index + 1 < len(keys) else None)
+                prepared = (upcoming.result() if upcoming is not None
+                            else prepare(python, torch, root, installer, quiet=False))
+                installer.clean()  # nothing installs at this point: the previous group is done, this one is ready
+                upcoming = (ahead.submit(prepare, *keys[index + 1], root, installer, True)
+                            if index + 1 < len(keys) else None)
                 outcomes += run_group(python, torch, groups[(python, torch)], options.pytest_args, prepared,
                                       options.keep)
         finally:
@@ -359,7 +490,7 @@ def _cell(outcome: Outcome) -> str:
         return "passed"
     if outcome.result.startswith("FAILED: pytest"):
         return "**tests failed**"
-    return "not installable" if "pip exit" in outcome.result else "**failed**"
+    return "not installable" if re.search(r"\((uv|pip) exit \d+\)", outcome.result) else "**failed**"
 
 
 def record(outcomes: list[Outcome], argv: list[str], seconds: float) -> str:

@@ -132,9 +132,11 @@ def test_package_is_validated_when_its_series_is_in_some_pair(package: str, vers
 
 
 def test_describe_table_names_every_pair_by_series() -> None:
-    assert describe_table() == ("torch 2.7 with accelerate 1.7; torch 2.8 to 2.12 with accelerate 1.15; "
-                                "torch 2.13 with accelerate 1.7 to 1.16; torch 2.14 with accelerate 1.15; "
-                                "torch 2.15 with accelerate 1.15, 1.16 (any patch release)")
+    assert describe_table() == (
+        "torch 2.7 with accelerate 1.7; torch 2.8 with accelerate 1.8, 1.15; torch 2.9 with accelerate 1.9, 1.15; "
+        "torch 2.10 with accelerate 1.10, 1.15; torch 2.11 with accelerate 1.11, 1.15; torch 2.12 with accelerate "
+        "1.12, 1.15; torch 2.13 with accelerate 1.7 to 1.16; torch 2.14 with accelerate 1.14, 1.15; torch 2.15 with "
+        "accelerate 1.15, 1.16 (any patch release)")
 
 
 @pytest.mark.parametrize("torch_version, accelerate_version, named", [
@@ -154,10 +156,9 @@ def test_unsupported_message_names_the_pair_the_table_and_the_override(monkeypat
     monkeypatch.setattr(accelerate, "__version__", "1.15.0")
     monkeypatch.setattr(torch, "__version__", "2.7.0")
     assert unsupported_message() == (
-        "accelerate-txn has not been validated with accelerate 1.15.0 and torch 2.7.0 (validated: torch 2.7 with "
-        "accelerate 1.7; torch 2.8 to 2.12 with accelerate 1.15; torch 2.13 with accelerate 1.7 to 1.16; torch 2.14 "
-        "with accelerate 1.15; torch 2.15 with accelerate 1.15, 1.16 (any patch release)). Install a validated pair, "
-        f"or set {OVERRIDE_ENV}=1 to use the protected path at your own risk.")
+        "accelerate-txn has not been validated with accelerate 1.15.0 and torch 2.7.0 (validated: "
+        f"{describe_table()}). Install a validated pair, or set {OVERRIDE_ENV}=1 to use the protected path at your "
+        "own risk.")
 
 
 def test_installed_pair_decision_matches_the_policy() -> None:
@@ -181,7 +182,56 @@ def test_ci_matrix_runs_every_table_job_except_the_one_make_test_covers() -> Non
     host = f"{sys.version_info.major}.{sys.version_info.minor}"
     default = f"Python {host}, torch {pins['torch']}, accelerate {pins['accelerate']}"
     assert _matrix("--list") == [job for job in every if job != default]
-    assert _matrix("--list", "--python", "3.13") == ["Python 3.13, torch 2.12.1, accelerate 1.15.0"]
+    assert _matrix("--list", "--python", "3.13") == ["Python 3.13, torch 2.12.1, accelerate 1.12.0",
+                                                    "Python 3.13, torch 2.12.1, accelerate 1.15.0"]
+
+
+def _series(job: str) -> tuple[str, str, str]:
+    python, torch_release, accelerate_release = re.fullmatch(
+        r"Python (\S+), torch (\S+), accelerate (\S+)", job).groups()  # type: ignore[union-attr]
+    return python, ".".join(torch_release.split(".")[:2]), ".".join(accelerate_release.split(".")[:2])
+
+
+def test_ci_runs_a_covering_set_every_torch_accelerate_and_python_minor_at_least_once() -> None:
+    makefile = (REPO / "Makefile").read_text(encoding="utf-8")
+    (recipe,) = re.findall(r"^test-matrix:\n\t(.*)$", makefile, flags=re.MULTILINE)
+    assert "--cover" in recipe.split() and "make test-matrix" in (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    covered = [_series(job) for job in _matrix("--cover", "--list")]
+    pins = _pins()
+    host = f"{sys.version_info.major}.{sys.version_info.minor}"
+    default = _series(f"Python {host}, torch {pins['torch']}, accelerate {pins['accelerate']}")
+    run = [*covered, default]  # make test runs the default pair, with the whole suite
+    assert {torch_minor for _, torch_minor, _ in run} == {pair.series[0] for pair in TESTED}
+    assert {accelerate_minor for _, _, accelerate_minor in run} == {pair.series[1] for pair in TESTED}
+    assert {python for python, _, _ in run} == {python for pair in TESTED for python in pair.python}
+    assert default not in covered
+    # The diagonal: each torch minor with its own Accelerate minor where the table has that pair.
+    assert {("2.7", "1.7"), ("2.8", "1.8"), ("2.9", "1.9"), ("2.10", "1.10"), ("2.11", "1.11"), ("2.12", "1.12"),
+            ("2.13", "1.13"), ("2.14", "1.14")} <= {(t, a) for _, t, a in covered}
+    # The edges: the newest torch with the newest Accelerate; the default torch with the oldest and the newest.
+    newest = max(TESTED, key=lambda pair: (_release(pair.torch), _release(pair.accelerate)))
+    assert newest.series in {(t, a) for _, t, a in covered}
+    assert {(default[1], "1.7"), (default[1], "1.16")} <= {(t, a) for _, t, a in covered}
+    assert len(covered) <= len({pair.series[0] for pair in TESTED}) + 3, "the covering set grew: CI time"
+
+
+def _release(release: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in release.split("."))
+
+
+def test_covering_set_of_a_rectangle_is_its_diagonal_plus_edges_and_every_row_is_reachable() -> None:
+    matrix = _matrix_module()
+    torches, accelerates = ["2.7.0", "2.8.0", "2.9.0"], ["1.7.0", "1.8.0", "1.9.0", "1.10.0"]
+    table = [matrix.Job("3.11", t, a) for t in torches for a in accelerates]
+    chosen = {(job.torch, job.accelerate) for job in matrix.cover(table, "2.8.0")}
+    assert chosen == {("2.7.0", "1.7.0"), ("2.8.0", "1.8.0"), ("2.9.0", "1.9.0"),  # diagonal
+                      ("2.9.0", "1.10.0"), ("2.8.0", "1.7.0"), ("2.8.0", "1.10.0")}  # edges
+    # An Accelerate minor only one torch has, and a Python only one row has, are still chosen.
+    table = [matrix.Job("3.11", "2.7.0", "1.7.0"), matrix.Job("3.11", "2.8.0", "1.7.0"),
+             matrix.Job("3.12", "2.8.0", "1.7.0"), matrix.Job("3.11", "2.7.0", "1.9.0")]
+    chosen_jobs = set(matrix.cover(table, "2.8.0"))
+    assert {job.python for job in chosen_jobs} == {"3.11", "3.12"}
+    assert {job.accelerate for job in chosen_jobs} == {"1.7.0", "1.9.0"}
 
 
 def test_matrix_subset_in_the_makefile_selects_each_promised_check() -> None:
@@ -237,7 +287,7 @@ def test_full_matrix_record_has_one_cell_per_pair_and_says_why_cells_failed() ->
     outcomes = [
         matrix.Outcome(matrix.Job("3.11", "2.7.0", "1.7.0", True), result="passed"),
         matrix.Outcome(matrix.Job("3.11", "2.7.0", "1.15.0", False), result="FAILED: pytest exit 1"),
-        matrix.Outcome(matrix.Job("3.11", "2.15.0", "1.7.0", False), result="installing accelerate failed (pip exit 1)"),
+        matrix.Outcome(matrix.Job("3.11", "2.15.0", "1.7.0", False), result="installing accelerate failed (uv exit 1)"),
     ]
     text = matrix.record(outcomes, ["--rectangle", "--", "tests/x.py"], 600.0)
     lines = text.splitlines()

@@ -1,8 +1,8 @@
 """The validated version table, the version policy and its override.
 
-The table is ``accelerate_txn/validated.json`` (the package root): the one list of (torch, Accelerate) pairs that CI installs
-and runs the distributed matrix subset on (``make test-matrix``), also shown in the README (a test keeps the
-two equal). A tested pair validates its *minor series*: torch 2.13.0 with Accelerate 1.10.1 in the table
+The table is ``accelerate_txn/validated.json`` (the package root): the one list of (torch, Accelerate) pairs on which the
+distributed matrix subset passed with exactly those releases (``make test-matrix-table`` runs every row; CI runs a
+covering set of them, ``make test-matrix``), also shown in the README (a test keeps the two equal). A tested pair validates its *minor series*: torch 2.13.0 with Accelerate 1.10.1 in the table
 means any torch 2.13.x with any Accelerate 1.10.x, since patch releases do not change the private internals
 this library relies on. Outside the table, automatic dispatch runs native Accelerate after one warning and the
 explicit API refuses, unless the user sets ``VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1`` and accepts the risk.
@@ -28,7 +28,7 @@ TABLE_FILE = "validated.json"
 
 @dataclass(frozen=True)
 class TestedPair:
-    """One row of the table: the exact releases CI installs, and the Pythons it runs them on."""
+    """One row of the table: the exact releases the matrix installs, and the Pythons it runs them on."""
 
     __test__ = False  # not a pytest test class, despite the name
 
@@ -146,7 +146,7 @@ def unsupported_message() -> str:
 
 def markdown_table() -> str:
     """The README's table of validated pairs, generated from the same file."""
-    lines = ["| PyTorch | Accelerate | CI installs | CI runs on Python |", "| --- | --- | --- | --- |"]
+    lines = ["| PyTorch | Accelerate | Validated with | on Python |", "| --- | --- | --- | --- |"]
     for pair in TESTED:
         torch_series, accelerate_series = pair.series
         lines.append(f"| {torch_series}.x | {accelerate_series}.x | torch {pair.torch}, accelerate {pair.accelerate} "
