@@ -259,6 +259,7 @@ class Environment:
         self.constraints = constraints
         self.installer = installer
         self.editable_installed = False
+        self.accelerate: str | None = None  # the Accelerate release installed last
         self.sink = sink
 
     def env(self, override: bool = False) -> dict[str, str]:
@@ -281,10 +282,14 @@ class Environment:
         return code or self.pip(f"torch=={self.torch}")
 
     def use_accelerate(self, version: str) -> int:
+        if self.accelerate == version:
+            return 0
         if self.editable_installed:
-            return self.pip(f"accelerate=={version}")
-        code = self.pip(f"accelerate=={version}", "-e", ".[test]")
-        self.editable_installed = code == 0
+            code = self.pip(f"accelerate=={version}")
+        else:
+            code = self.pip(f"accelerate=={version}", "-e", ".[test]")
+            self.editable_installed = code == 0
+        self.accelerate = version if code == 0 else None
         return code
 
     def check(self, job: Job) -> str | None:
@@ -334,10 +339,12 @@ class Prepared:
     log: list[str] | None  # what pip printed, for an environment created in the background; None otherwise
 
 
-def prepare(python: str, torch: str, root: Path, installer: Installer, quiet: bool) -> Prepared:
-    """The virtual environment of one (Python, torch) with torch installed. ``quiet``: collect pip's output
-    instead of printing it (the next group's environment is prepared while the current group's tests run: the
-    download and unpacking of several GB overlap the tests instead of adding to them)."""
+def prepare(python: str, torch: str, accelerate: str, root: Path, installer: Installer, quiet: bool) -> Prepared:
+    """The virtual environment of one (Python, torch) with torch, the group's first Accelerate release and this
+    package (its test extra) installed. ``quiet``: collect the installer's output instead of printing it (the next
+    group's environment is prepared while the current group's tests run: the download and unpacking of several GB
+    overlap the tests instead of adding to them). An Accelerate install that fails here is left to the job, which
+    tries again and reports it."""
     directory = root / f"py{python}-torch{torch}"
     root.mkdir(parents=True, exist_ok=True)
     log: list[str] | None = [] if quiet else None
@@ -357,6 +364,8 @@ def prepare(python: str, torch: str, root: Path, installer: Installer, quiet: bo
         env = Environment(directory, python, torch, _constraints_file(directory, keep_pins=False), installer,
                           sink=log)
         code = env.create()
+    if code == 0:
+        env.use_accelerate(accelerate)
     env.sink = None
     return Prepared(env, code, time.monotonic() - started, log)
 
@@ -369,7 +378,8 @@ def run_group(python: str, torch: str, group: list[Job], pytest_args: list[str],
         _say(f"== Python {python}, torch {torch}: {env.directory.relative_to(ROOT)}, created while the previous "
              "group's tests ran; its install log: ==")
         print("".join(prepared.log), end="", flush=True)
-    _say(f"venv + torch {torch} on Python {python} ({env.installer.name}): {create_s:.0f} s (exit {code})")
+    _say(f"venv + torch {torch}, accelerate {env.accelerate or '(not yet)'} and this package on Python {python} "
+         f"({env.installer.name}): {create_s:.0f} s (exit {code})")
     try:
         for index, outcome in enumerate(outcomes):
             job = outcome.job
@@ -455,15 +465,16 @@ def main(argv: list[str]) -> int:
     root = options.envs.resolve()
     installer = uv_installer(root) if options.installer == "uv" else Installer()
     keys = list(groups)
+    first = {key: group[0].accelerate for key, group in groups.items()}
     # One environment ahead: the next (Python, torch) is installed in the background while this group's tests run.
     with ThreadPoolExecutor(max_workers=1) as ahead:
         upcoming: Future[Prepared] | None = None
         try:
             for index, (python, torch) in enumerate(keys):
                 prepared = (upcoming.result() if upcoming is not None
-                            else prepare(python, torch, root, installer, quiet=False))
+                            else prepare(python, torch, first[(python, torch)], root, installer, quiet=False))
                 installer.clean()  # nothing installs at this point: the previous group is done, this one is ready
-                upcoming = (ahead.submit(prepare, *keys[index + 1], root, installer, True)
+                upcoming = (ahead.submit(prepare, *keys[index + 1], first[keys[index + 1]], root, installer, True)
                             if index + 1 < len(keys) else None)
                 outcomes += run_group(python, torch, groups[(python, torch)], options.pytest_args, prepared,
                                       options.keep)
