@@ -108,8 +108,8 @@ def cover(table: list[Job], default_torch: str) -> list[Job]:
     3. any Accelerate minor still missing, on the default torch (else the newest torch that has it);
     4. any Python still missing, with its first row.
 
-    The table's own order is kept. Every pair of the table outside this set was validated by a run of the whole
-    table (make test-matrix with no --cover), and the whole rectangle is make test-matrix-full."""
+    The table's own order is kept. Every row outside this set passed when it was added (make test-matrix-table
+    runs them all again), and make test-matrix-full runs the whole rectangle."""
     chosen: set[Job] = set()
     torches = sorted({_minor(job.torch) for job in table}, key=_release_key)
 
@@ -336,7 +336,7 @@ class Prepared:
     env: Environment
     code: int
     create_s: float
-    log: list[str] | None  # what pip printed, for an environment created in the background; None otherwise
+    log: list[str] | None  # what the installer printed, for an environment created in the background; else None
 
 
 def prepare(python: str, torch: str, accelerate: str, root: Path, installer: Installer, quiet: bool) -> Prepared:
