@@ -42,8 +42,9 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,6 +74,7 @@ class Outcome:
     install_s: float = 0.0
     test_s: float = 0.0
     result: str = "not run"
+    finished: str = ""  # when the job ended, UTC ("2026-12-02 16:40")
 
 
 def jobs() -> list[Job]:
@@ -371,7 +373,8 @@ def prepare(python: str, torch: str, accelerate: str, root: Path, installer: Ins
 
 
 def run_group(python: str, torch: str, group: list[Job], pytest_args: list[str], prepared: Prepared,
-              keep: bool) -> list[Outcome]:
+              keep: bool, report: Callable[[Outcome], None]) -> list[Outcome]:
+    """Run the group's jobs in its environment; ``report`` gets each outcome as soon as its job ends."""
     outcomes = [Outcome(job) for job in group]
     env, code, create_s = prepared.env, prepared.code, prepared.create_s
     if prepared.log is not None:
@@ -382,33 +385,39 @@ def run_group(python: str, torch: str, group: list[Job], pytest_args: list[str],
          f"({env.installer.name}): {create_s:.0f} s (exit {code})")
     try:
         for index, outcome in enumerate(outcomes):
-            job = outcome.job
-            if code:
-                outcome.result = f"environment failed ({env.installer.name} exit {code})"
-                continue
-            step = time.monotonic()
-            pip_exit = env.use_accelerate(job.accelerate)
-            failure = (f"installing accelerate failed ({env.installer.name} exit {pip_exit})" if pip_exit
-                       else env.check(job))
-            outcome.install_s = time.monotonic() - step + (create_s if index == 0 else 0.0)
-            _say(f"{job}: install {time.monotonic() - step:.0f} s")
-            if failure:
-                outcome.result = failure
-                _say(f"FAILED {job}: {failure}")
-                continue
-            step = time.monotonic()
-            _say(f"{job}: pytest {shlex.join(pytest_args)}")
-            rc = _run([str(env.bin), "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args],
-                      env.env(override=not job.in_table))
-            outcome.test_s = time.monotonic() - step
-            outcome.result = {0: "passed", 5: "FAILED: pytest collected no tests (exit 5)"}.get(
-                rc, f"FAILED: pytest exit {rc}")
-            _say(f"{job}: tests {outcome.test_s:.0f} s, {outcome.result}")
+            run_job(env, code, create_s if index == 0 else 0.0, outcome, pytest_args)
+            outcome.finished = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+            report(outcome)
     finally:
         if not keep:
             env.remove()
             _say(f"removing {env.directory.relative_to(ROOT)} (in the background)")
     return outcomes
+
+
+def run_job(env: Environment, code: int, create_s: float, outcome: Outcome, pytest_args: list[str]) -> None:
+    """One job in its group's environment (``code``: the environment's exit code); the result into ``outcome``."""
+    job = outcome.job
+    if code:
+        outcome.result = f"environment failed ({env.installer.name} exit {code})"
+        return
+    step = time.monotonic()
+    install_exit = env.use_accelerate(job.accelerate)
+    failure = (f"installing accelerate failed ({env.installer.name} exit {install_exit})" if install_exit
+               else env.check(job))
+    outcome.install_s = time.monotonic() - step + create_s
+    _say(f"{job}: install {time.monotonic() - step:.0f} s")
+    if failure:
+        outcome.result = failure
+        _say(f"FAILED {job}: {failure}")
+        return
+    step = time.monotonic()
+    _say(f"{job}: pytest {shlex.join(pytest_args)}")
+    rc = _run([str(env.bin), "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args],
+              env.env(override=not job.in_table))
+    outcome.test_s = time.monotonic() - step
+    outcome.result = {0: "passed", 5: "FAILED: pytest collected no tests (exit 5)"}.get(rc, f"FAILED: pytest exit {rc}")
+    _say(f"{job}: tests {outcome.test_s:.0f} s, {outcome.result}")
 
 
 def main(argv: list[str]) -> int:
@@ -431,6 +440,10 @@ def main(argv: list[str]) -> int:
                              "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1 (make test-matrix-full)")
     parser.add_argument("--record", type=Path,
                         help="write the results, one cell per (torch, Accelerate), as Markdown to this file")
+    parser.add_argument("--resume", action="store_true",
+                        help="with --record: keep the cells that passed in the record's last run with the same pytest "
+                             "arguments (its .json beside it) and run only the others (a long run continues where "
+                             "it stopped)")
     parser.add_argument("--list", action="store_true", help="print the jobs and exit")
     parser.add_argument("pytest_args", nargs="*", help="after --: what pytest runs in every job")
     options = parser.parse_args(argv)
@@ -455,13 +468,26 @@ def main(argv: list[str]) -> int:
     if not options.pytest_args:
         parser.error("give the pytest arguments after --")
 
+    kept: list[Outcome] = []
+    if options.resume and options.record is not None:
+        kept = [outcome for outcome in load_record(options.record, options.pytest_args) if outcome.job in selected]
+        selected = [job for job in selected if job not in {outcome.job for outcome in kept}]
+        _say(f"--resume: {len(kept)} cells passed before with these pytest arguments; {len(selected)} to run")
     groups: dict[tuple[str, str], list[Job]] = {}
     for job in selected:
         groups.setdefault((job.python, job.torch), []).append(job)
     started = time.monotonic()
     for stale in options.envs.glob("*.removing-*"):  # left by an interrupted run
         shutil.rmtree(stale, ignore_errors=True)
-    outcomes: list[Outcome] = []
+    outcomes: list[Outcome] = list(kept)
+
+    def report(outcome: Outcome) -> None:  # the record is rewritten after every job: an interrupted run keeps it
+        outcomes.append(outcome)
+        if options.record is not None:
+            done = {o.job for o in outcomes}
+            write_record(options.record, outcomes, [job for job in selected if job not in done], argv,
+                         options.pytest_args)
+
     root = options.envs.resolve()
     installer = uv_installer(root) if options.installer == "uv" else Installer()
     keys = list(groups)
@@ -476,8 +502,8 @@ def main(argv: list[str]) -> int:
                 installer.clean()  # nothing installs at this point: the previous group is done, this one is ready
                 upcoming = (ahead.submit(prepare, *keys[index + 1], first[keys[index + 1]], root, installer, True)
                             if index + 1 < len(keys) else None)
-                outcomes += run_group(python, torch, groups[(python, torch)], options.pytest_args, prepared,
-                                      options.keep)
+                run_group(python, torch, groups[(python, torch)], options.pytest_args, prepared, options.keep,
+                          report)
         finally:
             if upcoming is not None:  # interrupted: the environment prepared ahead is not used
                 with contextlib.suppress(Exception):
@@ -491,8 +517,7 @@ def main(argv: list[str]) -> int:
     failed = sum(outcome.result != "passed" for outcome in outcomes)
     print(f"matrix: {len(outcomes) - failed} passed, {failed} failed", flush=True)
     if options.record is not None:
-        options.record.write_text(record(outcomes, argv, time.monotonic() - started), encoding="utf-8")
-        _say(f"results written to {options.record}")
+        _say(f"results written to {options.record} (and {options.record.with_suffix('.json').name} beside it)")
     return 1 if failed else 0
 
 
@@ -504,31 +529,66 @@ def _cell(outcome: Outcome) -> str:
     return "not installable" if re.search(r"\((uv|pip) exit \d+\)", outcome.result) else "**failed**"
 
 
-def record(outcomes: list[Outcome], argv: list[str], seconds: float) -> str:
+def write_record(path: Path, outcomes: list[Outcome], pending: list[Job], argv: list[str],
+                 pytest_args: list[str]) -> None:
+    """The record as Markdown (``path``) and as JSON beside it (what ``--resume`` reads)."""
+    path.write_text(record(outcomes, argv, pending), encoding="utf-8")
+    cells = [{**asdict(outcome.job), **{key: value for key, value in asdict(outcome).items() if key != "job"}}
+             for outcome in outcomes]
+    path.with_suffix(".json").write_text(json.dumps({"pytest_args": pytest_args, "cells": cells}, indent=1) + "\n",
+                                         encoding="utf-8")
+
+
+def load_record(path: Path, pytest_args: list[str]) -> list[Outcome]:
+    """The cells of an earlier record that passed with the same pytest arguments (none if there is no record)."""
+    try:
+        saved = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return []
+    if saved.get("pytest_args") != pytest_args:
+        _say(f"--resume: {path.with_suffix('.json')} was run with other pytest arguments; running every cell")
+        return []
+    fields = {"python", "torch", "accelerate", "in_table"}
+    return [Outcome(Job(**{key: cell[key] for key in fields}),
+                    **{key: value for key, value in cell.items() if key not in fields})
+            for cell in saved["cells"] if cell["result"] == "passed"]
+
+
+def record(outcomes: list[Outcome], argv: list[str], pending: Sequence[Job] = ()) -> str:
     """The results as Markdown: when, the command, and one cell per (torch, Accelerate); a table pair's cell is
-    marked "(table)"."""
-    torches = sorted({o.job.torch for o in outcomes}, key=_release_key)
-    accelerates = sorted({o.job.accelerate for o in outcomes}, key=_release_key)
+    marked "(table)"; ``pending`` cells (not run yet) are shown as such."""
+    jobs_shown = [o.job for o in outcomes] + list(pending)
+    torches = sorted({job.torch for job in jobs_shown}, key=_release_key)
+    accelerates = sorted({job.accelerate for job in jobs_shown}, key=_release_key)
     cells = {(o.job.torch, o.job.accelerate): o for o in outcomes}
-    pythons = sorted({o.job.python for o in outcomes})
+    pythons = sorted({job.python for job in jobs_shown})
     passed = sum(o.result == "passed" for o in outcomes)
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    dates = sorted(o.finished for o in outcomes if o.finished)
+    when = f"from {dates[0]} to {dates[-1]} UTC" if dates else time.strftime("on %Y-%m-%d %H:%M UTC", time.gmtime())
+    minutes = sum(o.install_s + o.test_s for o in outcomes) / 60
+    state = (f", {len(pending)} not run yet (the run was interrupted or is going on; `--resume` continues it)"
+             if pending else "")
     lines = [
         "<!-- Written by .ci/matrix.py --record (make test-matrix-full); do not edit by hand. -->",
         "",
-        f"Run on {when}: `python3 .ci/matrix.py {shlex.join(argv)}` on Python {', '.join(pythons)}, "
-        f"{os.cpu_count()} CPU cores, {seconds / 60:.0f} minutes; {len(outcomes)} cells, {passed} passed, "
-        f"{len(outcomes) - passed} not. \"(table)\" marks a pair of the validated table; the other cells ran with "
+        f"Cells run {when}: `python3 .ci/matrix.py {shlex.join(argv)}` on Python {', '.join(pythons)}, "
+        f"{os.cpu_count()} CPU cores, {minutes:.0f} minutes of installs and tests; "
+        f"{len(outcomes) + len(pending)} cells, {passed} passed, {len(outcomes) - passed} not{state}. "
+        "\"(table)\" marks a pair of the validated table; the other cells ran with "
         "`VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1`.",
         "",
         "| torch \\ Accelerate | " + " | ".join(accelerates) + " |",
         "| --- |" + " --- |" * len(accelerates),
     ]
+    waiting = {(job.torch, job.accelerate) for job in pending}
     for torch in torches:
         row = []
         for accelerate in accelerates:
             outcome = cells.get((torch, accelerate))
-            row.append("not run" if outcome is None else _cell(outcome) + (" (table)" if outcome.job.in_table else ""))
+            if outcome is not None:
+                row.append(_cell(outcome) + (" (table)" if outcome.job.in_table else ""))
+            else:
+                row.append("not run yet" if (torch, accelerate) in waiting else "not run")
         lines.append(f"| {torch} | " + " | ".join(row) + " |")
     failures = [o for o in outcomes if o.result != "passed"]
     if failures:

@@ -285,14 +285,34 @@ def _matrix_module() -> Any:
 def test_full_matrix_record_has_one_cell_per_pair_and_says_why_cells_failed() -> None:
     matrix = _matrix_module()
     outcomes = [
-        matrix.Outcome(matrix.Job("3.11", "2.7.0", "1.7.0", True), result="passed"),
-        matrix.Outcome(matrix.Job("3.11", "2.7.0", "1.15.0", False), result="FAILED: pytest exit 1"),
-        matrix.Outcome(matrix.Job("3.11", "2.15.0", "1.7.0", False), result="installing accelerate failed (uv exit 1)"),
+        matrix.Outcome(matrix.Job("3.11", "2.7.0", "1.7.0", True), result="passed", finished="2026-12-02 10:00"),
+        matrix.Outcome(matrix.Job("3.11", "2.7.0", "1.15.0", False), result="FAILED: pytest exit 1",
+                       finished="2026-12-02 10:05"),
+        matrix.Outcome(matrix.Job("3.11", "2.15.0", "1.7.0", False), result="installing accelerate failed (uv exit 1)",
+                       finished="2026-12-02 11:00"),
     ]
-    text = matrix.record(outcomes, ["--rectangle", "--", "tests/x.py"], 600.0)
+    text = matrix.record(outcomes, ["--rectangle", "--", "tests/x.py"])
     lines = text.splitlines()
-    assert "`python3 .ci/matrix.py --rectangle -- tests/x.py`" in text and "3 cells, 1 passed, 2 not" in text
+    assert "`python3 .ci/matrix.py --rectangle -- tests/x.py`" in text and "3 cells, 1 passed, 2 not." in text
+    assert "from 2026-12-02 10:00 to 2026-12-02 11:00 UTC" in text
     assert "| torch \\ Accelerate | 1.7.0 | 1.15.0 |" in lines
     assert "| 2.7.0 | passed (table) | **tests failed** |" in lines
     assert "| 2.15.0 | not installable | not run |" in lines
     assert "- torch 2.7.0, Accelerate 1.15.0: FAILED: pytest exit 1" in lines
+    # An interrupted run says so, cell by cell.
+    pending = [matrix.Job("3.11", "2.15.0", "1.15.0", False)]
+    text = matrix.record(outcomes, ["--rectangle", "--", "tests/x.py"], pending)
+    assert "4 cells, 1 passed, 2 not, 1 not run yet" in text
+    assert "| 2.15.0 | not installable | not run yet |" in text.splitlines()
+
+
+def test_full_matrix_resume_keeps_only_cells_that_passed_with_the_same_tests(tmp_path: Path) -> None:
+    matrix = _matrix_module()
+    path = tmp_path / "run.md"
+    assert matrix.load_record(path, ["tests/x.py"]) == []  # no record yet: every cell runs
+    passed = matrix.Outcome(matrix.Job("3.11", "2.7.0", "1.7.0", True), 10.0, 20.0, "passed", "2026-12-02 10:00")
+    failed = matrix.Outcome(matrix.Job("3.11", "2.7.0", "1.15.0", False), result="FAILED: pytest exit 1")
+    matrix.write_record(path, [passed, failed], [], ["--rectangle"], ["tests/x.py"])
+    assert "| 2.7.0 | passed (table) | **tests failed** |" in path.read_text(encoding="utf-8").splitlines()
+    assert matrix.load_record(path, ["tests/x.py"]) == [passed]
+    assert matrix.load_record(path, ["tests/y.py"]) == []  # other tests: nothing is kept
