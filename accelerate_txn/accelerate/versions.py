@@ -1,8 +1,9 @@
 """The validated version table, the version policy and its override.
 
-The table is ``accelerate_txn/validated.json`` (the package root): the one list of (torch, Accelerate) pairs on which the
-distributed matrix subset passed with exactly those releases (``make test-matrix-table`` runs every row; CI runs a
-covering set of them, ``make test-matrix``), also shown in the README (a test keeps the two equal). A tested pair validates its *minor series*: torch 2.13.0 with Accelerate 1.10.1 in the table
+The table is ``accelerate_txn/validated.json`` (the package root): the one list of (torch, Accelerate) pairs on
+which the distributed matrix subset passed with exactly those releases (``make test-matrix-table`` runs every row;
+CI runs a covering set of them, ``make test-matrix``), also shown in the README (a test keeps the two equal). A
+tested pair validates its *minor series*: torch 2.13.0 with Accelerate 1.10.1 in the table
 means any torch 2.13.x with any Accelerate 1.10.x, since patch releases do not change the private internals
 this library relies on. Outside the table, automatic dispatch runs native Accelerate after one warning and the
 explicit API refuses, unless the user sets ``VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1`` and accepts the risk.
