@@ -156,11 +156,18 @@ def _say(message: str) -> None:
     print(f"[matrix] {message}", flush=True)
 
 
+def _background() -> None:
+    """In a child about to run work that overlaps the tests: the lowest CPU priority, so the tests it shares the
+    cores with are not slowed (it takes what they leave idle)."""
+    os.nice(19)
+
+
 def _run(command: list[str], env: dict[str, str], cwd: Path = ROOT, sink: list[str] | None = None) -> int:
     """Run ``command``, streaming its output without the machine's find-links noise (into ``sink`` instead of
-    standard output when given: an environment prepared in the background prints its log when its turn comes);
-    its exit code."""
-    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    standard output when given: an environment prepared in the background prints its log when its turn comes, and
+    runs at the lowest CPU priority meanwhile); its exit code."""
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               preexec_fn=None if sink is None else _background)
     assert process.stdout is not None
     for line in process.stdout:
         if NOISE.match(line.rstrip("\n")):
@@ -212,7 +219,8 @@ class Installer:
         return "uv" if self.uv else "pip"
 
     def env(self) -> dict[str, str]:
-        return {"UV_CACHE_DIR": str(self.cache), "UV_NO_PROGRESS": "1"} if self.uv else {}
+        # Bytecode compiled at install (in the background, for a prepared group), not at the first import by a test.
+        return {"UV_CACHE_DIR": str(self.cache), "UV_NO_PROGRESS": "1", "UV_COMPILE_BYTECODE": "1"} if self.uv else {}
 
     def venv(self, interpreter: str, directory: Path) -> list[str]:
         if self.uv:
@@ -321,7 +329,7 @@ class Environment:
         if self.directory.exists():
             trash = self.directory.with_name(f"{self.directory.name}.removing-{os.getpid()}")
             self.directory.rename(trash)
-            _REMOVALS.append(subprocess.Popen(["rm", "-rf", str(trash)]))
+            _REMOVALS.append(subprocess.Popen(["rm", "-rf", str(trash)], preexec_fn=_background))
 
 
 def _constraints_file(directory: Path, keep_pins: bool) -> Path:
