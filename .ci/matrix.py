@@ -156,18 +156,15 @@ def _say(message: str) -> None:
     print(f"[matrix] {message}", flush=True)
 
 
-def _background() -> None:
-    """In a child about to run work that overlaps the tests: the lowest CPU priority, so the tests it shares the
-    cores with are not slowed (it takes what they leave idle)."""
-    os.nice(19)
+BACKGROUND = ("nice", "-n", "19")  # work that overlaps the tests takes only what they leave idle of the cores
 
 
 def _run(command: list[str], env: dict[str, str], cwd: Path = ROOT, sink: list[str] | None = None) -> int:
     """Run ``command``, streaming its output without the machine's find-links noise (into ``sink`` instead of
     standard output when given: an environment prepared in the background prints its log when its turn comes, and
     runs at the lowest CPU priority meanwhile); its exit code."""
-    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               preexec_fn=None if sink is None else _background)
+    command = command if sink is None else [*BACKGROUND, *command]
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert process.stdout is not None
     for line in process.stdout:
         if NOISE.match(line.rstrip("\n")):
@@ -329,7 +326,7 @@ class Environment:
         if self.directory.exists():
             trash = self.directory.with_name(f"{self.directory.name}.removing-{os.getpid()}")
             self.directory.rename(trash)
-            _REMOVALS.append(subprocess.Popen(["rm", "-rf", str(trash)], preexec_fn=_background))
+            _REMOVALS.append(subprocess.Popen([*BACKGROUND, "rm", "-rf", str(trash)]))
 
 
 def _constraints_file(directory: Path, keep_pins: bool) -> Path:
