@@ -156,6 +156,7 @@ def _say(message: str) -> None:
     print(f"[matrix] {message}", flush=True)
 
 
+KEEP_CACHE_FREE_BYTES = 40 * 2**30  # below this much free disk, uv's cache is emptied between groups
 BACKGROUND = ("nice", "-n", "19")  # work that overlaps the tests takes only what they leave idle of the cores
 
 
@@ -232,11 +233,19 @@ class Installer:
         return [str(python), *PIP, *requirements]  # the constraints come through PIP_CONSTRAINT (Environment.env)
 
     def clean(self) -> None:
-        """Empty uv's cache between groups, when no install runs: the environments hold hard links to its files, so
-        this frees the space of the groups already removed (several GB each; the disk then holds about two
-        environments, as with pip), at the cost of downloading again what the next group shares with them."""
-        if self.uv:
-            _run([self.uv, "cache", "clean", "--quiet"], {**os.environ, **self.env()})
+        """Free uv's cache between groups, when no install runs. The environments hold hard links to its files, so
+        what a removed group used stays on disk while the cache keeps it: torch's own files (a release per group)
+        are dropped every time; the rest (the CUDA libraries, which groups of one CUDA version share, and the small
+        packages every group installs) is kept while the disk has room, then dropped as well."""
+        if not self.uv:
+            return
+        env = {**os.environ, **self.env()}
+        assert self.cache is not None
+        self.cache.mkdir(parents=True, exist_ok=True)
+        if shutil.disk_usage(self.cache).free < KEEP_CACHE_FREE_BYTES:
+            _run([self.uv, "cache", "clean", "--quiet"], env)
+        else:
+            _run([self.uv, "cache", "clean", "--quiet", "torch"], env)
 
 
 def uv_installer(root: Path) -> Installer:
