@@ -242,10 +242,8 @@ class Installer:
         env = {**os.environ, **self.env()}
         assert self.cache is not None
         self.cache.mkdir(parents=True, exist_ok=True)
-        if shutil.disk_usage(self.cache).free < KEEP_CACHE_FREE_BYTES:
-            _run([self.uv, "cache", "clean", "--quiet"], env)
-        else:
-            _run([self.uv, "cache", "clean", "--quiet", "torch"], env)
+        only = [] if shutil.disk_usage(self.cache).free < KEEP_CACHE_FREE_BYTES else ["torch"]
+        _run([self.uv, "cache", "clean", "--quiet", *only], env)
 
 
 def uv_installer(root: Path) -> Installer:
@@ -387,7 +385,7 @@ def prepare(python: str, torch: str, accelerate: str, root: Path, installer: Ins
 
 
 def run_group(python: str, torch: str, group: list[Job], pytest_args: list[str], prepared: Prepared,
-              keep: bool, report: Callable[[Outcome], None]) -> list[Outcome]:
+              keep: bool, report: Callable[[Outcome], None]) -> None:
     """Run the group's jobs in its environment; ``report`` gets each outcome as soon as its job ends."""
     outcomes = [Outcome(job) for job in group]
     env, code, create_s = prepared.env, prepared.code, prepared.create_s
@@ -406,7 +404,6 @@ def run_group(python: str, torch: str, group: list[Job], pytest_args: list[str],
         if not keep:
             env.remove()
             _say(f"removing {env.directory.relative_to(ROOT)} (in the background)")
-    return outcomes
 
 
 def run_job(env: Environment, code: int, create_s: float, outcome: Outcome, pytest_args: list[str]) -> None:
@@ -547,8 +544,7 @@ def write_record(path: Path, outcomes: list[Outcome], pending: list[Job], argv: 
                  pytest_args: list[str]) -> None:
     """The record as Markdown (``path``) and as JSON beside it (what ``--resume`` reads)."""
     path.write_text(record(outcomes, argv, pending), encoding="utf-8")
-    cells = [{**asdict(outcome.job), **{key: value for key, value in asdict(outcome).items() if key != "job"}}
-             for outcome in outcomes]
+    cells = [asdict(outcome) for outcome in outcomes]
     path.with_suffix(".json").write_text(json.dumps({"pytest_args": pytest_args, "cells": cells}, indent=1) + "\n",
                                          encoding="utf-8")
 
@@ -562,10 +558,7 @@ def load_record(path: Path, pytest_args: list[str]) -> list[Outcome]:
     if saved.get("pytest_args") != pytest_args:
         _say(f"--resume: {path.with_suffix('.json')} was run with other pytest arguments; running every cell")
         return []
-    fields = {"python", "torch", "accelerate", "in_table"}
-    return [Outcome(Job(**{key: cell[key] for key in fields}),
-                    **{key: value for key, value in cell.items() if key not in fields})
-            for cell in saved["cells"] if cell["result"] == "passed"]
+    return [Outcome(**{**cell, "job": Job(**cell["job"])}) for cell in saved["cells"] if cell["result"] == "passed"]
 
 
 def record(outcomes: list[Outcome], argv: list[str], pending: Sequence[Job] = ()) -> str:
