@@ -7,6 +7,8 @@ Accelerate minor and every Python of the table at least once -- the diagonal of 
 with the oldest Accelerate minor of its rows not yet covered), its edges (the newest torch with its newest
 Accelerate; the default torch with its oldest and newest Accelerate) -- see :func:`cover`. ``--rectangle``
 runs every torch release of the table with every Accelerate release of the table (make test-matrix-full).
+``--fsdp2-tests`` names a second set of tests (MATRIX_FSDP2_TESTS), run as well on the rows the table marks
+``"fsdp2": true``, where the protected FSDP2 path is on.
 
 Standard library only, so any Python 3.10+ can drive it. Installs use uv (pinned in constraints.txt, installed
 into the matrix folder first; ``--installer pip`` uses pip instead): it unpacks a CUDA build of torch in seconds
@@ -44,7 +46,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,6 +65,7 @@ class Job:
     torch: str
     accelerate: str
     in_table: bool = True  # False: a cell of the rectangle that no table row names (run with the override)
+    fsdp2: bool = field(default=False, compare=False)  # the row says "fsdp2": true (the FSDP2 tests run there too)
 
     def __str__(self) -> str:
         return f"Python {self.python}, torch {self.torch}, accelerate {self.accelerate}"
@@ -79,7 +82,8 @@ class Outcome:
 
 def jobs() -> list[Job]:
     table = json.loads(TABLE.read_text(encoding="utf-8"))
-    return [Job(python, row["torch"], row["accelerate"]) for row in table["pairs"] for python in row["python"]]
+    return [Job(python, row["torch"], row["accelerate"], fsdp2=bool(row.get("fsdp2", False)))
+            for row in table["pairs"] for python in row["python"]]
 
 
 def _release_key(release: str) -> tuple[int, ...]:
@@ -90,10 +94,11 @@ def rectangle(python: str) -> list[Job]:
     """Every torch release of the table with every Accelerate release of the table (the whole rectangle of
     validated minor series), on one Python: the table's own pairs and every other combination of the two."""
     table = json.loads(TABLE.read_text(encoding="utf-8"))["pairs"]
-    named = {(row["torch"], row["accelerate"]) for row in table}
+    named = {(row["torch"], row["accelerate"]): bool(row.get("fsdp2", False)) for row in table}
     torches = sorted({row["torch"] for row in table}, key=_release_key)
     accelerates = sorted({row["accelerate"] for row in table}, key=_release_key)
-    return [Job(python, torch, accelerate, (torch, accelerate) in named) for torch in torches for accelerate in accelerates]
+    return [Job(python, torch, accelerate, (torch, accelerate) in named, named.get((torch, accelerate), False))
+            for torch in torches for accelerate in accelerates]
 
 
 def _minor(release: str) -> str:
@@ -384,8 +389,8 @@ def prepare(python: str, torch: str, accelerate: str, root: Path, installer: Ins
     return Prepared(env, code, time.monotonic() - started, log)
 
 
-def run_group(python: str, torch: str, group: list[Job], pytest_args: list[str], prepared: Prepared,
-              keep: bool, report: Callable[[Outcome], None]) -> None:
+def run_group(python: str, torch: str, group: list[Job], pytest_args: list[str], fsdp2_args: list[str],
+              prepared: Prepared, keep: bool, report: Callable[[Outcome], None]) -> None:
     """Run the group's jobs in its environment; ``report`` gets each outcome as soon as its job ends."""
     outcomes = [Outcome(job) for job in group]
     env, code, create_s = prepared.env, prepared.code, prepared.create_s
@@ -397,7 +402,7 @@ def run_group(python: str, torch: str, group: list[Job], pytest_args: list[str],
          f"({env.installer.name}): {create_s:.0f} s (exit {code})")
     try:
         for index, outcome in enumerate(outcomes):
-            run_job(env, code, create_s if index == 0 else 0.0, outcome, pytest_args)
+            run_job(env, code, create_s if index == 0 else 0.0, outcome, pytest_args, fsdp2_args)
             outcome.finished = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
             report(outcome)
     finally:
@@ -406,8 +411,10 @@ def run_group(python: str, torch: str, group: list[Job], pytest_args: list[str],
             _say(f"removing {env.directory.relative_to(ROOT)} (in the background)")
 
 
-def run_job(env: Environment, code: int, create_s: float, outcome: Outcome, pytest_args: list[str]) -> None:
-    """One job in its group's environment (``code``: the environment's exit code); the result into ``outcome``."""
+def run_job(env: Environment, code: int, create_s: float, outcome: Outcome, pytest_args: list[str],
+            fsdp2_args: Sequence[str] = ()) -> None:
+    """One job in its group's environment (``code``: the environment's exit code); the result into ``outcome``.
+    ``fsdp2_args`` (``--fsdp2-tests``) run as a second pytest on a row marked ``"fsdp2": true``."""
     job = outcome.job
     if code:
         outcome.result = f"environment failed ({env.installer.name} exit {code})"
@@ -423,11 +430,17 @@ def run_job(env: Environment, code: int, create_s: float, outcome: Outcome, pyte
         _say(f"FAILED {job}: {failure}")
         return
     step = time.monotonic()
-    _say(f"{job}: pytest {shlex.join(pytest_args)}")
-    rc = _run([str(env.bin), "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args],
-              env.env(override=not job.in_table))
+    runs = [pytest_args] + ([list(fsdp2_args)] if fsdp2_args and job.fsdp2 and job.in_table else [])
+    for args in runs:
+        _say(f"{job}: pytest {shlex.join(args)}")
+        rc = _run([str(env.bin), "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+                  env.env(override=not job.in_table))
+        outcome.result = {0: "passed", 5: "FAILED: pytest collected no tests (exit 5)"}.get(rc, f"FAILED: pytest exit {rc}")
+        if rc:
+            if args is not pytest_args:
+                outcome.result += " (the FSDP2 tests)"
+            break
     outcome.test_s = time.monotonic() - step
-    outcome.result = {0: "passed", 5: "FAILED: pytest collected no tests (exit 5)"}.get(rc, f"FAILED: pytest exit {rc}")
     _say(f"{job}: tests {outcome.test_s:.0f} s, {outcome.result}")
 
 
@@ -455,6 +468,9 @@ def main(argv: list[str]) -> int:
                         help="with --record: keep the cells that passed in the record's last run with the same pytest "
                              "arguments (its .json beside it) and run only the others (a long run continues where "
                              "it stopped)")
+    parser.add_argument("--fsdp2-tests", default="", metavar="PYTEST_ARGS",
+                        help="one string of pytest arguments run as well on each table row marked \"fsdp2\": true "
+                             "(after the tests given after --), e.g. \"tests/test_fsdp2.py -k 'resume or flipped'\"")
     parser.add_argument("--list", action="store_true", help="print the jobs and exit")
     parser.add_argument("pytest_args", nargs="*", help="after --: what pytest runs in every job")
     options = parser.parse_args(argv)
@@ -471,7 +487,7 @@ def main(argv: list[str]) -> int:
                      or (job.python, job.torch, job.accelerate) != (host_python(), default["torch"], default["accelerate"]))]
     if options.list:
         for job in selected:
-            print(job)
+            print(f"{job}{' (+ FSDP2 tests)' if job.fsdp2 and job.in_table and options.fsdp2_tests else ''}")
         return 0
     if not selected:
         _say("no job matches the filters")
@@ -479,9 +495,11 @@ def main(argv: list[str]) -> int:
     if not options.pytest_args:
         parser.error("give the pytest arguments after --")
 
+    # What a record's cells ran: the tests after --, and the FSDP2 tests when given (--resume compares both).
+    recorded_args = options.pytest_args + (["--fsdp2-tests", options.fsdp2_tests] if options.fsdp2_tests else [])
     kept: list[Outcome] = []
     if options.resume and options.record is not None:
-        kept = [outcome for outcome in load_record(options.record, options.pytest_args) if outcome.job in selected]
+        kept = [outcome for outcome in load_record(options.record, recorded_args) if outcome.job in selected]
         selected = [job for job in selected if job not in {outcome.job for outcome in kept}]
         _say(f"--resume: {len(kept)} cells passed before with these pytest arguments; {len(selected)} to run")
     groups: dict[tuple[str, str], list[Job]] = {}
@@ -497,7 +515,7 @@ def main(argv: list[str]) -> int:
         if options.record is not None:
             done = {o.job for o in outcomes}
             write_record(options.record, outcomes, [job for job in selected if job not in done], argv,
-                         options.pytest_args)
+                         recorded_args)
 
     root = options.envs.resolve()
     installer = uv_installer(root) if options.installer == "uv" else Installer()
@@ -513,8 +531,8 @@ def main(argv: list[str]) -> int:
                 installer.clean()  # nothing installs at this point: the previous group is done, this one is ready
                 upcoming = (ahead.submit(prepare, *keys[index + 1], first[keys[index + 1]], root, installer, True)
                             if index + 1 < len(keys) else None)
-                run_group(python, torch, groups[(python, torch)], options.pytest_args, prepared, options.keep,
-                          report)
+                run_group(python, torch, groups[(python, torch)], options.pytest_args,
+                          shlex.split(options.fsdp2_tests), prepared, options.keep, report)
         finally:
             if upcoming is not None:  # interrupted: the environment prepared ahead is not used
                 with contextlib.suppress(Exception):

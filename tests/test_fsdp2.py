@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import accelerate
 import pytest
+from packaging.version import Version
 
 from accelerate_txn.testing import launch
 
@@ -179,8 +181,14 @@ def test_unvalidated_versions_run_fsdp2_native_with_one_warning_and_one_info_lin
         # protected loader restores it: see the before-first-step test) ...
         assert "Missing key in checkpoint state_dict: optimizer.state." in obs["native_early_error"]["message"]
         assert "momentum_buffer" in obs["native_early_error"]["message"]
-        # ... and into a fresh AdamW too (its template comes from one dummy step: step, exp_avg, exp_avg_sq).
-        assert "Missing key in checkpoint state_dict: optimizer.state." in obs["native_early_adam_error"]["message"]
+        # ... and into a fresh AdamW too on Accelerate 1.13 and later (its template comes from one dummy step:
+        # step, exp_avg, exp_avg_sq). Accelerate 1.7 to 1.12 build the template from ``optimizer.state_dict()``: a
+        # fresh optimizer's is empty, so native reads no state at all and raises nothing (the silently empty
+        # restore the protected loader replaces).
+        if Version(accelerate.__version__) >= Version("1.13"):
+            assert "Missing key in checkpoint state_dict: optimizer.state." in obs["native_early_adam_error"]["message"]
+        else:
+            assert obs["native_early_adam_error"] is None
     (line,) = [m for m in rank0["seen"]["info"] if m.startswith(NOT_PROTECTED)]
     assert line.startswith(NOT_PROTECTED + "FSDP2 is not validated on these versions (")
     assert [m for m in rank1["seen"]["info"] if m.startswith(NOT_PROTECTED)] == []

@@ -67,6 +67,9 @@ def test_fsdp2_is_validated_only_on_pairs_of_the_table() -> None:
     assert _versions.FSDP2_VALIDATED <= _versions.VALIDATED, "an FSDP2 pair that CI's matrix does not install"
     assert {(f"2.{minor}", "1.15") for minor in range(8, 15)} <= _versions.FSDP2_VALIDATED
     assert ("2.13", "1.16") in _versions.FSDP2_VALIDATED
+    # Every Accelerate of the table (1.7 and later) supports FSDP2 (fsdp_version=2), and every row passed the FSDP2
+    # tests: FSDP2 is protected wherever FSDP1 is (docs/versions.md, runs on record).
+    assert _versions.FSDP2_VALIDATED == _versions.VALIDATED
 
 
 def test_requires_python_floor_is_a_tested_python() -> None:
@@ -316,3 +319,68 @@ def test_full_matrix_resume_keeps_only_cells_that_passed_with_the_same_tests(tmp
     assert "| 2.7.0 | passed (table) | **tests failed** |" in path.read_text(encoding="utf-8").splitlines()
     assert matrix.load_record(path, ["tests/x.py"]) == [passed]
     assert matrix.load_record(path, ["tests/y.py"]) == []  # other tests: nothing is kept
+
+
+def test_fsdp2_rows_of_the_table_are_the_fsdp2_validated_series_and_ci_runs_the_fsdp2_tests_there() -> None:
+    raw = json.loads((REPO / "accelerate_txn" / "validated.json").read_text(encoding="utf-8"))["pairs"]
+    marked = {(row["torch"], row["accelerate"]) for row in raw if row.get("fsdp2")}
+    assert {pair.series for pair in TESTED if (pair.torch, pair.accelerate) in marked} == _versions.FSDP2_VALIDATED
+    assert {pair.fsdp2 for pair in TESTED} == {True, False} or all(pair.fsdp2 for pair in TESTED)
+    makefile = (REPO / "Makefile").read_text(encoding="utf-8")
+    for target in ("test-matrix", "test-matrix-table"):
+        (recipe,) = re.findall(rf"^{target}:\n\t(.*)$", makefile, flags=re.MULTILINE)
+        assert "--fsdp2-tests '$(MATRIX_FSDP2_TESTS)'" in recipe, target
+    listed = _matrix("--list", "--include-default", "--fsdp2-tests", "tests/test_fsdp2.py")
+    with_fsdp2 = {line.removesuffix(" (+ FSDP2 tests)") for line in listed if line.endswith(" (+ FSDP2 tests)")}
+    assert with_fsdp2 == {f"Python {python}, torch {torch_}, accelerate {accelerate_}"
+                          for row in raw if row.get("fsdp2")
+                          for python, torch_, accelerate_ in ((p, row["torch"], row["accelerate"]) for p in row["python"])}
+
+
+def test_matrix_fsdp2_tests_select_the_fsdp2_round_trip_refusal_and_kill() -> None:
+    makefile = (REPO / "Makefile").read_text(encoding="utf-8")
+    (line,) = re.findall(r"^MATRIX_FSDP2_TESTS \?= (.*)$", makefile, flags=re.MULTILINE)
+    completed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                *shlex.split(line)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                               check=False)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    selected = {node.split("::", 1)[1] for node in completed.stdout.splitlines() if "::" in node}
+    assert "test_fsdp2_save_is_protected_and_published_with_a_manifest" in selected
+    assert "test_resume_into_a_fresh_model_and_optimizer_is_exact_and_continues_identically" in selected
+    assert "test_flipped_byte_in_a_dcp_payload_is_refused_on_every_rank_before_anything_changes" in selected
+    assert any(node.startswith("test_fsdp2_kill_9_then_restart_restores_newest_complete_exactly[") for node in selected)
+    assert len(selected) <= 8  # compact: CI runs it on every FSDP2 row of its covering set
+
+
+def _probe_tests(directory: Path) -> tuple[Path, Path]:
+    (directory / "test_main.py").write_text("def test_main():\n    assert True\n", encoding="utf-8")
+    (directory / "test_fsdp2_probe.py").write_text(
+        "import os, pathlib\n\ndef test_fsdp2():\n"
+        "    pathlib.Path(os.environ['PROBE_MARK']).write_text('ran')\n"
+        "    assert os.environ.get('PROBE_FAIL') != '1'\n", encoding="utf-8")
+    return directory / "test_main.py", directory / "test_fsdp2_probe.py"
+
+
+@pytest.mark.parametrize("fsdp2_row", [True, False])
+def test_matrix_job_runs_the_fsdp2_tests_only_on_fsdp2_rows_and_says_when_they_failed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsdp2_row: bool) -> None:
+    # A real job of the matrix in this very environment (the default pair, already installed: nothing to install),
+    # running two real pytest sessions on probe tests.
+    matrix = _matrix_module()
+    main_tests, fsdp2_tests = _probe_tests(tmp_path)
+    installed = f"{sys.version_info.major}.{sys.version_info.minor}"
+    job = matrix.Job(installed, torch.__version__.split("+")[0], accelerate.__version__, True, fsdp2_row)
+    env = matrix.Environment(Path(sys.executable).parents[1], installed, job.torch, tmp_path / "c.txt", matrix.Installer())
+    env.bin = Path(sys.executable)
+    env.accelerate, env.editable_installed = job.accelerate, True
+    mark = tmp_path / "mark"
+    monkeypatch.setenv("PROBE_MARK", str(mark))
+    outcome = matrix.Outcome(job)
+    matrix.run_job(env, 0, 0.0, outcome, [str(main_tests)], [str(fsdp2_tests)])
+    assert outcome.result == "passed"
+    assert mark.exists() == fsdp2_row
+    if fsdp2_row:
+        monkeypatch.setenv("PROBE_FAIL", "1")
+        failed = matrix.Outcome(job)
+        matrix.run_job(env, 0, 0.0, failed, [str(main_tests)], [str(fsdp2_tests)])
+        assert failed.result == "FAILED: pytest exit 1 (the FSDP2 tests)"

@@ -19,6 +19,14 @@ the RNG file's device key comes from ``get_torch_accelerator_backend()`` (unchan
 ``prepare`` accepts a model without an optimizer (such a setup runs native, as before). 1.16 needs Python 3.11+
 and torch 2.6+.
 
+FSDP2 on Accelerate 1.7 to 1.12 (``utils/fsdp_utils.py`` of each wheel compared with 1.13/1.14): ``save_fsdp_model``
+and ``save_fsdp_optimizer`` are the same code as in 1.13 and 1.14; ``load_fsdp_model`` differs only in its
+``FULL_STATE_DICT`` branch (1.7 and 1.8 load the full state dict on every rank); ``load_fsdp_optimizer``'s sharded
+branch builds its DCP read template from ``optimizer.state_dict()`` (1.13 and later: ``get_optimizer_state_dict``),
+so natively a fresh optimizer reads no state at all there. The protected path uses neither native loader's template
+(``fsdp.fsdp2.load_fsdp2_optimizer`` builds its own from the checkpoint's metadata), so it is the same on every
+Accelerate from 1.7 (validated: the rows of ``validated.json`` marked ``"fsdp2": true``).
+
 Under torch 2.8 to 2.14 (with Accelerate 1.15.0), nothing here differs from torch 2.13: Accelerate's own branches
 on the torch version (``is_torch_version``) all sit at 2.8 or below, so it takes the same paths under each.
 

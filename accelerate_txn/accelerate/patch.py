@@ -9,7 +9,7 @@ Protected path when all hold (and every rank agrees, else every rank raises):
 automatic dispatch is on (``VIDEOX_ACCELERATE_PATCHES`` unset or truthy) or the instance was opted in with
 :func:`patch_accelerate_fsdp`; it was not opted out with :func:`unpatch_accelerate_fsdp`; the installed
 versions are validated (or the override is set); the backend is FSDP1 or FSDP2 with ``SHARDED_STATE_DICT`` (FSDP2
-only on the versions its path was validated on, ``accelerate.versions.FSDP2_VALIDATED``, else native with one warning); and the
+only on the rows of ``validated.json`` marked ``"fsdp2": true``, else native with one warning); and the
 protected path can handle this setup (``accelerate.descriptor.unsupported_reason``: optimizer state made of
 parameter-shaped tensors and scalars, a supported sharding strategy, ...; on load also the checkpoint's
 optimizer state), decided from the live state at each call and agreed on by every rank. With

@@ -29,13 +29,15 @@ TABLE_FILE = "validated.json"
 
 @dataclass(frozen=True)
 class TestedPair:
-    """One row of the table: the exact releases the matrix installs, and the Pythons it runs them on."""
+    """One row of the table: the exact releases the matrix installs, the Pythons it runs them on, and whether the
+    protected FSDP2 path was validated on it too (``"fsdp2": true``; FSDP1 is protected on every row)."""
 
     __test__ = False  # not a pytest test class, despite the name
 
     torch: str
     accelerate: str
     python: tuple[str, ...]
+    fsdp2: bool = False
 
     @property
     def series(self) -> tuple[str, str]:
@@ -64,7 +66,8 @@ def series(version: str) -> str:
 
 def _load_table() -> tuple[TestedPair, ...]:
     raw = json.loads(resources.files("accelerate_txn").joinpath(TABLE_FILE).read_text(encoding="utf-8"))
-    return tuple(TestedPair(row["torch"], row["accelerate"], tuple(row["python"])) for row in raw["pairs"])
+    return tuple(TestedPair(row["torch"], row["accelerate"], tuple(row["python"]), bool(row.get("fsdp2", False)))
+                 for row in raw["pairs"])
 
 
 TESTED: tuple[TestedPair, ...] = _load_table()
@@ -147,11 +150,11 @@ def unsupported_message() -> str:
 
 def markdown_table() -> str:
     """The README's table of validated pairs, generated from the same file."""
-    lines = ["| PyTorch | Accelerate | Validated with | on Python |", "| --- | --- | --- | --- |"]
+    lines = ["| PyTorch | Accelerate | Protected | Validated with | on Python |", "| --- | --- | --- | --- | --- |"]
     for pair in TESTED:
         torch_series, accelerate_series = pair.series
-        lines.append(f"| {torch_series}.x | {accelerate_series}.x | torch {pair.torch}, accelerate {pair.accelerate} "
-                     f"| {', '.join(pair.python)} |")
+        lines.append(f"| {torch_series}.x | {accelerate_series}.x | {'FSDP1, FSDP2' if pair.fsdp2 else 'FSDP1'} "
+                     f"| torch {pair.torch}, accelerate {pair.accelerate} | {', '.join(pair.python)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -187,13 +190,9 @@ def require_supported_versions() -> None:
 
 # --- FSDP2 -------------------------------------------------------------------------------------------------------
 
-#: (torch minor series, Accelerate minor series) on which the protected FSDP2 path was validated (torch 2.8.0,
-#: 2.9.1, 2.10.0, 2.11.0, 2.12.1 and 2.14.1 with Accelerate 1.15.0; torch 2.13.0 with Accelerate 1.13.0, 1.14.0,
-#: 1.15.0 and 1.16.0).
-FSDP2_VALIDATED: frozenset[tuple[str, str]] = frozenset({
-    ("2.8", "1.15"), ("2.9", "1.15"), ("2.10", "1.15"), ("2.11", "1.15"), ("2.12", "1.15"),
-    ("2.13", "1.13"), ("2.13", "1.14"), ("2.13", "1.15"), ("2.13", "1.16"), ("2.14", "1.15"),
-})
+#: (torch minor series, Accelerate minor series) on which the protected FSDP2 path was validated: the rows of the
+#: table marked ``"fsdp2": true`` (each passed the FSDP2 tests as well as the matrix subset, with that pair installed).
+FSDP2_VALIDATED: frozenset[tuple[str, str]] = frozenset(pair.series for pair in TESTED if pair.fsdp2)
 
 
 def fsdp2_validated() -> bool:

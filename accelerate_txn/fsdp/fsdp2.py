@@ -28,9 +28,10 @@ Accelerate's FSDP2 ``SHARDED_STATE_DICT`` checkpoints are DCP directories like F
   general rule of ``optimizer_state``) from metadata alone, in the restore preflight, before anything changes;
   :func:`verify_restored_fsdp2` checks the result.
 
-Validated versions: the FSDP2 path is taken only on the (torch, Accelerate) minor series listed in
-``accelerate.versions.FSDP2_VALIDATED`` (each one passed tests/test_fsdp2.py and tests/test_crash_fsdp2.py, real 2-process gloo
-runs, with that pair installed); elsewhere FSDP2 runs native Accelerate with a warning.
+Validated versions: the FSDP2 path is taken only on the rows of ``validated.json`` marked ``"fsdp2": true``
+(``accelerate.versions.FSDP2_VALIDATED``; each passed at least tests/test_fsdp2.py, real 2-process gloo runs, with
+that pair installed: docs/versions.md records what ran on each); elsewhere FSDP2 runs native Accelerate with a
+warning.
 """
 
 from __future__ import annotations

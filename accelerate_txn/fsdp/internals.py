@@ -194,7 +194,7 @@ def host_dtensor(local: Any, like: Any) -> Any:
     would move it to the mesh's device). torch's own asynchronous staging (``_state_dict_utils.
     _create_cpu_state_dict``) builds the same object: a CUDA mesh's DTensor over host memory, which DCP writes.
     torch 2.8.0 to 2.14.1: ``DTensor.__new__(local_tensor, spec, *, requires_grad)`` and the ``_spec`` attribute
-    (FSDP2 saves take the protected path only on the torch series of ``accelerate.versions.FSDP2_VALIDATED``; read
+    (FSDP2 saves take the protected path only on the rows of ``validated.json`` marked ``"fsdp2": true``; read
     this again when another torch is validated for FSDP2)."""
     from torch.distributed.tensor import DTensor
 
