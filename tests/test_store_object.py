@@ -1,0 +1,377 @@
+"""The S3 store end to end against a real S3-protocol server on loopback (moto's ``ThreadedMotoServer``, started
+here on 127.0.0.1 on a free port): create-only commits, multipart uploads hashed as they are sent, verified
+downloads, listing bounded by the prefix, deletion manifest first, and a real ``kill -9`` in the middle of a
+multipart upload.
+
+The client reaches the server only through the standard AWS environment (``AWS_ENDPOINT_URL`` and credentials),
+as a user's would. Order of requests is read from the server's own request log, not from the client.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import xxhash
+from moto.server import ThreadedMotoServer
+
+from accelerate_txn.errors import CheckpointConfigurationError, CheckpointExistsError, CheckpointIntegrityError
+from accelerate_txn.store.s3 import MIN_PART_SIZE, S3Store, S3Url
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parents[1]
+BUCKET = "accelerate-txn-tests"
+MANIFEST = "checkpoint_manifest.json"
+_REQUEST = re.compile(r"(GET|PUT|POST|DELETE|HEAD) (/\S*) HTTP/")  # lines may be wrapped in ANSI colours
+
+
+@dataclass
+class Server:
+    """The loopback S3 server and every request it answered, in the order it answered them."""
+
+    endpoint: str
+    requests: list[tuple[str, str]] = field(default_factory=list)  # (method, path with query)
+
+
+class _RequestLog(logging.Handler):
+    """Records werkzeug's access-log lines. werkzeug logs a request when it sends the response status, so a
+    request the client waited for is recorded before the client's next request is sent."""
+
+    def __init__(self, requests: list[tuple[str, str]]) -> None:
+        super().__init__(logging.INFO)
+        self.requests = requests
+
+    def emit(self, record: logging.LogRecord) -> None:
+        found = _REQUEST.search(record.getMessage())
+        if found:
+            self.requests.append((found.group(1), found.group(2)))
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    werkzeug = logging.getLogger("werkzeug")
+    saved = werkzeug.level, werkzeug.propagate
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    requests: list[tuple[str, str]] = []
+    handler = _RequestLog(requests)
+    werkzeug.addHandler(handler)  # also keeps werkzeug from adding its own console handler
+    werkzeug.setLevel(logging.INFO)
+    werkzeug.propagate = False
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        nowhere = tmp_path_factory.mktemp("aws") / "absent"  # no profile of the machine's user leaks in
+        with pytest.MonkeyPatch.context() as env:
+            for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
+                         "AWS_ENDPOINT_URL_S3", "AWS_REGION"):
+                env.delenv(name, raising=False)
+            env.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
+            env.setenv("AWS_ACCESS_KEY_ID", "accelerate-txn-test")
+            env.setenv("AWS_SECRET_ACCESS_KEY", "accelerate-txn-test")
+            env.setenv("AWS_DEFAULT_REGION", "us-east-1")
+            env.setenv("AWS_CONFIG_FILE", str(nowhere))
+            env.setenv("AWS_SHARED_CREDENTIALS_FILE", str(nowhere))
+            env.setenv("AWS_EC2_METADATA_DISABLED", "true")
+            S3Store().fs.mkdir(BUCKET)
+            yield Server(f"http://{host}:{port}", requests)
+    finally:
+        server.stop()
+        werkzeug.removeHandler(handler)
+        werkzeug.setLevel(saved[0])
+        werkzeug.propagate = saved[1]
+
+
+@pytest.fixture
+def store(s3_server: Server) -> S3Store:
+    return S3Store(part_size=MIN_PART_SIZE, concurrency=4)
+
+
+@pytest.fixture
+def prefix(s3_server: Server, request: pytest.FixtureRequest) -> S3Url:
+    """A fresh location of this test's own: ``s3://BUCKET/<test>-<id>/checkpoint_1``."""
+    name = re.sub(r"[^A-Za-z0-9_-]", "-", request.node.name)[:60]
+    return S3Url.parse(f"s3://{BUCKET}/{name}-{uuid.uuid4().hex[:8]}/checkpoint_1")
+
+
+def _payload(tmp_path: Path, size: int, name: str = "payload.bin") -> tuple[Path, bytes]:
+    data = os.urandom(size)
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path, data
+
+
+def _leftovers(directory: Path) -> list[str]:
+    return sorted(entry.name for entry in directory.iterdir())
+
+
+# -- URLs and set-up -------------------------------------------------------------------------------------------
+
+def test_url_parsing_accepts_plain_urls_and_names_the_bad_ones() -> None:
+    assert S3Url.parse("s3://my-bucket/run/checkpoint_1/") == S3Url("my-bucket", "run/checkpoint_1")
+    assert S3Url.parse("s3://my-bucket") == S3Url("my-bucket", "")
+    url = S3Url.parse("s3://my-bucket/run")
+    assert (url.prefix, str(url.child("checkpoint_1/model.safetensors"))) == (
+        "run/", "s3://my-bucket/run/checkpoint_1/model.safetensors")
+    refusals = {
+        "/local/path": "Not an S3 URL",
+        "gs://my-bucket/run": "Not an S3 URL",
+        "s3://x/run": "does not name a valid bucket",
+        "s3:///run": "does not name a valid bucket",
+        "s3://my-bucket/run//checkpoint_1": "empty, '.' or '..' path segment",
+        "s3://my-bucket/run/../other": "empty, '.' or '..' path segment",
+        "s3://my-bucket/run?versionId=3": "contains '?' or '#'",
+    }
+    for text, message in refusals.items():
+        with pytest.raises(CheckpointConfigurationError, match=re.escape(message)) as caught:
+            S3Url.parse(text)
+        assert repr(text) in str(caught.value)
+
+
+def test_without_the_client_the_module_imports_and_the_error_names_the_extra_to_install() -> None:
+    # A fresh interpreter where `import s3fs` fails, as where the s3 extra is not installed.
+    script = """
+import sys
+sys.modules["s3fs"] = None
+from accelerate_txn.errors import CheckpointConfigurationError
+from accelerate_txn.store.s3 import S3Store, S3Url
+S3Url.parse("s3://my-bucket/run")
+try:
+    S3Store()
+except CheckpointConfigurationError as exc:
+    print(exc)
+"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=100)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == ("Checkpoints in S3 (s3:// URLs) need the s3fs client, which is not installed "
+                                     "here: pip install 'accelerate-txn[s3]'")
+
+
+def test_a_client_that_would_drop_the_condition_is_refused_before_any_request() -> None:
+    # s3fs passes botocore only the parameters botocore's service model knows: on a botocore without S3's
+    # conditional writes, IfNoneMatch would vanish and the "create-only" commit would overwrite.
+    calls: list[Any] = []
+    old_model = SimpleNamespace(operation_model=lambda name: SimpleNamespace(
+        input_shape=SimpleNamespace(members={"Bucket": None, "Key": None, "Body": None})))
+    client = SimpleNamespace(s3=SimpleNamespace(meta=SimpleNamespace(service_model=old_model)),
+                             call_s3=lambda *args, **kwargs: calls.append((args, kwargs)))
+    old = S3Store(filesystem=client)
+    with pytest.raises(CheckpointConfigurationError, match="does not know S3's conditional writes") as caught:
+        old.write_new("s3://some-bucket/run/checkpoint_1/checkpoint_manifest.json", b"{}")
+    assert "PutObject, CompleteMultipartUpload" in str(caught.value)
+    with pytest.raises(CheckpointConfigurationError, match="does not know S3's conditional writes"):
+        old.upload_file(__file__, "s3://some-bucket/run/checkpoint_1/x", create_only=True)
+    assert calls == []
+
+
+# -- the commit --------------------------------------------------------------------------------------------------
+
+def test_create_only_commit_wins_once_and_the_second_writer_is_refused(store: S3Store, prefix: S3Url) -> None:
+    manifest = prefix.child(MANIFEST)
+    store.write_new(manifest, b'{"transaction_id": "first"}')
+    with pytest.raises(CheckpointExistsError) as caught:
+        store.write_new(manifest, b'{"transaction_id": "second"}')
+    assert f"{manifest} already exists (another writer committed it first)" in str(caught.value)
+    assert "nothing was written" in str(caught.value)
+    assert store.read_bytes(manifest, limit=1024) == b'{"transaction_id": "first"}'
+
+
+def test_create_only_commit_repeated_with_the_same_bytes_succeeds(store: S3Store, prefix: S3Url) -> None:
+    # A retry whose first request landed finds its own bytes: that is this writer's commit, not another's.
+    manifest = prefix.child(MANIFEST)
+    store.write_new(manifest, b'{"transaction_id": "mine"}')
+    store.write_new(manifest, b'{"transaction_id": "mine"}')
+    assert store.read_bytes(manifest, limit=1024) == b'{"transaction_id": "mine"}'
+
+
+def test_create_only_multipart_upload_is_refused_when_the_key_exists(store: S3Store, prefix: S3Url,
+                                                                     tmp_path: Path) -> None:
+    first, first_data = _payload(tmp_path, 2 * MIN_PART_SIZE + 100, "first.bin")
+    second, _ = _payload(tmp_path, 2 * MIN_PART_SIZE + 100, "second.bin")
+    url = prefix.child("model.safetensors")
+    size, digest = store.upload_file(first, url, create_only=True)
+    with pytest.raises(CheckpointExistsError, match=re.escape(f"{url} already exists")):
+        store.upload_file(second, url, create_only=True)
+    store.download_file(url, tmp_path / "back.bin", size=size, digest=digest)
+    assert (tmp_path / "back.bin").read_bytes() == first_data
+    assert store.list_incomplete_uploads(prefix) == []  # the refused upload was aborted, not left behind
+
+
+# -- uploads and downloads ---------------------------------------------------------------------------------------
+
+def test_multipart_upload_round_trips_with_the_right_hash(store: S3Store, prefix: S3Url, tmp_path: Path) -> None:
+    path, data = _payload(tmp_path, 2 * MIN_PART_SIZE + 12345)
+    url = prefix.child("pytorch_model_fsdp_0/__0_0.distcp")
+    acknowledged: list[int] = []
+    size, digest = store.upload_file(path, url, progress=acknowledged.append)
+    assert (size, digest) == (len(data), xxhash.xxh3_128_hexdigest(data))
+    assert len(acknowledged) == 3 and max(acknowledged) == len(data)
+    assert store.fs.info(str(url))["ETag"].strip('"').endswith("-3")  # the server completed a 3-part upload
+    (tmp_path / "down").mkdir()
+    store.download_file(url, tmp_path / "down" / "shard.distcp", size=size, digest=digest)
+    assert (tmp_path / "down" / "shard.distcp").read_bytes() == data
+    assert _leftovers(tmp_path / "down") == ["shard.distcp"]
+
+
+def test_small_file_goes_in_one_request_with_the_right_hash(store: S3Store, prefix: S3Url, tmp_path: Path) -> None:
+    path, data = _payload(tmp_path, 1000)
+    url = prefix.child("random_states_0.pkl")
+    assert store.upload_file(path, url) == (1000, xxhash.xxh3_128_hexdigest(data))
+    assert "-" not in store.fs.info(str(url))["ETag"]
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    assert store.upload_file(empty, prefix.child("empty")) == (0, xxhash.xxh3_128_hexdigest(b""))
+    store.download_file(prefix.child("empty"), tmp_path / "empty-back", size=0, digest=xxhash.xxh3_128_hexdigest(b""))
+    assert (tmp_path / "empty-back").read_bytes() == b""
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated"])
+def test_damaged_object_is_refused_naming_the_url_and_leaves_no_file(store: S3Store, prefix: S3Url, tmp_path: Path,
+                                                                     damage: str) -> None:
+    path, data = _payload(tmp_path, MIN_PART_SIZE + 777)
+    url = prefix.child("optimizer_0/__1_0.distcp")
+    size, digest = store.upload_file(path, url)
+    altered = bytearray(data)
+    if damage == "flipped byte":
+        altered[len(data) // 2] ^= 0x01
+    else:
+        del altered[-1]
+    store.fs.pipe_file(str(url), bytes(altered))  # another writer (or bit rot) replaced the object
+    (tmp_path / "down").mkdir()
+    destination = tmp_path / "down" / "shard.distcp"
+    expected = ("does not hold the content the checkpoint lists" if damage == "flipped byte"
+                else f"holds {size - 1} bytes where the checkpoint lists {size}")
+    with pytest.raises(CheckpointIntegrityError, match=re.escape(expected)) as caught:
+        store.download_file(url, destination, size=size, digest=digest)
+    assert str(url) in str(caught.value)
+    assert _leftovers(tmp_path / "down") == []
+    destination.write_bytes(b"an older copy")  # a failed download leaves an existing file as it was
+    with pytest.raises(CheckpointIntegrityError):
+        store.download_file(url, destination, size=size, digest=digest)
+    assert destination.read_bytes() == b"an older copy"
+    assert _leftovers(tmp_path / "down") == ["shard.distcp"]
+
+
+def test_missing_object_is_refused_naming_the_url(store: S3Store, prefix: S3Url, tmp_path: Path) -> None:
+    url = prefix.child("scheduler.bin")
+    with pytest.raises(CheckpointIntegrityError, match=re.escape(f"{url} does not exist")):
+        store.download_file(url, tmp_path / "scheduler.bin", size=10, digest="0" * 32)
+    assert _leftovers(tmp_path) == []
+    with pytest.raises(CheckpointIntegrityError, match=re.escape(f"{url} does not exist")):
+        store.read_bytes(url, limit=1024)
+
+
+def test_a_failed_upload_is_aborted_and_leaves_no_object(store: S3Store, prefix: S3Url, tmp_path: Path) -> None:
+    path, _ = _payload(tmp_path, 3 * MIN_PART_SIZE)
+    url = prefix.child("big.bin")
+
+    def fail(acknowledged: int) -> None:
+        raise RuntimeError("the caller gave up")
+
+    with pytest.raises(RuntimeError, match="the caller gave up"):
+        store.upload_file(path, url, progress=fail)
+    assert store.size(url) is None
+    assert store.list_incomplete_uploads(prefix) == []
+
+
+# -- listing and deletion ----------------------------------------------------------------------------------------
+
+def test_list_holds_exactly_the_objects_under_the_prefix(store: S3Store, prefix: S3Url) -> None:
+    sibling = S3Url(prefix.bucket, prefix.key + "0")  # checkpoint_10 beside checkpoint_1
+    store.write_new(prefix.child(MANIFEST), b"{}")
+    store.write_new(prefix.child("pytorch_model_fsdp_0/.metadata"), b"12345")
+    store.write_new(sibling.child(MANIFEST), b"{}")
+    store.fs.call_s3("create_multipart_upload", Bucket=prefix.bucket, Key=prefix.child("open.bin").key)
+    assert store.list(prefix) == {MANIFEST: 2, "pytorch_model_fsdp_0/.metadata": 5}
+    assert store.list(sibling) == {MANIFEST: 2}
+    store.abort_incomplete_uploads(prefix)
+
+
+def test_delete_prefix_removes_the_manifest_before_anything_else(store: S3Store, prefix: S3Url,
+                                                                s3_server: Server) -> None:
+    sibling = S3Url(prefix.bucket, prefix.key + "0")
+    for url in (prefix, sibling):
+        store.write_new(url.child("pytorch_model_fsdp_0/__0_0.distcp"), b"shard")
+        store.write_new(url.child("random_states_0.pkl"), b"rng")
+        store.write_new(url.child(MANIFEST), b"{}")
+    manifest_path = f"/{prefix.bucket}/{prefix.child(MANIFEST).key}"
+
+    start = len(s3_server.requests)
+    assert store.delete_prefix(prefix, first=[MANIFEST]) == 2
+    seen = s3_server.requests[start:]
+    deletions = [(method, path) for method, path in seen
+                 if method == "DELETE" or (method == "POST" and path.endswith("?delete"))]
+    assert deletions[0] == ("DELETE", manifest_path), seen  # acknowledged before the rest is even listed
+    assert deletions[1:] == [("POST", f"/{prefix.bucket}?delete")], seen
+    listing = next(index for index, (method, path) in enumerate(seen) if method == "GET" and "list-type=2" in path)
+    assert seen.index(("DELETE", manifest_path)) < listing < seen.index(("POST", f"/{prefix.bucket}?delete"))
+    assert store.list(prefix) == {}
+    assert store.list(sibling) == {MANIFEST: 2, "pytorch_model_fsdp_0/__0_0.distcp": 5, "random_states_0.pkl": 3}
+
+    # The check can fail: without ``first`` the manifest goes in the same batch as everything else.
+    start = len(s3_server.requests)
+    assert store.delete_prefix(sibling) == 3
+    assert [request for request in s3_server.requests[start:] if request[0] == "DELETE"] == []
+    assert store.list(sibling) == {}
+
+
+# -- kill -9 -----------------------------------------------------------------------------------------------------
+
+# Uploads argv[1] to argv[2] in 5 MiB parts, one at a time; after the first part is acknowledged it prints the
+# bytes acknowledged and waits for a line that never comes: the test kills it there with SIGKILL.
+_UPLOADER = """
+import sys
+from accelerate_txn.store.s3 import MIN_PART_SIZE, S3Store
+
+def progress(acknowledged):
+    print(acknowledged, flush=True)
+    sys.stdin.readline()
+
+S3Store(part_size=MIN_PART_SIZE, concurrency=1).upload_file(sys.argv[1], sys.argv[2], progress=progress)
+print("completed", flush=True)
+"""
+
+
+def test_kill_9_mid_multipart_upload_leaves_no_object_and_the_leftover_upload_is_aborted(
+        store: S3Store, prefix: S3Url, tmp_path: Path) -> None:
+    path, _ = _payload(tmp_path, 3 * MIN_PART_SIZE + 1)
+    url = prefix.child("pytorch_model_fsdp_0/__0_0.distcp")
+    elsewhere = S3Url(prefix.bucket, prefix.key + "0")  # another checkpoint's open upload: never touched
+    other = store.fs.call_s3("create_multipart_upload", Bucket=prefix.bucket, Key=elsewhere.child("x").key)
+    uploader = subprocess.Popen([sys.executable, "-c", _UPLOADER, str(path), str(url)], cwd=REPO, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert uploader.stdout is not None
+        ready, _, _ = select.select([uploader.stdout], [], [], 100)  # a hang guard; the line is the signal
+        line = uploader.stdout.readline() if ready else ""
+        if line.strip() != str(MIN_PART_SIZE):
+            uploader.kill()
+            pytest.fail(f"the uploader did not report its first part: {line!r} {uploader.communicate()[1][-3000:]}")
+        os.kill(uploader.pid, signal.SIGKILL)
+        assert uploader.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if uploader.poll() is None:
+            uploader.kill()
+            uploader.wait(timeout=60)
+
+    assert store.size(url) is None
+    assert store.list(prefix) == {}
+    leftovers = store.list_incomplete_uploads(prefix)
+    assert [upload.url for upload in leftovers] == [url]
+    assert store.abort_incomplete_uploads(prefix) == leftovers
+    assert store.list_incomplete_uploads(prefix) == []
+    assert store.list(prefix) == {}
+    assert [upload.upload_id for upload in store.list_incomplete_uploads(elsewhere)] == [other["UploadId"]]
+    store.abort_incomplete_uploads(elsewhere)
