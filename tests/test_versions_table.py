@@ -237,14 +237,19 @@ def test_covering_set_of_a_rectangle_is_its_diagonal_plus_edges_and_every_row_is
     assert {job.accelerate for job in chosen_jobs} == {"1.7.0", "1.9.0"}
 
 
-def test_matrix_subset_in_the_makefile_selects_each_promised_check() -> None:
+def _selected_by(variable: str) -> set[str]:
+    """The tests (name and parameters) the Makefile's ``variable`` (pytest arguments) selects, as pytest collects them."""
     makefile = (REPO / "Makefile").read_text(encoding="utf-8")
-    (line,) = re.findall(r"^MATRIX_TESTS \?= (.*)$", makefile, flags=re.MULTILINE)
+    (line,) = re.findall(rf"^{variable} \?= (.*)$", makefile, flags=re.MULTILINE)
     completed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                                 *shlex.split(line)], cwd=REPO, capture_output=True, text=True, timeout=300,
                                check=False)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    selected = {node.split("::", 1)[1] for node in completed.stdout.splitlines() if "::" in node}
+    return {node.split("::", 1)[1] for node in completed.stdout.splitlines() if "::" in node}
+
+
+def test_matrix_subset_in_the_makefile_selects_each_promised_check() -> None:
+    selected = _selected_by("MATRIX_TESTS")
     promised = {  # what the matrix must cover -> the test (name, or name and parameters, up to "-") checking it
         "save and fresh-optimizer restore":
             "test_roundtrip_restores_params_optimizer_scheduler_rng_and_private_state_exactly[orig_params]",
@@ -338,13 +343,7 @@ def test_fsdp2_rows_of_the_table_are_the_fsdp2_validated_series_and_ci_runs_the_
 
 
 def test_matrix_fsdp2_tests_select_the_fsdp2_round_trip_refusal_and_kill() -> None:
-    makefile = (REPO / "Makefile").read_text(encoding="utf-8")
-    (line,) = re.findall(r"^MATRIX_FSDP2_TESTS \?= (.*)$", makefile, flags=re.MULTILINE)
-    completed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                                *shlex.split(line)], cwd=REPO, capture_output=True, text=True, timeout=300,
-                               check=False)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    selected = {node.split("::", 1)[1] for node in completed.stdout.splitlines() if "::" in node}
+    selected = _selected_by("MATRIX_FSDP2_TESTS")
     assert "test_fsdp2_save_is_protected_and_published_with_a_manifest" in selected
     assert "test_resume_into_a_fresh_model_and_optimizer_is_exact_and_continues_identically" in selected
     assert "test_flipped_byte_in_a_dcp_payload_is_refused_on_every_rank_before_anything_changes" in selected
