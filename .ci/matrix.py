@@ -65,7 +65,7 @@ class Job:
     torch: str
     accelerate: str
     in_table: bool = True  # False: a cell of the rectangle that no table row names (run with the override)
-    fsdp2: bool = field(default=False, compare=False)  # the row says "fsdp2": true (the FSDP2 tests run there too)
+    fsdp2: bool = field(default=False, compare=False)  # its table row says "fsdp2": true (never outside the table)
 
     def __str__(self) -> str:
         return f"Python {self.python}, torch {self.torch}, accelerate {self.accelerate}"
@@ -93,11 +93,10 @@ def _release_key(release: str) -> tuple[int, ...]:
 def rectangle(python: str) -> list[Job]:
     """Every torch release of the table with every Accelerate release of the table (the whole rectangle of
     validated minor series), on one Python: the table's own pairs and every other combination of the two."""
-    table = json.loads(TABLE.read_text(encoding="utf-8"))["pairs"]
-    named = {(row["torch"], row["accelerate"]): bool(row.get("fsdp2", False)) for row in table}
-    torches = sorted({row["torch"] for row in table}, key=_release_key)
-    accelerates = sorted({row["accelerate"] for row in table}, key=_release_key)
-    return [Job(python, torch, accelerate, (torch, accelerate) in named, named.get((torch, accelerate), False))
+    fsdp2 = {(job.torch, job.accelerate): job.fsdp2 for job in jobs()}  # the table's pairs
+    torches = sorted({torch for torch, _ in fsdp2}, key=_release_key)
+    accelerates = sorted({accelerate for _, accelerate in fsdp2}, key=_release_key)
+    return [Job(python, torch, accelerate, (torch, accelerate) in fsdp2, fsdp2.get((torch, accelerate), False))
             for torch in torches for accelerate in accelerates]
 
 
@@ -430,7 +429,7 @@ def run_job(env: Environment, code: int, create_s: float, outcome: Outcome, pyte
         _say(f"FAILED {job}: {failure}")
         return
     step = time.monotonic()
-    runs = [pytest_args] + ([list(fsdp2_args)] if fsdp2_args and job.fsdp2 and job.in_table else [])
+    runs = [pytest_args] + ([list(fsdp2_args)] if fsdp2_args and job.fsdp2 else [])
     for args in runs:
         _say(f"{job}: pytest {shlex.join(args)}")
         rc = _run([str(env.bin), "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
@@ -487,7 +486,7 @@ def main(argv: list[str]) -> int:
                      or (job.python, job.torch, job.accelerate) != (host_python(), default["torch"], default["accelerate"]))]
     if options.list:
         for job in selected:
-            print(f"{job}{' (+ FSDP2 tests)' if job.fsdp2 and job.in_table and options.fsdp2_tests else ''}")
+            print(f"{job}{' (+ FSDP2 tests)' if job.fsdp2 and options.fsdp2_tests else ''}")
         return 0
     if not selected:
         _say("no job matches the filters")
