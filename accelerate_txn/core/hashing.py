@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .manifest import new_hasher
+from ..store.base import new_hasher
 
 #: Stream attributes that neither write nor move the position: passed through without giving up the hash.
 #: (Not ``fileno``: a write through the descriptor would bypass the digest. DCP asks for it only to fsync, which

@@ -19,12 +19,10 @@ the flush happens where the data was written.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import pickle
 import re
-import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -32,19 +30,16 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointIntegrityError
-from ..store.base import Store
+from ..store.base import HASH, HASHES, Store, hash_file, open_regular
 
 MANIFEST = "checkpoint_manifest.json"
 PROTOCOL = 2
 READABLE_PROTOCOLS = (1, 2)  # 1: sha256 rows, payloads over 16 MiB sized only
-HASH = "xxh3_128"
-HASHES = ("xxh3_128", "sha256")
 INTEGRITY_MODES = ("full", "metadata")
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_MANIFEST_DEPTH = 32
 _PAYLOAD_SUFFIXES = (".distcp", ".safetensors", ".bin")
 _SMALL = 16 * 1024 * 1024
-_CHUNK = 8 * 1024 * 1024
 _IDENTIFIER = re.compile(r"[0-9A-Za-z]+")
 _HEX = re.compile(r"[0-9a-f]{16,128}")
 # Files some loader may read when present: Accelerate's component files (by name) and anything holding tensors or
@@ -62,57 +57,7 @@ RANK_FILES = (RNG_TEMPLATE, LOADER_FILE)  # per-rank files (plus registered priv
 RANK_POLICIES = ("keep-or-derive/1",)
 
 
-# --- hashing -------------------------------------------------------------------------------------------------
-
-def new_hasher(algorithm: str) -> Any:
-    if algorithm == "sha256":
-        return hashlib.sha256()
-    if algorithm == "xxh3_128":
-        import xxhash
-
-        return xxhash.xxh3_128()
-    raise CheckpointIntegrityError(f"Unknown content hash {algorithm!r}; this accelerate-txn knows {list(HASHES)}")
-
-
-def _open_regular(path: Path) -> int:
-    """A read-only descriptor of the regular file ``path``, never following a symbolic link."""
-    try:
-        # O_NONBLOCK: a named pipe in a checkpoint must be refused, not block every reader (no effect on files).
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    except FileNotFoundError:
-        raise CheckpointIntegrityError(f"Checkpoint file {path} is missing") from None
-    except OSError as exc:
-        raise CheckpointIntegrityError(f"Cannot open checkpoint file {path} ({exc.strerror}): a symbolic link or "
-                                       "unreadable entry is not part of a checkpoint") from exc
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CheckpointIntegrityError(f"Checkpoint entry {path} is not a regular file")
-    return fd
-
-
-def hash_file(path: Path, algorithm: str = HASH, *, flush: bool = False) -> tuple[int, str]:
-    """``(size, hex digest)`` of ``path``; with ``flush`` the file is also fsynced (its writer calls this), in a
-    second thread while the hash reads it from the page cache, so the pass costs about the slower of the two."""
-    digest = new_hasher(algorithm)
-    fd = _open_regular(Path(path))
-    size = 0
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
-    flushing = ThreadPoolExecutor(max_workers=1) if flush else None
-    try:
-        synced = flushing.submit(os.fsync, fd) if flushing is not None else None
-        with os.fdopen(fd, "rb", buffering=0, closefd=False) as stream:
-            while count := stream.readinto(view):
-                digest.update(view[:count])
-                size += count
-        if synced is not None:
-            synced.result()  # an fsync failure is raised here
-    finally:
-        if flushing is not None:
-            flushing.shutdown(wait=True)
-        os.close(fd)
-    return size, digest.hexdigest()
-
+# --- hashing (HASH, hash_file, open_regular: in store.base, below every store, which hashes what it moves) ----
 
 def sha256_file(path: Path) -> str:
     return hash_file(path, "sha256")[1]
@@ -214,7 +159,7 @@ def hash_rows(directory: Path, names: Iterable[str], *, algorithm: str = HASH, i
         path = root / relative_inside(name)
         large = integrity == "metadata" and _is_large_payload(name, path.lstat().st_size)
         if large or name in written:
-            fd = _open_regular(path)  # size only, or hashed as written: flush without reading the payload
+            fd = open_regular(path)  # size only, or hashed as written: flush without reading the payload
             try:
                 if flush:
                     os.fsync(fd)
@@ -333,7 +278,7 @@ def read_dcp_metadata(directory: Path) -> Any:
 
     if not path.is_symlink() and not path.exists():
         raise CheckpointIntegrityError(f"Missing DCP metadata {path}: the sharded state in {directory} is incomplete")
-    fd = _open_regular(path)
+    fd = open_regular(path)
     cache = getattr(_METADATA_CACHE, "entries", None)
     key = None
     if cache is not None:
@@ -417,7 +362,7 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
     path = Path(directory) / MANIFEST
     if not path.is_symlink() and not path.exists():
         return None
-    fd = _open_regular(path)
+    fd = open_regular(path)
     try:
         size = os.fstat(fd).st_size
         if size > MAX_MANIFEST_BYTES:
@@ -429,23 +374,37 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
             data = stream.read(MAX_MANIFEST_BYTES + 1)
     finally:
         os.close(fd)
+    return parse_manifest(data, str(path))
+
+
+def parse_manifest(data: bytes, where: str) -> dict[str, Any]:
+    """The manifest held by ``data`` (read, bounded, from ``where``: a path or a URL, for messages); integrity
+    error if it is not a JSON object of bounded size and depth."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CheckpointIntegrityError(
+            f"Checkpoint manifest {where} has {len(data)} bytes, over the {MAX_MANIFEST_BYTES} byte limit: it was not "
+            "written by accelerate-txn (or was altered); the checkpoint is not loadable.")
     try:
         value = json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError, MemoryError) as exc:
         reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-        raise CheckpointIntegrityError(f"Unreadable checkpoint manifest {path}: {reason}") from None
+        raise CheckpointIntegrityError(f"Unreadable checkpoint manifest {where}: {reason}") from None
     if not isinstance(value, dict):
-        raise CheckpointIntegrityError(f"Invalid checkpoint manifest {path}: not a JSON object")
+        raise CheckpointIntegrityError(f"Invalid checkpoint manifest {where}: not a JSON object")
     if _depth(value) > MAX_MANIFEST_DEPTH:
-        raise CheckpointIntegrityError(f"Invalid checkpoint manifest {path}: nested deeper than {MAX_MANIFEST_DEPTH}")
+        raise CheckpointIntegrityError(f"Invalid checkpoint manifest {where}: nested deeper than {MAX_MANIFEST_DEPTH}")
     return value
+
+
+def manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    """The bytes a manifest is written as (the same on every store)."""
+    return json.dumps(manifest, sort_keys=True, indent=1).encode()
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any], *, store: Store) -> None:
     """Write the manifest last, through ``store``'s atomic write (POSIX: a temporary name, fsynced, renamed into
     place, directory fsynced)."""
-    data = json.dumps(manifest, sort_keys=True, indent=1).encode()
-    store.write_atomic(Path(directory) / MANIFEST, data)
+    store.write_atomic(Path(directory) / MANIFEST, manifest_bytes(manifest))
 
 
 def loader_may_read(name: str, private_patterns: Iterable[re.Pattern[str]] = ()) -> bool:

@@ -13,15 +13,85 @@ from its own primitives:
   delete the manifest first).
 * :meth:`Store.remove_tree` deletes what was retired or abandoned, at any depth, never following links.
 
-Reads (manifests, inventories, hashes) go through local paths today; the object-store implementation adds
-``open``/``list`` here and the core reads through them. Staging, locking and publishing are used by the front
-ends directly from the implementation (``store.posix``: ``StagedDirectory``, ``DirectoryLock``).
+Reads (manifests, inventories, hashes) go through local paths. Staging, locking and publishing are used by the
+front ends directly from the implementation (``store.posix``: ``StagedDirectory``, ``DirectoryLock``).
+
+An object store (no rename, no directory, no lock) is behind :class:`ObjectStore`, addressed by URL: the
+checkpoint protocol on it (``core.remote``) is written against this interface, and ``store.s3`` implements it.
+
+The content hash every store computes over the bytes it moves (XXH3-128; :func:`hash_file`, :func:`new_hasher`)
+lives here, below the core and every store implementation, so that a store verifies what it uploads and
+downloads with exactly the function the manifest was written with.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import stat
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
+
+from ..errors import CheckpointIntegrityError
+
+#: The content hash of new manifests (fast, non-cryptographic: it detects corruption, not a forger).
+HASH = "xxh3_128"
+#: Every content hash a manifest may name (``sha256``: older manifests).
+HASHES = ("xxh3_128", "sha256")
+_CHUNK = 8 * 1024 * 1024
+
+
+def new_hasher(algorithm: str = HASH) -> Any:
+    """A fresh incremental hasher (``update``, ``hexdigest``) of ``algorithm``."""
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    if algorithm == "xxh3_128":
+        import xxhash
+
+        return xxhash.xxh3_128()
+    raise CheckpointIntegrityError(f"Unknown content hash {algorithm!r}; this accelerate-txn knows {list(HASHES)}")
+
+
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of the regular file ``path``, never following a symbolic link."""
+    try:
+        # O_NONBLOCK: a named pipe in a checkpoint must be refused, not block every reader (no effect on files).
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        raise CheckpointIntegrityError(f"Checkpoint file {path} is missing") from None
+    except OSError as exc:
+        raise CheckpointIntegrityError(f"Cannot open checkpoint file {path} ({exc.strerror}): a symbolic link or "
+                                       "unreadable entry is not part of a checkpoint") from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointIntegrityError(f"Checkpoint entry {path} is not a regular file")
+    return fd
+
+
+def hash_file(path: Path, algorithm: str = HASH, *, flush: bool = False) -> tuple[int, str]:
+    """``(size, hex digest)`` of ``path``; with ``flush`` the file is also fsynced (its writer calls this), in a
+    second thread while the hash reads it from the page cache, so the pass costs about the slower of the two."""
+    digest = new_hasher(algorithm)
+    fd = open_regular(Path(path))
+    size = 0
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    flushing = ThreadPoolExecutor(max_workers=1) if flush else None
+    try:
+        synced = flushing.submit(os.fsync, fd) if flushing is not None else None
+        with os.fdopen(fd, "rb", buffering=0, closefd=False) as stream:
+            while count := stream.readinto(view):
+                digest.update(view[:count])
+                size += count
+        if synced is not None:
+            synced.result()  # an fsync failure is raised here
+    finally:
+        if flushing is not None:
+            flushing.shutdown(wait=True)
+        os.close(fd)
+    return size, digest.hexdigest()
 
 
 @runtime_checkable
@@ -44,4 +114,58 @@ class Store(Protocol):
     def remove_tree(self, path: Path) -> None:
         """Delete ``path`` and everything under it (a link is removed itself, never followed); nothing to do if
         it does not exist."""
+        ...
+
+
+#: ``progress(bytes_so_far)``: called after each part an object store acknowledged.
+Progress = Callable[[int], None]
+
+
+@runtime_checkable
+class ObjectStore(Protocol):
+    """Operations on an object store, by URL (``s3://bucket/key``); see ``store.s3`` for each one's guarantee.
+    Keys are "directories" only by convention: ``list(url)`` returns the objects under ``url/``."""
+
+    name: str
+
+    def write_new(self, url: str, data: bytes) -> None:
+        """Create ``url`` holding ``data`` only if no object of that key exists (the commit of a manifest);
+        ``CheckpointExistsError`` otherwise."""
+        ...
+
+    def upload_file(self, local: str | os.PathLike[str], url: str, *, create_only: bool = False,
+                    progress: Progress | None = None) -> tuple[int, str]:
+        """Upload a local file; ``(size, XXH3-128)`` of exactly the bytes sent."""
+        ...
+
+    def download_file(self, url: str, local: str | os.PathLike[str], *, size: int, digest: str) -> None:
+        """Download ``url`` onto ``local`` only if it holds ``size`` bytes hashing to ``digest``."""
+        ...
+
+    def size(self, url: str) -> int | None:
+        """The size of the object ``url``; ``None`` if there is none."""
+        ...
+
+    def read_bytes(self, url: str, *, limit: int) -> bytes:
+        """The content of ``url``, refused if missing or over ``limit`` bytes."""
+        ...
+
+    def list(self, url: str) -> dict[str, int]:
+        """Every object under ``url/``: key relative to ``url`` -> size."""
+        ...
+
+    def delete(self, url: str) -> None:
+        """Delete the object ``url`` (acknowledged by the store); nothing to do if there is none."""
+        ...
+
+    def delete_prefix(self, url: str, *, first: Sequence[str] = ()) -> int:
+        """Delete every object under ``url/``, the keys of ``first`` before the others."""
+        ...
+
+    def incomplete_uploads(self, url: str) -> list[str]:
+        """Keys under ``url/`` (relative to it) with an upload started and never completed nor aborted."""
+        ...
+
+    def abort_incomplete_uploads(self, url: str) -> list[Any]:
+        """Abort every incomplete upload under ``url/`` (leftovers of a killed writer)."""
         ...

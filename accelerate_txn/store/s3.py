@@ -33,8 +33,8 @@ the parameters botocore's S3 model knows and drops the rest without a word, so a
 conditional writes (1.35.2) would turn every create-only write into an overwrite: the store checks the model
 before its first conditional write and refuses such a client.
 
-The :class:`.base.Store` protocol takes local paths; the S3 store is not behind it yet (the front ends do not
-use it yet either): this module is the layer the object-store protocol is built on.
+:class:`S3Store` implements :class:`.base.ObjectStore`; the checkpoint protocol on it (manifest last and
+create-only, per-transaction keys, retention manifest first) is ``core.remote``'s.
 
 Which process may call what is the caller's decision (the protocol's: rank 0 commits and deletes); nothing here
 holds state between calls except the client. A failing call raises and leaves the store as the method's
@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointConfigurationError, CheckpointExistsError, CheckpointIntegrityError
+from .base import HASH, hash_file, new_hasher
 
 logger = logging.getLogger(__name__)
 
@@ -157,12 +158,6 @@ def _s3_error_code(exc: BaseException) -> str | None:
             code = response.get("Error", {}).get("Code")
             return None if code is None else str(code)
     return None
-
-
-def _new_hasher() -> Any:
-    import xxhash  # the manifest's content hash, XXH3-128 (core.manifest.HASH)
-
-    return xxhash.xxh3_128()
 
 
 def part_size_for(size: int, part_size: int) -> int:
@@ -274,7 +269,7 @@ class S3Store:
             second = stream.read(part_size) if len(first) == part_size else b""
             if not second:  # one part: a single PutObject
                 condition = {"IfNoneMatch": "*"} if create_only else {}
-                hasher = _new_hasher()
+                hasher = new_hasher(HASH)
                 hasher.update(first)
                 try:
                     self._call("put_object", url, Key=url.key, Body=first, **condition)
@@ -290,7 +285,7 @@ class S3Store:
                           progress: Progress | None) -> tuple[int, str]:
         upload_id = self._call("create_multipart_upload", url, Key=url.key)["UploadId"]
         try:
-            hasher = _new_hasher()
+            hasher = new_hasher(HASH)
             etags: dict[int, str] = {}
             acknowledged = 0
 
@@ -413,7 +408,7 @@ class S3Store:
         temporary = local.with_name(f".{local.name}.download-{uuid.uuid4().hex}")
         try:
             self.fs.get_file(str(url), str(temporary))
-            received, found_digest = _hash_and_sync(temporary)
+            received, found_digest = hash_file(temporary, HASH, flush=True)
             if received != size or found_digest != digest:
                 raise CheckpointIntegrityError(
                     f"{url} does not hold the content the checkpoint lists: {received} bytes with XXH3-128 "
@@ -448,6 +443,16 @@ class S3Store:
                               f"again (its manifest is already gone, so the checkpoint is not complete).")
         return len(keys)
 
+    def delete(self, url: str | S3Url) -> None:
+        """Delete the object ``url``; returns after the store acknowledged it. A missing object is not an error."""
+        url = S3Url.parse(url)
+        self._call("delete_object", url, Key=url.key)
+
+    def incomplete_uploads(self, url: str | S3Url) -> list[str]:
+        """Keys under ``url`` (relative to it) with a multipart upload started and never completed nor aborted."""
+        url = S3Url.parse(url)
+        return sorted({upload.url.key[len(url.prefix):] for upload in self.list_incomplete_uploads(url)})
+
     def list_incomplete_uploads(self, url: str | S3Url) -> list[IncompleteUpload]:
         """The multipart uploads under ``url`` that were started and never completed nor aborted."""
         url = S3Url.parse(url)
@@ -474,20 +479,6 @@ class S3Store:
                 continue
             aborted.append(upload)
         return aborted
-
-
-def _hash_and_sync(path: Path) -> tuple[int, str]:
-    """``(size, XXH3-128 hex digest)`` of the file ``path``, read once, which is then fsynced."""
-    hasher = _new_hasher()
-    size = 0
-    buffer = bytearray(8 * 2**20)
-    view = memoryview(buffer)
-    with open(path, "rb") as stream:
-        while count := stream.readinto(buffer):
-            hasher.update(view[:count])
-            size += count
-        os.fsync(stream.fileno())
-    return size, hasher.hexdigest()
 
 
 def _parts(stream: Any, head: list[bytes], part_size: int) -> Iterator[bytes]:
