@@ -94,6 +94,8 @@ class CheckpointConfig:
     # resume, what the next save records as ``resharded_from`` (then cleared).
     rank_plan: Any = None
     resharded_from: dict[str, Any] | None = None
+    mirror: str | None = None  # an object-store prefix every published checkpoint is uploaded to (``accelerate.remote``)
+    cache_dir: Path | None = None  # local copies of object-store checkpoints (None: ``core.remote.default_cache_root``)
     failed: bool = False
     step_guards: list[Any] = field(default_factory=list)
 
@@ -198,6 +200,8 @@ def configure_checkpointing(
     overwrite: str | None = None,
     protect: str | None = None,
     accept_changes: Iterable[str] | None = None,
+    mirror: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
 ) -> Any:
     """Configure protected checkpoints of one Accelerator; returns it.
 
@@ -255,6 +259,16 @@ def configure_checkpointing(
       scheduler's setting, which the restore keeps at its saved value) or ``"training.<key>"`` (a metadata
       value). A schedule's total length and run-length or cadence metadata need no name: docs/configuration.md,
       "What may change on resume". Pass ``()`` to clear.
+    * ``mirror``: an object-store prefix (``"s3://bucket/run"``; ``pip install 'accelerate-txn[s3]'``). Each
+      checkpoint published on the local path is then uploaded in the background to ``mirror/<its name>`` with the
+      same manifest, committed there last (create-only), and the mirror's own retention follows ``total_limit``;
+      an upload failure is raised on every rank at the next save, ``wait_for_checkpoint`` or load. Automatic
+      ``load_state()`` resumes from the newest complete checkpoint of either tier, the local copy first when it
+      verifies. ``""`` turns mirroring off. Default: off.
+    * ``cache_dir``: where checkpoints saved to or loaded from an object store (``save_state("s3://...")``, the
+      mirror) are kept locally: the save is published there first, then uploaded; a restore downloads into it and
+      verifies before anything is loaded. It must be visible to every rank of a node; it holds the newest
+      checkpoint of each prefix only. Default ``$XDG_CACHE_HOME/accelerate-txn`` (``~/.cache/accelerate-txn``).
     """
     config = checkpoint_config(accelerator)
     changes: dict[str, Any] = {}
@@ -317,6 +331,10 @@ def configure_checkpointing(
         changes["overwrite"] = overwrite
     if accept_changes is not None:
         changes["accept_changes"] = check_accept_names(accept_changes)
+    if mirror is not None:
+        changes["mirror"] = _valid_mirror(mirror)
+    if cache_dir is not None:
+        changes["cache_dir"] = Path(os.fspath(cache_dir)).expanduser().absolute()
     if lock_timeout is not None:
         changes["lock_timeout"] = _valid_lock_timeout(lock_timeout, "configure_checkpointing(lock_timeout=...)")
     if arrival_timeout is not None:
@@ -325,6 +343,18 @@ def configure_checkpointing(
     for name, value in changes.items():  # everything validated: now change it
         setattr(config, name, value)
     return accelerator
+
+
+def _valid_mirror(value: Any) -> str | None:
+    from ..core.remote import SCHEMES, is_url
+
+    if value == "":
+        return None
+    if not is_url(value) or not value.partition("://")[2].strip("/"):
+        raise CheckpointConfigurationError(
+            f"configure_checkpointing(mirror={value!r}): use an object-store prefix such as 's3://bucket/run' "
+            f"(schemes: {', '.join(SCHEMES)}), or '' to turn mirroring off")
+    return value.rstrip("/")
 
 
 def _valid_protect(value: Any, where: str) -> str:

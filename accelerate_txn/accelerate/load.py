@@ -23,6 +23,7 @@ from typing import Any
 
 from ..core import faults as _faults
 from ..core.manifest import (
+    MANIFEST,
     check_dcp_inventory,
     check_hashes,
     check_structure,
@@ -32,12 +33,14 @@ from ..core.manifest import (
     writer_rank,
 )
 from ..core.ranks import agree, digest, on_main, rank, run_phase, world_size
+from ..core.remote import is_url
 from ..core.select import CHECKPOINT_NAME, numbered_checkpoints, refuse_transient
 from ..errors import CheckpointConfigurationError, CheckpointIntegrityError, NoCheckpointError
 from ..fsdp.internals import uninitialise_grad_scaler
 from ..fsdp.optimizer_state import raw_optimizer
 from ..store.posix import new_id
 from . import async_save as _async
+from . import remote as _remote
 from .arrival import check_arrival
 from .config import checkpoint_config, mark_failed, read_configs
 from .descriptor import backend, check_resume, describe, is_fsdp2_sharded, participants
@@ -66,6 +69,8 @@ logger = logging.getLogger(__name__)
 
 def _candidates(primary: Any, group: dict[str, Any], input_dir: Any) -> tuple[list[str], bool]:
     """Rank 0: the checkpoints to try, best first, and whether they were chosen automatically."""
+    if is_url(input_dir):
+        return [str(input_dir).rstrip("/")], False
     if input_dir is not None:
         path = Path(input_dir).expanduser().absolute()
         if not path.is_dir():
@@ -78,11 +83,35 @@ def _candidates(primary: Any, group: dict[str, Any], input_dir: Any) -> tuple[li
         )
     root = Path(primary.project_dir) / "checkpoints"
     found, reasons = checkpoint_candidates(root, group)
+    mirror = checkpoint_config(primary).mirror
+    if mirror is not None:
+        return _across_tiers(found, reasons, _remote.remote_candidates(mirror), root, mirror), True
     if not found:
         skipped = f"; skipped {'; '.join(reasons)}" if reasons else ""
         raise NoCheckpointError(f"No complete checkpoint to resume from in {root}{skipped}. Start training from "
                                 "scratch, or restore an intact copy.")
     return [str(path) for path in found], True
+
+
+def _across_tiers(found: list[Path], reasons: list[str], remote: list[tuple[int, str]], root: Path,
+                  mirror: str) -> list[str]:
+    """Candidates of both tiers, newest first: for each checkpoint number the local copy (when it is complete)
+    before the mirror's; local manifest-less (legacy) checkpoints after every complete one."""
+    ranked: list[tuple[int, int, str]] = []
+    legacy = []
+    for path in found:
+        number = _remote.number_of(path.name)
+        if number is None or not (path / MANIFEST).is_file():
+            legacy.append(str(path))
+        else:
+            ranked.append((number, 1, str(path)))
+    ranked += [(number, 0, url) for number, url in remote]
+    candidates = [candidate for _n, _tier, candidate in sorted(ranked, reverse=True)] + legacy
+    if not candidates:
+        skipped = f"; skipped {'; '.join(reasons)}" if reasons else ""
+        raise NoCheckpointError(f"No complete checkpoint to resume from in {root} nor in the mirror {mirror}{skipped}. "
+                                "Start training from scratch, or restore an intact copy.")
+    return candidates
 
 
 def _templates(group: dict[str, Any]) -> list[str]:
@@ -263,12 +292,14 @@ def load_training_checkpoint(owners: Any, input_dir: str | Path | None = None, *
     for index, candidate in enumerate(candidates):
         path = Path(candidate)
         try:
+            if is_url(candidate):  # downloaded into the cache (each file verified), then checked like a local one
+                path = _remote.fetch(candidate, _remote.cache_root(primary))
             manifest, found = _verify(path, group, templates)
-        except CheckpointIntegrityError as exc:
+        except (CheckpointIntegrityError, NoCheckpointError) as exc:  # NoCheckpointError: a mirror's went away
             if not automatic or index == len(candidates) - 1:
                 raise
             if rank() == 0:
-                logger.warning("Skipping checkpoint %s: %s", path, exc)
+                logger.warning("Skipping checkpoint %s: %s", candidate, exc)
             continue
         break
     if manifest is None:
@@ -302,7 +333,11 @@ def load_training_checkpoint(owners: Any, input_dir: str | Path | None = None, *
     match = CHECKPOINT_NAME.fullmatch(path.name)
     # Past every existing checkpoint_N, not just the restored one: a newer sibling that was skipped (corrupt) must
     # not make the next automatic save collide with it.
-    taken = on_main(lambda: max((n for n, _ in numbered_checkpoints(path.parent)), default=-1), "Numbering")
+    numbered = Path(primary.project_dir) / "checkpoints" if automatic else path.parent
+    remote_numbers = [n for n in (_remote.number_of(c.rstrip("/").rpartition("/")[2]) for c in candidates
+                                  if is_url(c)) if n is not None]
+    taken = on_main(lambda: max([n for n, _ in numbered_checkpoints(numbered)] + remote_numbers, default=-1),
+                    "Numbering")
     for owner in group.values():
         mark_failed(owner, False)
         checkpoint_config(owner).run_id = run_id
@@ -311,7 +346,7 @@ def load_training_checkpoint(owners: Any, input_dir: str | Path | None = None, *
     if rank() == 0:  # the restored optimizers' own step counts (``save.optimizer_steps``), as the next save records
         from .save import progress_record, progress_text
 
-        logger.info("Resumed from checkpoint %s (%s)", path,
+        logger.info("Resumed from checkpoint %s (%s)", candidate if is_url(candidate) else path,
                     progress_text(progress_record(path, group), {name: o.step for name, o in group.items()}))
     return path
 

@@ -49,6 +49,8 @@ from ..core.manifest import (
     writer_rank,
 )
 from ..core.ranks import agree, background_group, distributed, on_main, rank, run_phase, world_size
+from ..core.remote import is_url
+from ..core.remote import split as split_url
 from ..core.select import CHECKPOINT_NAME, complete_run_id, numbered_checkpoints, prune, replace_refusal
 from ..errors import (
     CheckpointConfigurationError,
@@ -71,6 +73,7 @@ from ..store.posix import (
     walk_tree,
 )
 from . import async_save as _async
+from . import remote as _remote
 from .arrival import check_arrival
 from .config import checkpoint_config, ensure_not_failed, read_configs
 from .descriptor import describe, participants
@@ -149,8 +152,12 @@ def _preflight(owners: dict[str, Any]) -> dict[str, Any]:
     return descriptors
 
 
-def _resolve_destination(primary: Any, output_dir: Any, checkpoint_limit: int | None) -> tuple[Path, int | None]:
+def _resolve_destination(primary: Any, output_dir: Any,
+                         checkpoint_limit: int | None) -> tuple[Path, int | None, str | None]:
+    """The local directory the checkpoint is published in, the retention limit, and the object-store URL it is then
+    committed to (``save_state("s3://...")``: the local directory is its copy in the cache)."""
     project = primary.project_configuration
+    remote = None
     if project.automatic_checkpoint_naming:
         # As native Accelerate: automatic naming decides the directory.
         path = Path(primary.project_dir) / "checkpoints" / f"checkpoint_{primary.save_iteration}"
@@ -160,11 +167,15 @@ def _resolve_destination(primary: Any, output_dir: Any, checkpoint_limit: int | 
         raise CheckpointConfigurationError(
             "save_state() needs an output_dir unless ProjectConfiguration(automatic_checkpoint_naming=True) is set"
         )
+    elif is_url(output_dir):
+        remote = str(output_dir).rstrip("/")
+        split_url(remote)  # a URL naming no checkpoint is refused here
+        path = _remote.local_copy(primary, remote)
     else:
         path = Path(output_dir)
     if checkpoint_limit is not None and checkpoint_limit < 1:
         raise CheckpointConfigurationError(f"checkpoint_limit/total_limit must be at least 1, got {checkpoint_limit}")
-    return path.expanduser().absolute(), checkpoint_limit
+    return path.expanduser().absolute(), checkpoint_limit, remote
 
 
 def _settings(owners: Any, async_save: bool | None) -> tuple[dict[str, Any], bool, dict[str, Any], dict[str, Any]]:
@@ -251,7 +262,8 @@ class _Reservation:
     """Rank 0's side of the transaction: the lock and the staged directory (constructed inside a phase)."""
 
     def __init__(self, path: Path, run_id: str, lock_timeout: float, overwrite: str = "replace",
-                 automatic: bool = False, protected: dict[str, Path] | None = None) -> None:
+                 automatic: bool = False, protected: dict[str, Path] | None = None, cache: bool = False) -> None:
+        self.cache = cache  # the local copy of a save to an object store: replaced without a warning
         self.lock = DirectoryLock(path.parent, lock_timeout)
         self.staged = StagedDirectory(path, run_id)
         self.overwrite = overwrite
@@ -281,8 +293,9 @@ class _Reservation:
                         "save to a new directory (a checkpoint directory of its own, e.g. OUTPUT/checkpoint-N)."
                     )
                 self.replacing = True
-                logger.warning("Replacing %s (%s): the new checkpoint is published atomically in its place, and the "
-                               "old one is deleted only after that", path, _what_is_replaced(path, self.staged.run_id))
+                (logger.debug if self.cache else logger.warning)(
+                    "Replacing %s (%s): the new checkpoint is published atomically in its place, and the "
+                    "old one is deleted only after that", path, _what_is_replaced(path, self.staged.run_id))
             runs = {complete_run_id(p) for _, p in numbered_checkpoints(path.parent)} - {None}
             strangers = runs - {self.staged.run_id}
             if strangers and self.overwrite == "refuse":
@@ -403,24 +416,15 @@ def _give_back(iterations: dict[int, tuple[Any, int]], lineages: dict[str, Any],
             checkpoint_config(owner).resharded_from = lineages[name]
 
 
-def _on_main(function: Any, context: str, group: Any = None) -> Any:
-    """``core.ranks.on_main`` over ``group`` (rank 0 of the default group is rank 0 of the background group)."""
-    value = run_phase(lambda: function() if rank() == 0 else None, context, group)
-    if distributed():
-        holder = [value]
-        dist.broadcast_object_list(holder, src=0, group=group)
-        value = holder[0]
-    return value
-
-
 @with_metadata_cache  # the publish proof parses each .metadata once
 def _finish(group: Any, owners: dict[str, Any], staging: Path, templates: list[str], integrity: str,
             reservation: _Reservation | None, descriptors: dict[str, Any], run_id: str, path: Path,
             limit: int | None, steps: dict[str, int], world: int, record: dict[str, str] | None = None,
             lineage: dict[str, Any] | None = None, written: dict[Path, tuple[int, str]] | None = None,
-            progress: dict[str, Any] | None = None) -> str:
+            progress: dict[str, Any] | None = None, remote: str | None = None, replace_remote: bool = True) -> str:
     """Steps 5-6 over ``group`` (None: the default group): hash and flush, publish (noted in ``record`` at once),
-    retention."""
+    retention; then, for a save to an object store (``remote``), the upload and commit there (retention there, the
+    local copy alone kept in the cache), or, with a mirror, its upload (in the background for a synchronous save)."""
     for name, owner in owners.items():
         # This rank's own files only: rank 0 checks every file (shared ones included) before publishing.
         run_phase(lambda owner=owner, target=staging / name: check_required_files(
@@ -429,21 +433,31 @@ def _finish(group: Any, owners: dict[str, Any], staging: Path, templates: list[s
     # Every rank hashes and flushes what it wrote (on a shared filesystem only the writer's fsync is reliable).
     rows = _gather_rows(run_phase(lambda: _own_rows(staging, templates, integrity, written),
                                   "Hashing and flushing the staged checkpoint", group), world, group)
-    published: str = _on_main(lambda: reservation.publish(owners, descriptors, run_id, integrity,  # type: ignore[union-attr]
+    published: str = on_main(lambda: reservation.publish(owners, descriptors, run_id, integrity,  # type: ignore[union-attr]
                                                           rows, steps, lineage, progress), f"Publishing {path}",
                                      group)
     if record is not None:
         record["published"] = published
     _faults.point("save:after-rename")
-    if limit is not None:
+    local_limit = 1 if remote is not None else limit  # a save to an object store keeps one local copy (the cache)
+    if local_limit is not None:
         try:
-            _on_main(lambda: [str(p) for p in prune(path.parent, run_id, limit, path, store=POSIX)], "Retention", group)
+            on_main(lambda: [str(p) for p in prune(path.parent, run_id, local_limit, path, store=POSIX)], "Retention",
+                    group)
         except CheckpointError as exc:  # the new checkpoint is published: report, don't fail the save
             if rank() == 0:
                 logger.warning("Checkpoint %s is published, but retention failed: %s", published, exc)
     if rank(group) == 0:  # once per save, not once per rank
         logger.info("Published checkpoint %s (%s)", published,
                     progress_text(progress or progress_record(path, owners), steps))
+    if remote is not None:
+        return _remote.replicate(Path(published), remote, run_id, limit, replace=replace_remote, group=group)
+    mirror = _remote.mirror_url(next(iter(owners.values())), Path(published))
+    if mirror is not None:
+        if group is None:  # a synchronous save: training goes on while the mirror uploads
+            _remote.start_mirror(list(owners.values()), Path(published), run_id, limit)
+        else:  # already in the background: upload there
+            _remote.replicate(Path(published), mirror, run_id, limit, replace=True, group=group)
     return published
 
 
@@ -455,7 +469,7 @@ def save_training_checkpoint(
     safe_serialization: bool = True,
     async_save: bool | None = None,
     **kwargs: Any,
-) -> Path | _async.AsyncCheckpoint:
+) -> Path | str | _async.AsyncCheckpoint:
     """Atomically save one Accelerator, or ``{component: Accelerator}`` as one checkpoint; returns its path.
 
     Collective: every rank calls it. Either a complete, verified checkpoint is published at the returned path
@@ -473,9 +487,11 @@ def save_training_checkpoint(
     _async.settle(list(group.values()))  # at most one save in flight: wait, or raise its error (on every rank)
     run_phase(require_supported_versions, "Checking the installed versions")
     primary = next(iter(group.values()))
-    path, limit = run_phase(lambda: _resolve_destination(primary, output_dir, checkpoint_limit), "Resolving the path")
+    path, limit, remote = run_phase(lambda: _resolve_destination(primary, output_dir, checkpoint_limit),
+                                    "Resolving the path")
     descriptors = run_phase(lambda: _preflight(group), "Checkpoint preflight")
-    agree({"path": str(path), "limit": limit, "policies": policies, "hooks": hooks, "async": bool(background),
+    agree({"path": str(path), "remote": remote, "mirror": checkpoint_config(primary).mirror, "limit": limit,
+           "policies": policies, "hooks": hooks, "async": bool(background),
            "arguments": [bool(safe_serialization), sorted(kwargs)]}, "the checkpoint path and policies")
     agree(descriptors, "the training configuration")
     run_ids = sorted({checkpoint_config(o).run_id for o in group.values()} - {None})
@@ -489,10 +505,16 @@ def save_training_checkpoint(
     lineages = {name: checkpoint_config(o).resharded_from for name, o in group.items()}  # consumed by a publish
     integrity = "full" if any(checkpoint_config(o).checksum == "full" for o in group.values()) else "metadata"
     templates = _rank_templates(group)
+    automatic = bool(primary.project_configuration.automatic_checkpoint_naming)
+    if remote is not None:  # the rule on disk, applied to the URL: the local copy in the cache is always replaceable
+        on_main(lambda: _remote.refuse_existing(remote, automatic=automatic,
+                                                overwrite=checkpoint_config(primary).overwrite),
+                f"Checking {remote}")
     reservation = run_phase(lambda: _Reservation(
-        path, run_id, checkpoint_config(primary).lock_timeout, checkpoint_config(primary).overwrite,
-        automatic=bool(primary.project_configuration.automatic_checkpoint_naming),
-        protected=protected_directories(primary)) if rank() == 0 else None, "Preparing the directory lock")
+        path, run_id, checkpoint_config(primary).lock_timeout,
+        "replace" if remote is not None else checkpoint_config(primary).overwrite,
+        automatic=automatic and remote is None, protected=protected_directories(primary),
+        cache=remote is not None) if rank() == 0 else None, "Preparing the directory lock")
     published: str | None = None
     handle: _async.AsyncCheckpoint | None = None
     done: dict[str, str] = {}  # the synchronous tail notes its publish here (before retention)
@@ -520,7 +542,8 @@ def save_training_checkpoint(
         finish = functools.partial(_finish, owners=group, staging=staging, templates=templates, integrity=integrity,
                                    reservation=reservation, descriptors=descriptors, run_id=run_id, path=path,
                                    limit=limit, steps=steps, world=world_size(), written=capture.hashes,
-                                   progress=progress,
+                                   progress=progress, remote=remote,
+                                   replace_remote=checkpoint_config(primary).overwrite == "replace",
                                    lineage={name: lineage for name, lineage in lineages.items() if lineage}
                                    or None)
         if background:
@@ -547,4 +570,6 @@ def save_training_checkpoint(
     # Native save_state advanced each iteration counter once per call: keep exactly one advance.
     for owner, iteration in iterations.values():
         owner.project_configuration.iteration = iteration + 1
-    return handle if handle is not None else Path(published)  # type: ignore[arg-type]
+    if handle is not None:
+        return handle
+    return published if remote is not None else Path(published)  # type: ignore[arg-type, return-value]

@@ -193,12 +193,13 @@ def agree(value: Any, what: str, group: Any = None) -> None:
     run_phase(explain, f"Agreeing on {what}", group)
 
 
-def on_main(function: Callable[[], T], context: str = "Checkpoint phase") -> T:
-    """Compute ``function()`` on rank 0 only (errors raised everywhere) and broadcast its value."""
-    value = run_phase(lambda: function() if rank() == 0 else None, context)
+def on_main(function: Callable[[], T], context: str = "Checkpoint phase", group: Any = None) -> T:
+    """Compute ``function()`` on rank 0 only (errors raised everywhere) and broadcast its value over ``group``
+    (None: the default group; another group must contain global rank 0, as the background group does)."""
+    value = run_phase(lambda: function() if rank() == 0 else None, context, group)
     if distributed():
         holder = [value]
-        dist.broadcast_object_list(holder, src=0)
+        dist.broadcast_object_list(holder, src=0, group=group)
         value = holder[0]
     return value
 

@@ -138,8 +138,8 @@ class ObjectStore(Protocol):
         """Upload a local file; ``(size, XXH3-128)`` of exactly the bytes sent."""
         ...
 
-    def download_file(self, url: str, local: str | os.PathLike[str], *, size: int, digest: str) -> None:
-        """Download ``url`` onto ``local`` only if it holds ``size`` bytes hashing to ``digest``."""
+    def download_file(self, url: str, local: str | os.PathLike[str], *, size: int, digest: str | None) -> None:
+        """Download ``url`` onto ``local`` only if it holds ``size`` bytes hashing to ``digest`` (None: size only)."""
         ...
 
     def size(self, url: str) -> int | None:

@@ -385,9 +385,11 @@ class S3Store:
                 return found
             token = {"ContinuationToken": reply["NextContinuationToken"]}
 
-    def download_file(self, url: str | S3Url, local: str | os.PathLike[str], *, size: int, digest: str) -> None:
+    def download_file(self, url: str | S3Url, local: str | os.PathLike[str], *, size: int,
+                      digest: str | None) -> None:
         """Download ``url`` to the local file ``local`` if it holds exactly ``size`` bytes with the XXH3-128
-        ``digest``; otherwise raise :class:`CheckpointIntegrityError` naming the URL.
+        ``digest`` (``None``: the size only, for a checkpoint saved with ``checksum="metadata"``); otherwise raise
+        :class:`CheckpointIntegrityError` naming the URL.
 
         The object's size is checked first (a wrong one is refused before anything is downloaded). The bytes go to
         a hidden temporary file beside ``local`` (``.NAME.download-<id>``) through s3fs's own download (ranged
@@ -409,7 +411,7 @@ class S3Store:
         try:
             self.fs.get_file(str(url), str(temporary))
             received, found_digest = hash_file(temporary, HASH, flush=True)
-            if received != size or found_digest != digest:
+            if received != size or (digest is not None and found_digest != digest):
                 raise CheckpointIntegrityError(
                     f"{url} does not hold the content the checkpoint lists: {received} bytes with XXH3-128 "
                     f"{found_digest}, expected {size} bytes with {digest}. It was altered or replaced; restore from "

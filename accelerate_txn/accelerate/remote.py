@@ -1,0 +1,232 @@
+"""Checkpoints in object storage for the Accelerate front end: ``save_state("s3://...")``, ``load_state("s3://...")``
+and the mirror tier (``configure_checkpointing(acc, mirror="s3://...")``). docs/storage.md has the whole story.
+
+A save to a URL is the protected save published into the local cache (``core.remote.cache_path``), then
+:func:`replicate`: leftovers of this run under the parent prefix removed (rank 0), every rank uploads its share of
+the files (hashed as sent, checked against the manifest), then rank 0 commits the same manifest create-only, and
+prunes the prefix (manifest first). Each step is a rank phase: a failure anywhere is the same error on every rank,
+and nothing is committed. With a mirror the same :func:`replicate` runs after the local publish, in the background
+(:func:`start_mirror`, on the background process group), and its error is raised at the next save, wait or load.
+
+A restore from a URL is :func:`fetch`, then the ordinary protected load of the local copy (every check of a local
+restore, on the downloaded files): rank 0 reads the manifest and the listing (missing, resized or extra objects
+are refused before any download), then the ranks that share a cache directory (found by marker files, so
+node-local disks work: each node downloads its own copy) split the files among them; each download is verified
+before it appears under its name, and the group's lowest rank writes the manifest last and renames the copy into
+place. The cache keeps the newest copy of each prefix only.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from ..core import faults
+from ..core import remote as objects
+from ..core.manifest import MANIFEST, read_manifest, write_manifest
+from ..core.ranks import on_main, rank, run_phase, world_size
+from ..core.select import CHECKPOINT_NAME, numbered_checkpoints
+from ..errors import CheckpointConfigurationError, CheckpointError, CheckpointIntegrityError
+from ..store.base import ObjectStore
+from ..store.posix import POSIX, new_id, remove_tree
+from .config import checkpoint_config
+
+logger = logging.getLogger(__name__)
+
+#: Fault points of an upload and of a restore from an object store (``core.faults``).
+POINTS = (
+    "upload:during",           # this rank uploaded one file of its share
+    "upload:before-commit",    # every rank's upload succeeded, the manifest not yet committed
+    "upload:after-commit",     # committed, the prefix not yet pruned
+    "upload:during-retention",  # an old checkpoint's manifest is deleted, its objects not yet
+    "fetch:during",            # this rank downloaded one file of its share
+)
+
+_STORES: dict[str, ObjectStore] = {}
+
+
+def object_store(url: str) -> ObjectStore:
+    """The client for ``url``'s scheme (one per process), configured from the client library's own environment."""
+    scheme = url.partition("://")[0]
+    store = _STORES.get(scheme)
+    if store is None:
+        if scheme != "s3":
+            raise CheckpointConfigurationError(f"{url}: accelerate-txn stores checkpoints in S3 (s3://) object storage; "
+                                               f"{scheme}:// is not supported yet")
+        from ..store.s3 import S3Store
+
+        store = _STORES[scheme] = S3Store()
+    return store
+
+
+def cache_root(owner: Any) -> Path:
+    return checkpoint_config(owner).cache_dir or objects.default_cache_root()
+
+
+def local_copy(owner: Any, url: str) -> Path:
+    """Where the checkpoint at ``url`` is kept locally (published first when saving, downloaded when loading)."""
+    return objects.cache_path(cache_root(owner), url)
+
+
+def mirror_url(owner: Any, published: Path) -> str | None:
+    """The mirror URL of a checkpoint published at ``published`` (``mirror/<its name>``), or None."""
+    mirror = checkpoint_config(owner).mirror
+    return None if mirror is None else objects.join(mirror, Path(published).name)
+
+
+def refuse_existing(url: str, *, automatic: bool, overwrite: str) -> None:
+    """Rank 0, before a save to ``url`` writes anything: an existing checkpoint there is refused where the rule on
+    disk refuses it (automatic naming, ``overwrite="refuse"``)."""
+    if not (automatic or overwrite == "refuse"):
+        return
+    if objects.read_manifest(object_store(url), url) is not None:
+        fix = ("with automatic naming, set accelerator.project_configuration.iteration past it" if automatic
+               else "or let it be replaced: configure_checkpointing(accelerator, overwrite='replace')")
+        from ..errors import CheckpointExistsError
+
+        raise CheckpointExistsError(f"Refusing to overwrite {url}: it already exists. Resume from it, or save to a new "
+                                    f"name ({fix}).")
+
+
+def replicate(published: Path, url: str, run_id: str, limit: int | None, *, replace: bool, group: Any = None) -> str:
+    """Upload the published checkpoint ``published`` to ``url`` and commit it there (collective over ``group``)."""
+    store = run_phase(lambda: object_store(url), f"Connecting to the object store of {url}", group)
+    manifest = run_phase(lambda: _published_manifest(published), f"Reading the manifest of {published}", group)
+    parent, _name = objects.split(url)
+    removed = on_main(lambda: objects.remove_leftovers(store, parent, run_id), f"Removing leftovers under {parent}",
+                      group)
+    if removed and rank(group) == 0:
+        logger.info("Removed what unfinished uploads of this run left: %s", ", ".join(removed))
+    mine = objects.shares(manifest["files"], world_size(group))[rank(group)]
+    run_phase(lambda: objects.upload(store, published, url, manifest, mine,
+                                     after_each=lambda _name: faults.point("upload:during")),
+              f"Uploading {published} to {url}", group)
+    faults.point("upload:before-commit")
+    replaced = on_main(lambda: objects.commit(store, url, manifest, replace=replace), f"Committing {url}", group)
+    faults.point("upload:after-commit")
+    if rank(group) == 0:
+        if replaced:
+            logger.warning("Replaced the checkpoint at %s (the old one was deleted manifest first)", url)
+        logger.info("Committed checkpoint %s", url)
+    if limit is not None:
+        try:
+            on_main(lambda: objects.prune(store, parent, run_id, limit, url,
+                                          between=lambda: faults.point("upload:during-retention")),
+                    f"Retention under {parent}", group)
+        except CheckpointError as exc:  # committed: report, don't fail the save
+            if rank(group) == 0:
+                logger.warning("Checkpoint %s is committed, but retention failed: %s", url, exc)
+    return url
+
+
+def _published_manifest(published: Path) -> dict[str, Any]:
+    manifest = read_manifest(published)
+    if manifest is None:
+        raise CheckpointIntegrityError(f"{published} has no manifest: only a published checkpoint is uploaded")
+    return manifest
+
+
+def keep_newest_copy(path: Path) -> None:
+    """Bound the cache: remove the other checkpoint copies beside ``path`` (rank 0 of a cache directory)."""
+    for _number, other in numbered_checkpoints(path.parent):
+        if other != path and not other.is_symlink():
+            remove_tree(other)
+
+
+def start_mirror(owners: list[Any], published: Path, run_id: str, limit: int | None) -> None:
+    """Upload the just-published ``published`` to its mirror in the background (on the background process group);
+    its error is raised on every rank at the next save, ``wait_for_checkpoint`` or load."""
+    from ..core.ranks import background_group
+    from . import async_save
+
+    url = mirror_url(owners[0], published)
+    if url is None:
+        return
+    comm = run_phase(background_group, "Creating the background process group")
+    handle = async_save.AsyncCheckpoint(published, owners, lambda: None)
+    async_save.install_exit_handling()
+    handle.start([], lambda group: str(replicate(published, url, run_id, limit, replace=True, group=group)),
+                 lambda: None, comm)
+
+
+def fetch(url: str, root: Path, group: Any = None) -> Path:
+    """Download the checkpoint at ``url`` into the cache ``root`` (collective); returns the local copy, complete
+    (manifest last) and verified file by file as downloaded. An unchanged copy already there is reused."""
+    store = run_phase(lambda: object_store(url), f"Connecting to the object store of {url}", group)
+
+    def inspect() -> dict[str, Any]:
+        manifest = objects.read_manifest(store, url)
+        if manifest is None:
+            from ..errors import NoCheckpointError
+
+            raise NoCheckpointError(f"{url} holds no committed checkpoint (no {MANIFEST}): a save that did not finish, "
+                                    "or a wrong URL. `accelerate-txn list` on its parent shows the checkpoints there.")
+        objects.check_listing(store, url, manifest)
+        return manifest
+
+    manifest = on_main(inspect, f"Reading the manifest of {url}", group)
+    final = objects.cache_path(root, url)
+    txid = manifest["transaction_id"]
+    staging = final.parent / f".{final.name}.download-{txid}"
+    marker = f".peer-{new_id()}-" if rank(group) == 0 else ""
+    marker = on_main(lambda: marker, "Naming the download", group)
+
+    def prepare() -> list[int]:
+        current = read_manifest(final) if final.is_dir() else None
+        if current is not None and current.get("transaction_id") == txid:
+            return []  # this exact checkpoint is already here (the load verifies it like any local checkpoint)
+        staging.mkdir(parents=True, exist_ok=True)
+        (staging / f"{marker}{rank(group)}").touch()
+        return [rank(group)]
+
+    run_phase(prepare, f"Preparing the local copy of {url}", group)
+
+    def peers() -> list[int]:
+        if not staging.is_dir():
+            return []
+        return sorted(int(entry.name[len(marker):]) for entry in staging.iterdir() if entry.name.startswith(marker))
+
+    sharing = run_phase(peers, "Finding the ranks that share a cache directory", group)
+    # Every rank takes part in each phase (its context names no local path: caches may differ between ranks).
+    mine = objects.shares(manifest["files"], len(sharing))[sharing.index(rank(group))] if sharing else []
+    run_phase(lambda: objects.download(store, url, manifest, mine, staging,
+                                       after_each=lambda _name: faults.point("fetch:during")),
+              f"Downloading {url} into the cache", group)
+
+    def finish() -> None:
+        if sharing and rank(group) == sharing[0]:  # the lowest rank of each cache directory publishes it
+            for entry in staging.iterdir():
+                if entry.name.startswith(marker):
+                    entry.unlink()
+            write_manifest(staging, manifest, store=POSIX)
+            if final.exists() or final.is_symlink():
+                remove_tree(final)
+            staging.rename(final)
+            keep_newest_copy(final)
+            for entry in final.parent.iterdir():  # downloads into this cache that were cut short
+                if entry.name.startswith(".") and ".download-" in entry.name and entry.is_dir():
+                    remove_tree(entry)
+
+    run_phase(finish, f"Publishing the local copy of {url}", group)
+    run_phase(lambda: None if (final / MANIFEST).is_file() else _missing_copy(final), f"Checking the local copy of {url}", group)
+    return final
+
+
+def _missing_copy(final: Path) -> None:
+    raise CheckpointIntegrityError(f"The local copy {final} is not complete on this rank after the download: its cache "
+                                   "directory changed while it was written. Load again.")
+
+
+def remote_candidates(mirror: str) -> list[tuple[int, str]]:
+    """``(number, URL)`` of the committed checkpoints under ``mirror``, newest first (rank 0)."""
+    return list(reversed(objects.checkpoints(object_store(mirror), mirror)))
+
+
+def number_of(name: str) -> int | None:
+    match = CHECKPOINT_NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+__all__ = ["POINTS", "cache_root", "fetch", "keep_newest_copy", "local_copy", "mirror_url", "number_of",
+           "object_store", "refuse_existing", "remote_candidates", "replicate", "start_mirror"]

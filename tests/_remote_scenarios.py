@@ -1,0 +1,109 @@
+"""Code that runs inside launched ranks for the object-storage tests (real gloo process groups, the loopback S3
+server of ``tests._s3_server`` reached through the inherited AWS environment)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from accelerate_txn import configure_checkpointing, wait_for_checkpoint
+from accelerate_txn.testing import TinyModel, fsdp_accelerator
+from tests._scenarios import _build, _error, _local_state, _same, _train, warmup_lambda
+
+
+def _objects(url: str) -> dict[str, int]:
+    from accelerate_txn.store.s3 import S3Store
+
+    return S3Store().list(url)
+
+
+def _build_for(fsdp_version: int, seed: int, **kwargs: Any) -> tuple:
+    if fsdp_version == 1:
+        return _build(seed, **kwargs)
+    accelerator = fsdp_accelerator(fsdp_version=2, **kwargs)  # FSDP2: model and optimizer prepared together
+    torch.manual_seed(seed)
+    raw = TinyModel(width=16)
+    optimizer = torch.optim.AdamW(raw.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(warmup_lambda, warmup=3))
+    model, optimizer, scheduler = accelerator.prepare(raw, optimizer, scheduler)
+    return accelerator, model, optimizer, scheduler
+
+
+def roundtrip(parent: str, cache: str, fsdp_version: int) -> dict[str, Any]:
+    """save_state to a URL, then restore into a fresh model and optimizer from it."""
+    obs: dict[str, Any] = {}
+    acc, model, opt, sched = _build_for(fsdp_version, 0)
+    configure_checkpointing(acc, cache_dir=cache)
+    _train(acc, model, opt, sched, 3, seed=1)
+    url = f"{parent}/checkpoint_1"
+    obs["returned"] = str(acc.save_state(url))
+    expected = _local_state(model, opt)
+    expected_rng = torch.rand(3)
+    expected_lr = sched.get_last_lr()
+    obs["objects"] = sorted(_objects(url))
+    acc.wait_for_everyone()
+
+    # A restore in a fresh cache (another machine), then again where the copy is already there (reused, verified).
+    for label, cache_dir in (("fresh", f"{cache}-load"), ("again", f"{cache}-load")):
+        acc2, model2, opt2, sched2 = _build_for(fsdp_version, 7)
+        configure_checkpointing(acc2, cache_dir=cache_dir)
+        torch.manual_seed(999)
+        obs[f"{label}_error"] = _error(lambda acc2=acc2: acc2.load_state(url))
+        obs[f"{label}_differences"] = _same(expected, _local_state(model2, opt2))
+        obs[f"{label}_rng"] = torch.equal(torch.rand(3), expected_rng)
+        obs[f"{label}_lr"] = sched2.get_last_lr() == expected_lr
+        obs[f"{label}_copies"] = sorted(p.name for p in Path(cache_dir).rglob("checkpoint_*") if p.is_dir())
+
+    # A second save of the same name replaces it as a whole: one manifest, one transaction's objects.
+    _train(acc, model, opt, sched, 1, seed=2)
+    acc.save_state(url)
+    obs["replaced_objects"] = sorted(_objects(url))
+    # A name that is not a checkpoint's, and a URL with nothing there: clear errors, nothing changed.
+    before = _local_state(model, opt)
+    obs["missing_error"] = _error(lambda: acc.load_state(f"{parent}/checkpoint_9"))
+    obs["unchanged_after_missing"] = _same(before, _local_state(model, opt)) == []
+    return obs
+
+
+def damaged(url: str, cache: str, fsdp_version: int) -> dict[str, Any]:
+    """A load of a damaged remote checkpoint (the test damaged it between two launches): refused on every rank
+    before anything is restored."""
+    acc, model, opt, _sched = _build_for(fsdp_version, 7)
+    configure_checkpointing(acc, cache_dir=cache)
+    before = _local_state(model, opt)
+    error = _error(lambda: acc.load_state(url))
+    return {"error": error, "unchanged": _same(before, _local_state(model, opt)) == []}
+
+
+def save_once(url: str, cache: str, fsdp_version: int) -> dict[str, Any]:
+    acc, model, opt, sched = _build_for(fsdp_version, 0)
+    configure_checkpointing(acc, cache_dir=cache)
+    _train(acc, model, opt, sched, 2, seed=1)
+    acc.save_state(url)
+    return {"state": {k: {n: t.tolist() for n, t in v.items()} if k == "params" else None
+                      for k, v in _local_state(model, opt).items()}}
+
+
+def mirrored(root: str, mirror: str, cache: str, steps: int, fsdp_version: int) -> dict[str, Any]:
+    """Automatic naming with a mirror: train and save ``steps`` times (total_limit=2), resuming first from the
+    newest complete checkpoint of either tier when there is one; returns the state after the last save."""
+    acc, model, opt, sched = _build_for(fsdp_version, 0, project_dir=root, automatic_checkpoint_naming=True,
+                                        total_limit=2)
+    configure_checkpointing(acc, mirror=mirror, cache_dir=cache)
+    obs: dict[str, Any] = {"resumed": None}
+    if any(Path(root, "checkpoints").glob("checkpoint_*")) or os.environ.get("RESUME") == "1":
+        acc.load_state()
+        obs["resumed"] = acc.project_configuration.iteration
+    done = acc.project_configuration.iteration
+    for step in range(done, steps):
+        _train(acc, model, opt, sched, 1, seed=step)
+        acc.save_state()
+    wait_for_checkpoint(acc)
+    obs["state"] = _local_state(model, opt)
+    obs["state"] = {"params": {n: t.tolist() for n, t in obs["state"]["params"].items()}}
+    obs["iteration"] = acc.project_configuration.iteration
+    return obs
