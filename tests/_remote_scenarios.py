@@ -62,6 +62,12 @@ def roundtrip(parent: str, cache: str, fsdp_version: int) -> dict[str, Any]:
     _train(acc, model, opt, sched, 1, seed=2)
     acc.save_state(url)
     obs["replaced_objects"] = sorted(_objects(url))
+    # An asynchronous save to a URL: training goes on while it is written, uploaded and committed in the background.
+    configure_checkpointing(acc, async_save=True)
+    acc.save_state(f"{parent}/checkpoint_2")
+    wait_for_checkpoint(acc)
+    configure_checkpointing(acc, async_save=False)
+    obs["async_objects"] = sorted(_objects(f"{parent}/checkpoint_2"))
     # A name that is not a checkpoint's, and a URL with nothing there: clear errors, nothing changed.
     before = _local_state(model, opt)
     obs["missing_error"] = _error(lambda: acc.load_state(f"{parent}/checkpoint_9"))
@@ -79,13 +85,26 @@ def damaged(url: str, cache: str, fsdp_version: int) -> dict[str, Any]:
     return {"error": error, "unchanged": _same(before, _local_state(model, opt)) == []}
 
 
-def save_once(url: str, cache: str, fsdp_version: int) -> dict[str, Any]:
-    acc, model, opt, sched = _build_for(fsdp_version, 0)
+def save_many(parent: str, cache: str, names: list[str]) -> dict[str, Any]:
+    """One trained state saved under each of ``names`` (for the damage tests)."""
+    acc, model, opt, sched = _build_for(1, 0)
     configure_checkpointing(acc, cache_dir=cache)
     _train(acc, model, opt, sched, 2, seed=1)
-    acc.save_state(url)
-    return {"state": {k: {n: t.tolist() for n, t in v.items()} if k == "params" else None
-                      for k, v in _local_state(model, opt).items()}}
+    for name in names:
+        acc.save_state(f"{parent}/{name}")
+    return {}
+
+
+def load_each(parent: str, cache: str, names: list[str]) -> dict[str, Any]:
+    """Try to restore each damaged checkpoint into a live model: the error, and whether anything changed."""
+    acc, model, opt, _sched = _build_for(1, 7)
+    configure_checkpointing(acc, cache_dir=cache)
+    before = _local_state(model, opt)
+    obs: dict[str, Any] = {}
+    for name in names:
+        obs[name] = _error(lambda name=name: acc.load_state(f"{parent}/{name}"))
+    obs["unchanged"] = _same(before, _local_state(model, opt)) == []
+    return obs
 
 
 def mirrored(root: str, mirror: str, cache: str, steps: int, fsdp_version: int) -> dict[str, Any]:
@@ -103,7 +122,9 @@ def mirrored(root: str, mirror: str, cache: str, steps: int, fsdp_version: int) 
         _train(acc, model, opt, sched, 1, seed=step)
         acc.save_state()
     wait_for_checkpoint(acc)
-    obs["state"] = _local_state(model, opt)
-    obs["state"] = {"params": {n: t.tolist() for n, t in obs["state"]["params"].items()}}
+    state = _local_state(model, opt)  # this rank's shards, bitwise (as lists of floats)
+    obs["state"] = {"params": {name: t.tolist() for name, t in state["params"].items()},
+                    "optim": {name: {k: v.tolist() if torch.is_tensor(v) else v for k, v in entry.items()}
+                              for name, entry in state["optim"].items()}}
     obs["iteration"] = acc.project_configuration.iteration
     return obs

@@ -47,8 +47,186 @@ def test_resaving_a_name_replaces_it_as_a_whole(roundtrip: list[dict[str, Any]])
     assert len(second) == 2 and "checkpoint_manifest.json" in second and second != first
 
 
+def test_an_asynchronous_save_to_a_url_is_committed_in_the_background(roundtrip: list[dict[str, Any]]) -> None:
+    for obs in roundtrip:
+        assert "checkpoint_manifest.json" in obs["async_objects"]
+        assert len({key.split("/")[0] for key in obs["async_objects"]}) == 2  # the manifest and one transaction
+
+
 def test_loading_a_url_without_a_checkpoint_is_refused_on_every_rank(roundtrip: list[dict[str, Any]]) -> None:
     for obs in roundtrip:
         assert obs["missing_error"]["type"] == "NoCheckpointError"
         assert "checkpoint_9" in obs["missing_error"]["message"]
         assert obs["unchanged_after_missing"]
+
+
+# -- damaged checkpoints in the bucket ---------------------------------------------------------------------------
+
+DAMAGES = ("flipped_byte", "missing_object", "truncated_object", "extra_object", "foreign_manifest", "no_manifest")
+
+
+def _damage(store: Any, url: str, how: str, other: str) -> None:
+    from accelerate_txn.core.remote import data_dir, join, read_manifest
+
+    manifest = read_manifest(store, url)
+    prefix = join(url, data_dir(manifest))
+    payload = join(prefix, "pytorch_model_fsdp_0/__0_0.distcp")
+    if how == "flipped_byte":
+        data = bytearray(store.fs.cat_file(payload))
+        data[len(data) // 2] ^= 0x01
+        store.fs.pipe_file(payload, bytes(data))
+    elif how == "missing_object":
+        store.delete(join(prefix, "scheduler.bin"))
+    elif how == "truncated_object":
+        store.fs.pipe_file(payload, store.fs.cat_file(payload)[:-7])
+    elif how == "extra_object":
+        store.fs.pipe_file(join(prefix, "optimizer_0/__7_0.distcp"), b"not written by the save")
+    elif how == "foreign_manifest":  # another checkpoint's manifest copied over this one's
+        store.delete(join(url, "checkpoint_manifest.json"))
+        store.fs.pipe_file(join(url, "checkpoint_manifest.json"), store.fs.cat_file(join(other, "checkpoint_manifest.json")))
+    elif how == "no_manifest":  # what an upload killed before its commit leaves
+        store.delete(join(url, "checkpoint_manifest.json"))
+
+
+@pytest.fixture(scope="module")
+def damaged(s3_server: Server, tmp_path_factory: Any) -> dict[str, Any]:
+    from accelerate_txn.store.s3 import S3Store
+
+    parent = _parent("damaged")
+    cache = tmp_path_factory.mktemp("remote_damaged")
+    names = [*DAMAGES, "intact"]
+    launch("tests._remote_scenarios:save_many", 2, args=(parent, str(cache / "save"), names), timeout=TIMEOUT)
+    store = S3Store()
+    for how in DAMAGES:
+        _damage(store, f"{parent}/{how}", how, f"{parent}/intact")
+    return launch("tests._remote_scenarios:load_each", 2, args=(parent, str(cache / "load"), list(DAMAGES)),
+                  timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+def test_a_damaged_remote_checkpoint_is_refused_on_every_rank_before_anything_is_restored(
+        damaged: list[dict[str, Any]], how: str) -> None:
+    errors = [obs[how] for obs in damaged]
+    assert all(error is not None for error in errors), errors
+    assert len({error["type"] for error in errors}) == 1, errors  # the same error on every rank
+    expected = "NoCheckpointError" if how == "no_manifest" else "CheckpointIntegrityError"
+    assert errors[0]["type"] == expected, errors[0]
+    assert how in errors[0]["message"] or "checkpoint" in errors[0]["message"]
+    assert all(obs["unchanged"] for obs in damaged)
+
+
+# -- the mirror tier ---------------------------------------------------------------------------------------------
+
+def _mirrored(root: Any, mirror: str, cache: Any, steps: int, *, resume: bool = False,
+              env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    return launch("tests._remote_scenarios:mirrored", 2, args=(str(root), mirror, str(cache), steps, 1),
+                  env={**({"RESUME": "1"} if resume else {}), **(env or {})}, timeout=TIMEOUT)
+
+
+def _committed(mirror: str) -> dict[str, Any]:
+    """What the mirror holds: committed checkpoint names, transaction prefixes, open uploads; each committed
+    checkpoint checked against its listing (raises if one is not complete)."""
+    from accelerate_txn.core.remote import check_listing, checkpoints, read_manifest
+    from accelerate_txn.store.s3 import S3Store
+
+    store = S3Store()
+    names = []
+    for _number, url in checkpoints(store, mirror):
+        check_listing(store, url, read_manifest(store, url))
+        names.append(url.rsplit("/", 1)[1])
+    prefixes = sorted({"/".join(key.split("/")[:2]) for key in store.list(mirror) if "/.txn-" in key})
+    return {"names": names, "prefixes": prefixes, "open_uploads": store.incomplete_uploads(mirror)}
+
+
+@pytest.fixture(scope="module")
+def reference(s3_server: Server, tmp_path_factory: Any) -> list[dict[str, Any]]:
+    """An uninterrupted mirrored run of 5 steps (one save per step)."""
+    base = tmp_path_factory.mktemp("remote_reference")
+    return _mirrored(base / "run", _parent("reference"), base / "cache", 5)
+
+
+def test_a_mirrored_run_resumes_from_the_remote_tier_exactly(reference: list[dict[str, Any]], tmp_path: Any) -> None:
+    import shutil
+
+    mirror = _parent("mirror")
+    first = _mirrored(tmp_path / "run", mirror, tmp_path / "cache", 3)
+    assert [obs["resumed"] for obs in first] == [None, None] and [obs["iteration"] for obs in first] == [3, 3]
+    # total_limit=2 holds on both tiers, and every committed checkpoint is complete; nothing else is left.
+    held = _committed(mirror)
+    assert held["names"] == ["checkpoint_1", "checkpoint_2"], held
+    assert len(held["prefixes"]) == 2 and held["open_uploads"] == []
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("checkpoint_*")) == held["names"]
+    # The local newest is damaged: the same checkpoint is taken from the mirror, then training goes on to step 5.
+    local = tmp_path / "run" / "checkpoints" / "checkpoint_2" / "pytorch_model_fsdp_0" / "__0_0.distcp"
+    data = bytearray(local.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    local.write_bytes(bytes(data))
+    second = _mirrored(tmp_path / "run", mirror, tmp_path / "cache", 5)
+    assert [obs["resumed"] for obs in second] == [3, 3]
+    assert [obs["state"] for obs in second] == [obs["state"] for obs in reference]
+    # The local tier is gone (a replaced node): the newest checkpoint comes from the mirror alone.
+    shutil.rmtree(tmp_path / "run")
+    third = _mirrored(tmp_path / "run", mirror, tmp_path / "cache-new-node", 5, resume=True)
+    assert [obs["resumed"] for obs in third] == [5, 5]
+    assert [obs["state"] for obs in third] == [obs["state"] for obs in reference]
+
+
+# -- kill -9 during an upload and during remote retention ------------------------------------------------------
+
+@pytest.mark.parametrize("point", ["upload:during#3", "upload:during#6", "upload:before-commit#2",
+                                   "upload:during-retention#1"])
+def test_kill_9_during_an_upload_never_leaves_a_selectable_incomplete_checkpoint(
+        reference: list[dict[str, Any]], tmp_path: Any, point: str) -> None:
+    from accelerate_txn.testing import LaunchError
+
+    mirror = _parent("killed")
+    with pytest.raises(LaunchError, match=r"died with exit codes \[-9"):  # SIGKILL at the point, not an error
+        _mirrored(tmp_path / "run", mirror, tmp_path / "cache", 5, env={"ACCELERATE_TXN_KILL_AT": point})
+    held = _committed(mirror)  # every committed checkpoint is complete (checked against its listing)
+    # The local tier is lost with the node: resume from the mirror's newest complete checkpoint, run to the end.
+    import shutil
+
+    shutil.rmtree(tmp_path / "run")
+    newest = max((int(name.split("_")[1]) for name in held["names"]), default=None)
+    resumed = _mirrored(tmp_path / "run", mirror, tmp_path / "cache-new-node", 5, resume=newest is not None)
+    assert [obs["resumed"] for obs in resumed] == [None if newest is None else newest + 1] * 2, (held, resumed)
+    assert [obs["state"] for obs in resumed] == [obs["state"] for obs in reference]
+    after = _committed(mirror)
+    assert after["names"] == ["checkpoint_3", "checkpoint_4"]
+    if newest is not None:
+        # The resumed run's saves removed what the killed upload of that run left: only committed transactions.
+        assert len(after["prefixes"]) == len(after["names"]) and after["open_uploads"] == [], after
+    else:
+        # Killed before its first commit, the run is not resumed: a new run never deletes another run's uploads
+        # (an object store has no lock: they could be a live writer's); they stay until removed by hand.
+        assert len(after["prefixes"]) == len(after["names"]) + 1, after
+
+
+# -- one process: the native path is told, protect="all" stores in the bucket ----------------------------------
+
+def test_one_process_native_save_to_a_url_warns_and_protect_all_commits_it(
+        s3_server: Server, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    import accelerate_txn
+    from accelerate_txn.core.remote import checkpoints
+    from accelerate_txn.store.s3 import S3Store
+    from tests._single import stepped_accelerator
+
+    monkeypatch.delenv("VIDEOX_ACCELERATE_PROTECT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    parent = _parent("single")
+    accelerator, model, _optimizer = stepped_accelerator(0)
+    with pytest.warns(RuntimeWarning, match="does not know object stores"):
+        accelerator.save_state(f"{parent}/checkpoint_0")  # native: a local directory named 's3:'
+    assert (tmp_path / "s3:").is_dir() and checkpoints(S3Store(), parent) == []
+
+    accelerate_txn.configure_checkpointing(accelerator, protect="all", cache_dir=tmp_path / "cache")
+    saved = accelerator.save_state(f"{parent}/checkpoint_1")
+    assert saved == f"{parent}/checkpoint_1"
+    assert [url for _n, url in checkpoints(S3Store(), parent)] == [f"{parent}/checkpoint_1"]
+    expected = {name: value.clone() for name, value in model.state_dict().items()}
+    fresh, fresh_model, _ = stepped_accelerator(5)
+    accelerate_txn.configure_checkpointing(fresh, protect="all", cache_dir=tmp_path / "elsewhere")
+    fresh.load_state(f"{parent}/checkpoint_1")
+    assert all(torch.equal(expected[name], value) for name, value in fresh_model.state_dict().items())

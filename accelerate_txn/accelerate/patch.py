@@ -38,10 +38,11 @@ from weakref import WeakSet
 import wrapt
 
 from ..core.ranks import agree, any_rank, distributed, run_phase, world_size
+from ..core.remote import is_url
 from ..errors import CheckpointConfigurationError, UnsupportedVersionError
 from . import data_order
 from .arrival import arrived, check_arrival
-from .config import protect_mode, read_configs
+from .config import checkpoint_config, protect_mode, read_configs
 from .descriptor import is_fsdp1_sharded, is_fsdp2_sharded, is_fsdp_sharded, unsupported_reason
 from .internals import accelerator_module, prepared_optimizers
 from .native import OPTED_IN, OPTED_OUT, ORIGINALS, fsdp_routing, routed
@@ -260,10 +261,31 @@ def _protected(accelerator: Any, input_dir: Any = None, *, loading: bool = False
     return False
 
 
+_WARNED_MIRROR: WeakSet = WeakSet()  # Accelerators told that their mirror is unused (native path)
+
+
 def _save_state(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    if instance is None or not _protected(instance, output_dir=args[0] if args else kwargs.get("output_dir")):
+    output_dir = args[0] if args else kwargs.get("output_dir")
+    if instance is None or not _protected(instance, output_dir=output_dir):
+        if instance is not None:
+            _warn_unprotected_remote(instance, output_dir, "save_state")
         return wrapped(*args, **kwargs)
     return _protected_save(instance, *args, **kwargs)
+
+
+def _warn_unprotected_remote(accelerator: Any, location: Any, call: str) -> None:
+    """Native Accelerate knows no object store: ``save_state("s3://b/k")`` writes a local directory ``s3:/b/k`` and
+    ``configure_checkpointing(mirror=...)`` uploads nothing. Say so (no error: native behaviour is kept)."""
+    if is_url(location):
+        warnings.warn(f"accelerate-txn: this {call}() runs native Accelerate, which does not know object stores: "
+                      f"{location!r} is used as a LOCAL path (a directory named 's3:' in the working directory). "
+                      "Only the protected path (FSDP, or protect='all') reads and writes object storage.",
+                      RuntimeWarning, stacklevel=4)
+    elif checkpoint_config(accelerator).mirror is not None and accelerator not in _WARNED_MIRROR:
+        _WARNED_MIRROR.add(accelerator)
+        warnings.warn(f"accelerate-txn: configure_checkpointing(mirror={checkpoint_config(accelerator).mirror!r}) "
+                      f"has no effect here: this {call}() runs native Accelerate, so nothing is uploaded to the mirror.",
+                      RuntimeWarning, stacklevel=4)
 
 
 def _protected_save(instance: Any, output_dir: Any = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
@@ -275,7 +297,10 @@ def _protected_save(instance: Any, output_dir: Any = None, safe_serialization: b
 
 
 def _load_state(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    if instance is None or not _protected(instance, args[0] if args else kwargs.get("input_dir"), loading=True):
+    input_dir = args[0] if args else kwargs.get("input_dir")
+    if instance is None or not _protected(instance, input_dir, loading=True):
+        if instance is not None:
+            _warn_unprotected_remote(instance, input_dir, "load_state")
         return wrapped(*args, **kwargs)
     _protected_load(instance, *args, **kwargs)
     return None  # as native load_state

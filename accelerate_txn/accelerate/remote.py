@@ -165,7 +165,7 @@ def fetch(url: str, root: Path, group: Any = None) -> Path:
         objects.check_listing(store, url, manifest)
         return manifest
 
-    manifest = on_main(inspect, f"Reading the manifest of {url}", group)
+    manifest = on_main(inspect, f"Reading the manifest and listing of {url}", group)
     final = objects.cache_path(root, url)
     txid = manifest["transaction_id"]
     staging = final.parent / f".{final.name}.download-{txid}"

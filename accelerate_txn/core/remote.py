@@ -17,7 +17,12 @@ manifest (or the complete checkpoint): what it left is a ``.txn-`` prefix no man
 uploads under it, which the next save of the same run removes (:func:`remove_leftovers`). Replacing a checkpoint
 (the rule on disk: a re-save of a name replaces it as a whole) deletes the old manifest first, then commits the new
 one, then deletes the old transaction's objects: at every instant the name holds the old checkpoint, nothing, or the
-new one. Retention deletes a manifest first, then the objects (:func:`prune`).
+new one. Retention deletes a manifest first, then that transaction's objects (:func:`prune`). Before its commit a
+writer lists its own objects again: an upload someone deleted meanwhile is never committed.
+
+Nothing here deletes what another run wrote (an object store has no lock, so another run's uncommitted objects may
+be a live writer's): a run killed before its first commit and never resumed leaves its ``.txn-`` prefix behind
+(``accelerate-txn list`` shows it; a bucket lifecycle rule for incomplete multipart uploads is advised).
 """
 
 from __future__ import annotations
@@ -142,6 +147,12 @@ def commit(store: ObjectStore, url: str, manifest: Mapping[str, Any], *, replace
     upload and raises."""
     ours = data_dir(manifest)
     target = join(url, MANIFEST)
+    uploaded = store.list(join(url, ours))
+    lost = sorted(name for name, row in manifest["files"].items() if uploaded.get(name) != row["size"])
+    if lost:  # deleted or replaced by someone else while this save uploaded: never commit what is not there
+        raise CheckpointIntegrityError(
+            f"{join(url, ours, lost[0])} is not in the object store as uploaded (something deleted or replaced it "
+            f"during the save); {url} was not committed. Save again, and keep other writers away from this prefix.")
     try:
         existing = read_manifest(store, url)
     except CheckpointIntegrityError:
@@ -220,10 +231,12 @@ def prune(store: ObjectStore, parent: str, run_id: str, limit: int, newest: str,
             if url.rstrip("/") != newest.rstrip("/") and complete_run_id(store, url) == run_id]
     doomed = ours[: max(0, len(ours) - (limit - 1))]
     for url in doomed:
+        manifest = read_manifest(store, url)
         store.delete(join(url, MANIFEST))  # acknowledged: from here the checkpoint does not exist
         if between is not None:
             between()
-        store.delete_prefix(url)
+        if manifest is not None:  # its own transaction's objects only: another writer's upload there is not ours
+            store.delete_prefix(join(url, data_dir(manifest, url)))
     return doomed
 
 
