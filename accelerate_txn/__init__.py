@@ -22,6 +22,7 @@ from .errors import (
     RestoreFailedError,
     UnsupportedVersionError,
 )
+from .trainer.autopatch import install_on_import as install_trainer_on_import
 
 __version__ = "0.1.0.dev0"
 
@@ -94,8 +95,10 @@ def checkpoint_source_identity(path: Any) -> Any:
     return on_main(lambda: checkpoint_fingerprint(path), f"Fingerprinting {path}")
 
 
-# Wrap Accelerator.save_state/load_state now if Accelerate is imported, else the moment it is.
+# Wrap Accelerator.save_state/load_state now if Accelerate is imported, else the moment it is; the same for the
+# transformers Trainer's save and resume (``accelerate_txn.trainer``).
 install_on_import()
+install_trainer_on_import()
 
 __all__ = [
     "MANIFEST",

@@ -20,7 +20,7 @@ SOURCE_ROOT = str(Path(accelerate_txn.__file__).resolve().parents[1])
 
 # What `import accelerate_txn` adds to a bare interpreter (-S: nothing that site's .pth files import first).
 EXPECTED = {"__future__", "accelerate_txn", "accelerate_txn.errors", "accelerate_txn.accelerate",
-            "accelerate_txn.accelerate.autopatch"}
+            "accelerate_txn.accelerate.autopatch", "accelerate_txn.trainer", "accelerate_txn.trainer.autopatch"}
 # Deferred to first use: never imported by `import accelerate_txn` alone.
 HEAVY = ("torch", "accelerate", "accelerate.accelerator", "wrapt", "numpy", "typing", "importlib.abc",
          "importlib.resources", "pathlib", "tempfile", "accelerate_txn.accelerate.patch",
@@ -81,7 +81,8 @@ wrapper = module.Accelerator.__dict__["save_state"]
 assert isinstance(wrapper, wrapt.FunctionWrapper), "not wrapped after a later import of accelerate"
 assert not isinstance(wrapper.__wrapped__, wrapt.FunctionWrapper), "wrapped twice"
 assert isinstance(module.Accelerator.__dict__["load_state"], wrapt.FunctionWrapper)
-assert not any(isinstance(finder, _Finder) for finder in sys.meta_path), "the finder stayed on sys.meta_path"
+assert not any(isinstance(finder, _Finder) and finder.target == "accelerate.accelerator"
+           for finder in sys.meta_path), "the finder stayed on sys.meta_path"
 assert not isinstance(module.__loader__, _Loader) and not isinstance(module.__spec__.loader, _Loader)
 import inspect
 assert "def save_state" in inspect.getsource(module.Accelerator)
