@@ -56,7 +56,7 @@ def training_record(trainer: Any) -> dict[str, Any]:
         "state_dict_type": state_dict_type(trainer),
         "global_step": int(trainer.state.global_step),
         "save_only_model": bool(args.save_only_model),
-        "arguments": {name: getattr(args, name, None) for name in (
+        "arguments": {name: _plain(getattr(args, name, None)) for name in (
             "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "num_train_epochs", "seed",
             "data_seed", "learning_rate", "lr_scheduler_type", "save_steps", "save_total_limit")},
     }
@@ -100,3 +100,10 @@ def check_files(directory: Path, names: set[str], record: dict[str, Any], requir
             f"{directory}: RNG files of ranks {sorted(ranks)} for a world of {world} rank(s): not every saving rank "
             "contributed (or the directory was altered). It is not a complete checkpoint."
         )
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON (enums and other objects by their text)."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    return str(getattr(value, "value", value))
