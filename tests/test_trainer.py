@@ -97,3 +97,38 @@ def test_a_corrupt_newest_checkpoint_is_skipped_by_resume_true_and_refused_when_
     # checkpoint-6 was saved again by the resumed run: replaced atomically by a complete, verified one.
     verify_manifest(newest, read_manifest(newest), full=True)
     assert (newest / MANIFEST).is_file()
+
+
+_UNVALIDATED = """\
+import os, sys, warnings
+import torch
+import accelerate_txn
+from accelerate_txn.trainer import versions
+versions.VALIDATED = frozenset()  # as on a transformers release outside validated.json
+versions.installed_validated.cache_clear()
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=128, max_position_embeddings=64))
+data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (16, 8))]
+args = TrainingArguments(output_dir=sys.argv[1], use_cpu=True, per_device_train_batch_size=4, max_steps=4, save_steps=2,
+                         report_to=[], disable_tqdm=True)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    Trainer(model=model, args=args, train_dataset=data).train()
+notes = [str(w.message) for w in caught if "NOT protected" in str(w.message)]
+print("WARNINGS", len(notes), notes[:1])
+"""
+
+
+def test_an_unvalidated_transformers_runs_native_trainer_with_one_warning(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _UNVALIDATED, str(tmp_path)], capture_output=True, text=True,
+                            timeout=TIMEOUT, env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "WARNINGS 1 " in result.stdout and "has not validated its Trainer front end" in result.stdout, result.stdout
+    # Native Trainer saved as it does without the library: no manifest, no lock, no staging.
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-4"]
+    assert not (tmp_path / "checkpoint-4" / MANIFEST).exists()
