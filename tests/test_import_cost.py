@@ -1,10 +1,10 @@
 """``import accelerate_txn`` stays cheap (issue 21, item 10): what it imports, pinned structurally, not timed.
 
-The import loads four modules of the package and, of the standard library, ``__future__`` only; torch,
-Accelerate, wrapt, ``typing``, ``importlib.abc`` (which pulls in ``importlib.resources``, ``pathlib`` and
-``tempfile``) and the library's own heavy modules load on first use. The patch is still installed, exactly once,
-when Accelerate is imported afterwards. ``benchmarks/bench_import.py`` measures the time. Each check runs in a
-fresh interpreter."""
+The import loads six modules of the package (the two import hooks with their packages) and, of the standard
+library, ``__future__`` only; torch, Accelerate, wrapt, transformers, ``typing``, ``importlib.abc`` (which pulls in
+``importlib.resources``, ``pathlib`` and ``tempfile``) and the library's own heavy modules load on first use. The
+patches are still installed, exactly once, when Accelerate (or transformers) is imported afterwards.
+``benchmarks/bench_import.py`` measures the time. Each check runs in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def _probe(*flags: str, preamble: str = "") -> dict[str, Any]:
     return json.loads(result.stdout)
 
 
-def test_import_in_a_bare_interpreter_loads_only_the_four_light_modules() -> None:
+def test_import_in_a_bare_interpreter_loads_only_the_light_modules() -> None:
     probe = _probe("-E", "-s", "-S")
     assert set(probe["added"]) == EXPECTED
     assert probe["heavy"] == []
