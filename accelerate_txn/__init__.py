@@ -22,11 +22,13 @@ from .errors import (
     RestoreFailedError,
     UnsupportedVersionError,
 )
+from .trainer.autopatch import install_on_import as install_trainer_on_import
 
 __version__ = "0.1.0.dev0"
 
 # The public API is loaded on first use (PEP 562): ``import accelerate_txn`` stays cheap (the standard library's
-# ``sys`` and the four modules of the package: this one, ``errors``, ``accelerate`` and ``accelerate.autopatch``;
+# ``sys`` and six modules of the package: this one, ``errors``, ``accelerate``, ``accelerate.autopatch``, ``trainer``
+# and ``trainer.autopatch``;
 # benchmarks/bench_import.py measures it, tests/test_import_cost.py pins it), and the offline CLI (``verify``,
 # ``list``, ``latest``) never imports torch.
 _LAZY = {
@@ -94,8 +96,10 @@ def checkpoint_source_identity(path: Any) -> Any:
     return on_main(lambda: checkpoint_fingerprint(path), f"Fingerprinting {path}")
 
 
-# Wrap Accelerator.save_state/load_state now if Accelerate is imported, else the moment it is.
+# Wrap Accelerator.save_state/load_state now if Accelerate is imported, else the moment it is; the same for the
+# transformers Trainer's save and resume (``accelerate_txn.trainer``).
 install_on_import()
+install_trainer_on_import()
 
 __all__ = [
     "MANIFEST",

@@ -31,9 +31,12 @@ LAYERS: dict[str, set[str]] = {
     "fsdp": {"errors", "core"},  # FSDP layouts and restores: no front end
     "accelerate": {"errors", "store", "core", "fsdp"},  # the Accelerate front end
     "weights": {"errors", "store", "core"},
+    # The Trainer front end: the Accelerate front end only for the shared import hook and version policy (see
+    # accelerate_txn/trainer/__init__.py).
+    "trainer": {"errors", "store", "core", "fsdp", "accelerate"},
     "cli": {"errors", "store", "core", "fsdp", "accelerate", "weights", "__init__"},
     "testing": {"errors"},
-    "__init__": {"errors", "store", "core", "fsdp", "accelerate", "weights"},
+    "__init__": {"errors", "store", "core", "fsdp", "accelerate", "weights", "trainer"},
     "__main__": {"cli"},
 }
 ROOT_FILES = {"__init__.py", "__main__.py", "errors.py", "validated.json"}
@@ -97,7 +100,7 @@ def test_the_package_root_holds_only_the_public_face_and_subpackages() -> None:
                    if not entry.name.startswith(".") and entry.name != "__pycache__"
                    and not (entry.is_dir() and (entry / "__init__.py").is_file()) and entry.name not in ROOT_FILES)
     assert extra == [], f"Only the public face and subpackages belong in {PACKAGE}; found {extra}"
-    assert {"core", "store", "fsdp", "accelerate", "weights", "cli", "testing"} <= {
+    assert {"core", "store", "fsdp", "accelerate", "weights", "trainer", "cli", "testing"} <= {
         entry.name for entry in PACKAGE.iterdir() if (entry / "__init__.py").is_file()}
 
 

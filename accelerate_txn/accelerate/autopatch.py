@@ -43,11 +43,12 @@ def _install() -> None:
 class _Loader:
     """Runs the real loader, then installs; every other loader attribute is the real loader's."""
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, target: str = _TARGET) -> None:
         self._loader = loader
+        self._target = target
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_code, is_package, get_resource_reader, ...
-        if name == "_loader":  # not set yet (copy, pickle): no recursion
+        if name in ("_loader", "_target"):  # not set yet (copy, pickle): no recursion
             raise AttributeError(name)
         return getattr(self._loader, name)
 
@@ -60,35 +61,49 @@ class _Loader:
         if getattr(module, "__spec__", None) is not None and module.__spec__.loader is self:
             module.__spec__.loader = self._loader
         self._loader.exec_module(module)
-        _remove_finder()
-        _install()
+        _remove_finder(self._target)
+        _HOOKS.pop(self._target, _install)()
 
 
 class _Finder:
-    """A meta-path finder (``importlib.abc.MetaPathFinder`` by protocol) for ``accelerate.accelerator`` only."""
+    """A meta-path finder (``importlib.abc.MetaPathFinder`` by protocol) for one module, ``target``."""
+
+    def __init__(self, target: str = _TARGET) -> None:
+        self.target = target
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> ModuleSpec | None:
-        if fullname != _TARGET:
+        if fullname != self.target:
             return None
         for finder in sys.meta_path:
             if isinstance(finder, _Finder) or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = _Loader(spec.loader)
+                spec.loader = _Loader(spec.loader, fullname)
                 return spec
             if spec is not None:
                 return spec
         return None
 
 
-def _remove_finder() -> None:
-    sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _Finder)]
+_HOOKS: dict[str, Any] = {}  # target module -> what to call once it was imported
+
+
+def _remove_finder(target: str = _TARGET) -> None:
+    sys.meta_path[:] = [finder for finder in sys.meta_path
+                        if not (isinstance(finder, _Finder) and finder.target == target)]
+
+
+def when_imported(target: str, install: Any) -> None:
+    """Call ``install()`` now if the module ``target`` is imported, else right after it is (once). ``install`` must
+    never raise (it runs inside the user's import). The Trainer front end uses it for ``transformers.trainer``."""
+    if target in sys.modules:
+        install()
+    elif not any(isinstance(finder, _Finder) and finder.target == target for finder in sys.meta_path):
+        _HOOKS[target] = install
+        sys.meta_path.insert(0, _Finder(target))
 
 
 def install_on_import() -> None:
     """Install now if ``accelerate.accelerator`` is imported, else as soon as it is (once)."""
-    if _TARGET in sys.modules:
-        _install()
-    elif not any(isinstance(finder, _Finder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+    when_imported(_TARGET, _install)

@@ -13,6 +13,7 @@ Used by accelerate-txn's own tests and the demo. Layout (this package only re-ex
 * ``_cpu_fsdp``: the FSDP plugin on CPU and forcing it onto an Accelerator (shared by both ways in);
 * ``_harness``: :func:`fsdp_accelerator`, :class:`TinyModel`;
 * ``_processes``: :func:`launch`, :func:`start_ranks`, :func:`free_port`, torchrun's environment;
+* ``_trainer``: :func:`force_fsdp_trainer` (a transformers ``Trainer`` with FSDP on CPU);
 * ``_launcher``: :func:`run_script`, :func:`start_script` (the launcher's side); ``_worker``: each worker process;
   ``_cli``: ``python -m accelerate_txn.testing run``.
 """
@@ -23,6 +24,7 @@ from ._cpu_fsdp import UNSUPPORTED_STATE_DICT_TYPES
 from ._harness import TinyModel, fsdp_accelerator
 from ._launcher import ScriptJob, ScriptResult, run_script, start_script
 from ._processes import LaunchError, free_port, launch, start_ranks
+from ._trainer import force_fsdp_trainer
 
 __all__ = [
     "UNSUPPORTED_STATE_DICT_TYPES",
@@ -30,6 +32,7 @@ __all__ = [
     "ScriptJob",
     "ScriptResult",
     "TinyModel",
+    "force_fsdp_trainer",
     "free_port",
     "fsdp_accelerator",
     "launch",

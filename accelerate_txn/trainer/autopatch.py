@@ -1,0 +1,30 @@
+"""Install the Trainer patch when ``transformers.trainer`` is imported (standard library only at import).
+
+``import accelerate_txn`` must protect Trainer checkpoints without importing transformers (or torch) itself: the
+shared import hook of :mod:`accelerate_txn.accelerate.autopatch` installs :func:`.patch.install` right after
+``transformers.trainer`` is imported, or at once if it already is. A failure never breaks the user's import: it is
+reported as a warning saying that Trainer checkpoints are not protected.
+"""
+
+from __future__ import annotations
+
+from ..accelerate.autopatch import when_imported
+
+TARGET = "transformers.trainer"
+
+
+def _install() -> None:
+    try:
+        from .patch import install
+
+        install()
+    except Exception as exc:  # never turn the user's import of transformers into an error
+        import warnings
+
+        warnings.warn(f"accelerate-txn could not wrap transformers.Trainer ({type(exc).__name__}: {exc}): Trainer "
+                      "checkpoints are NOT protected in this process.", RuntimeWarning, stacklevel=2)
+
+
+def install_on_import() -> None:
+    """Install now if ``transformers.trainer`` is imported, else as soon as it is (once)."""
+    when_imported(TARGET, _install)

@@ -1,0 +1,78 @@
+"""Every private transformers access of the Trainer front end, keyed by transformers version.
+
+The front end wraps the fewest, most stable points of ``transformers.Trainer``:
+
+* ``Trainer.train`` (public) for the resume: ``resume_from_checkpoint=True`` is resolved here, before Trainer's own
+  ``get_last_checkpoint`` runs, and an explicit path is verified before anything is loaded;
+* ``Trainer._save_checkpoint(model, trial)`` (private) for the save: the whole native save (model, optimizer,
+  scheduler, scaler, RNG, ``trainer_state.json``, Trainer's own rotation) runs inside it;
+* ``Trainer._get_output_dir(trial)`` (private), the run directory ``_save_checkpoint`` joins ``checkpoint-N`` to: for
+  the duration of one save it names a hidden staging directory, so the native save writes there.
+
+:data:`POINTS` records, per transformers minor series, the private names and signatures this module relies on;
+:func:`missing_points` checks them on the installed Trainer class, so a release that moved them runs native Trainer
+with a warning instead of failing inside a save. Between 4.46 and 5.24 ``_save_checkpoint`` lost its ``metrics``
+argument (5.0); ``_get_output_dir`` kept its signature.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+#: transformers minor series -> the private points of the Trainer class, as ``{attribute: parameter names}``.
+POINTS: dict[str, dict[str, tuple[str, ...]]] = {
+    "5.24": {"_save_checkpoint": ("self", "model", "trial"), "_get_output_dir": ("self", "trial")},
+}
+#: The points of the newest series listed: what an unlisted release is checked against (it runs native anyway
+#: unless the user set the override).
+DEFAULT_SERIES = "5.24"
+SAVE_CHECKPOINT = "Trainer._save_checkpoint"
+"""The wrapt path of the save point, relative to ``transformers.trainer``."""
+
+
+def points_for(series: str) -> dict[str, tuple[str, ...]]:
+    return POINTS.get(series, POINTS[DEFAULT_SERIES])
+
+
+def missing_points(trainer_class: type, series: str) -> list[str]:
+    """The private points of ``series`` that ``trainer_class`` lacks or has with another signature (empty: all
+    there), each as ``"name(parameters)"``."""
+    missing = []
+    for name, parameters in points_for(series).items():
+        function = getattr(trainer_class, name, None)
+        try:
+            found = tuple(inspect.signature(function).parameters) if function is not None else None
+        except (TypeError, ValueError):
+            found = None
+        if found is None or found[: len(parameters)] != parameters:
+            missing.append(f"{name}({', '.join(parameters[1:])})")
+    return missing
+
+
+def output_dir(trainer: Any, trial: Any) -> str:
+    """The run directory a native save of ``trainer`` writes ``checkpoint-N`` into (``_get_output_dir``: the output
+    directory, or a hyperparameter-search trial's own run directory)."""
+    return str(trainer._get_output_dir(trial))
+
+
+@contextlib.contextmanager
+def redirected_output_dir(trainer: Any, directory: str) -> Iterator[None]:
+    """While inside, ``trainer._get_output_dir(...)`` returns ``directory`` (an instance attribute shadowing the
+    method; removed on the way out, whatever happens)."""
+    saved = trainer.__dict__.get("_get_output_dir")
+    trainer._get_output_dir = lambda trial=None: directory
+    try:
+        yield
+    finally:
+        if saved is None:
+            trainer.__dict__.pop("_get_output_dir", None)
+        else:
+            trainer._get_output_dir = saved
+
+
+def save_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The ``trial`` of a ``_save_checkpoint(model, trial)`` call."""
+    return args[1] if len(args) > 1 else kwargs.get("trial")

@@ -1,0 +1,125 @@
+"""The Trainer patch (wrapt) and the dispatch decision: protected transaction or native Trainer.
+
+``install()`` wraps ``Trainer.train`` (the resume) and ``Trainer._save_checkpoint`` (the save) of
+``transformers.trainer`` exactly once; ``uninstall()`` puts the originals back. The wrappers only decide and hand off
+to :mod:`.resume` and :mod:`.save`.
+
+Protected when all hold: automatic dispatch is on (``VIDEOX_ACCELERATE_PATCHES`` unset or truthy); the installed
+transformers/torch/Accelerate are a validated row (:mod:`.versions`) or the override is set; the private points of
+:mod:`.internals` are there; the Trainer is not DeepSpeed's (DeepSpeed writes its own checkpoint layout) and does not
+push checkpoints to the Hub (the upload reads the checkpoint directory during the save). Otherwise native Trainer,
+after one warning per process for an unvalidated version and one log line per Trainer for the rest. Nothing native
+Trainer does becomes an error.
+
+Caveats: a subclass that overrides ``train`` or ``_save_checkpoint`` without calling ``super()`` bypasses the patch;
+wrapped methods do not pickle.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import warnings
+from typing import Any
+from weakref import WeakSet
+
+import wrapt
+
+from ..core.ranks import agree
+from .internals import SAVE_CHECKPOINT, missing_points
+from .layout import backend
+from .resume import resolve_resume
+from .save import RUN_IDS, protected_save
+from .versions import transformers_series, unsupported_message, versions_ok
+
+logger = logging.getLogger(__name__)
+MODULE = "transformers.trainer"
+PATCH_ENV = "VIDEOX_ACCELERATE_PATCHES"
+_TARGETS = (SAVE_CHECKPOINT, "Trainer.train")
+ORIGINALS: dict[str, Any] = {}
+_NOTED: WeakSet = WeakSet()
+_WARNED: set[str] = set()
+
+
+def native_reason(trainer: Any) -> str | None:
+    """Why this Trainer's checkpoints run native (``None``: protected); warns once per process for versions."""
+    if os.environ.get(PATCH_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+        return f"automatic dispatch is off ({PATCH_ENV}={os.environ.get(PATCH_ENV)!r})"
+    if not versions_ok():
+        if "versions" not in _WARNED:
+            _WARNED.add("versions")
+            warnings.warn(unsupported_message(), RuntimeWarning, stacklevel=4)
+        return "unvalidated versions"
+    missing = missing_points(type(trainer), transformers_series())
+    if missing:
+        message = (f"accelerate-txn: this transformers Trainer lacks {', '.join(missing)} (or has another signature): "
+                   "Trainer checkpoints run natively, NOT protected.")
+        if "points" not in _WARNED:
+            _WARNED.add("points")
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+        return message
+    if backend(trainer) == "DeepSpeed":
+        return "DeepSpeed writes its own checkpoint layout (native Trainer)"
+    if getattr(trainer.args, "push_to_hub", False):
+        return "push_to_hub uploads the checkpoint directory during the save (native Trainer)"
+    return None
+
+
+def _protected(trainer: Any) -> bool:
+    reason = native_reason(trainer)
+    agree(reason, "whether Trainer checkpoints are protected")  # every rank takes the same path
+    if reason is not None and trainer not in _NOTED:
+        _NOTED.add(trainer)
+        logger.info("Trainer checkpoints are not protected by accelerate-txn: %s", reason)
+    return reason is None
+
+
+def _save_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if instance is None or not _protected(instance):
+        return wrapped(*args, **kwargs)
+    return protected_save(wrapped, instance, args, kwargs)
+
+
+def _train_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if instance is None:
+        return wrapped(*args, **kwargs)
+    bound = inspect.signature(wrapped).bind_partial(*args, **kwargs)
+    resume = bound.arguments.get("resume_from_checkpoint")
+    if resume is None or resume is False or not _protected(instance):
+        return wrapped(*args, **kwargs)
+    chosen, run_id = resolve_resume(instance, resume)
+    if run_id is not None:
+        RUN_IDS[instance] = run_id  # the resumed run's retention goes on pruning its own checkpoints
+    bound.arguments["resume_from_checkpoint"] = chosen
+    return wrapped(*bound.args, **bound.kwargs)
+
+
+_WRAPPERS = {SAVE_CHECKPOINT: _save_wrapper, "Trainer.train": _train_wrapper}
+
+
+def install() -> None:
+    """Wrap ``Trainer.train`` and ``Trainer._save_checkpoint`` (idempotent)."""
+    import transformers.trainer as module
+
+    for target in _TARGETS:
+        attribute = target.split(".", 1)[1]
+        if isinstance(module.Trainer.__dict__.get(attribute), wrapt.FunctionWrapper):
+            continue
+        ORIGINALS[target] = module.Trainer.__dict__[attribute]
+        wrapt.wrap_function_wrapper(module, target, _WRAPPERS[target])
+
+
+def uninstall() -> None:
+    """Put the original methods back (no-op if not installed)."""
+    import transformers.trainer as module
+
+    for target, original in list(ORIGINALS.items()):
+        setattr(module.Trainer, target.split(".", 1)[1], original)
+        del ORIGINALS[target]
+
+
+def installed() -> bool:
+    import transformers.trainer as module
+
+    return all(isinstance(module.Trainer.__dict__.get(t.split(".", 1)[1]), wrapt.FunctionWrapper) for t in _TARGETS)

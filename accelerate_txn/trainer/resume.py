@@ -1,0 +1,132 @@
+"""The Trainer resume: which ``checkpoint-N`` ``train(resume_from_checkpoint=...)`` loads, verified on every rank
+before Trainer loads anything.
+
+Collective: every rank calls :func:`resolve_resume` from the wrapped ``Trainer.train``, before the native ``train``
+runs (nothing of the model, optimizer, scheduler, RNG or Trainer state has been touched yet).
+
+* ``resume_from_checkpoint=True``: rank 0 lists ``checkpoint-N`` under ``args.output_dir`` newest first and skips,
+  with a logged reason, every one that is not complete (``core.select.checkpoint_candidates``: no or invalid
+  manifest, missing, truncated, extra or corrupt control files, incomplete DCP metadata, a file a resume reads
+  missing for some saving rank); then every rank re-hashes the files it will read (its RNG file and DCP shards; rank
+  0 the shared files) and a candidate that fails on any rank is skipped for the next older one. A manifest-less
+  (native Trainer) checkpoint is taken only when no complete one exists, with a warning, after checking the files a
+  resume reads are there. No directory at all: native Trainer's own ``ValueError``; only incomplete ones:
+  :class:`~accelerate_txn.errors.NoCheckpointError` listing why each was skipped.
+* an explicit path: the same checks, on every rank, without fallback: the same
+  :class:`~accelerate_txn.errors.CheckpointIntegrityError` on every rank, no hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+from ..accelerate.versions import checkpoint_compatibility
+from ..core.manifest import check_hashes, hashed_names, list_tree, writer_rank
+from ..core.ranks import on_main, rank, run_phase, world_size
+from ..core.select import check_candidate, checkpoint_candidates, numbered_checkpoints, refuse_transient
+from ..errors import CheckpointConfigurationError, CheckpointIntegrityError, NoCheckpointError
+from .layout import LOADER_PATTERNS, RANK_TEMPLATES, check_files, required_files
+
+logger = logging.getLogger(__name__)
+
+
+class TrainerRules:
+    """``core.select.CandidateRules`` of a Trainer checkpoint resumed on ``world`` ranks."""
+
+    components: set[str] = set()  # Trainer manifests record no Accelerate components
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+
+    def private_patterns(self) -> list[re.Pattern[str]]:
+        return list(LOADER_PATTERNS)
+
+    def allow_legacy(self) -> bool:
+        return True  # a native Trainer checkpoint is resumed when nothing complete exists (never preferred)
+
+    def check_required(self, path: Path, manifest: dict[str, Any] | None) -> None:
+        if manifest is not None:
+            record = manifest.get("trainer")
+            if not isinstance(record, dict) or not isinstance(record.get("world_size"), int) \
+                    or not isinstance(record.get("required"), list):
+                raise CheckpointIntegrityError(f"{path}: its manifest has no Trainer record: it is not a Trainer "
+                                               "checkpoint (resume it with the front end that saved it)")
+            check_files(path, set(manifest["files"]), record, [str(name) for name in record["required"]])
+            reason = checkpoint_compatibility(manifest.get("versions") or {})
+            if reason:
+                raise CheckpointConfigurationError(f"Cannot resume from {path}: {reason}")
+            return
+        names = set(list_tree(path))
+        present_rng = any(re.fullmatch(r"rng_state(_\d+)?\.pth", name) for name in names)
+        record = {"world_size": self.world, "save_only_model": not present_rng,
+                  "state_dict_type": "SHARDED_STATE_DICT" if "pytorch_model_fsdp_0/.metadata" in names
+                  or any(name.startswith("pytorch_model_fsdp_0/") for name in names) else None}
+        check_files(path, names, record, required_files(record, names))
+        empty = sorted(name for name, size in list_tree(path).items() if size == 0 and name.endswith((".pth", ".pt")))
+        if empty:
+            raise CheckpointIntegrityError(f"{path / empty[0]} is empty: the save was interrupted")
+
+
+def _own_hashes(path: Path, manifest: dict[str, Any] | None) -> None:
+    """Every rank re-hashes the recorded files it is responsible for (its own shards and RNG file; rank 0 the
+    shared ones)."""
+    if manifest is None:
+        return
+    world, me = world_size(), rank()
+    check_hashes(path, manifest, [name for name in hashed_names(manifest, full=True)
+                                  if writer_rank(name, min(world, int(manifest["trainer"]["world_size"])),
+                                                 RANK_TEMPLATES) == me])
+
+
+def _verify(path: Path, rules: TrainerRules) -> str | None:
+    """Every rank: ``path`` passes the checks (rank 0 the structure, every rank its own hashes); returns the run id
+    of its manifest (``None`` for a native checkpoint). Raises the same error on every rank."""
+    manifest = on_main(lambda: check_candidate(path, rules), f"Checking {path}")
+    run_phase(lambda: _own_hashes(path, manifest), f"Verifying the content hashes of {path}")
+    if manifest is None and rank() == 0:
+        logger.warning("Resuming from %s, which has no completion manifest (saved by native Trainer): its files a "
+                       "resume reads are present, but its completeness cannot be proven", path)
+    return manifest["run_id"] if manifest is not None else None
+
+
+def resolve_resume(trainer: Any, resume: Any) -> tuple[Any, str | None]:
+    """The ``resume_from_checkpoint`` native ``train`` gets, and the run id of the checkpoint (see the module
+    docstring). ``resume`` is ``True`` or a path (``None``/``False`` never reach here)."""
+    rules = TrainerRules(world_size())
+    if resume is True:
+        root = Path(trainer.args.output_dir).expanduser().absolute()
+        found = on_main(lambda: _listed(root, rules), f"Selecting the newest complete checkpoint in {root}")
+        if found is None:
+            return True, None  # nothing at all: native Trainer raises its own ValueError, as without the library
+        candidates, reasons = found
+        for candidate in candidates:
+            try:
+                return candidate, _verify(Path(candidate), rules)
+            except CheckpointIntegrityError as exc:  # raised on every rank alike: every rank moves on
+                reasons.append(f"{Path(candidate).name}: {exc}")
+                if rank() == 0:
+                    logger.warning("Skipping checkpoint %s: %s", candidate, exc)
+        raise NoCheckpointError(
+            f"No complete checkpoint to resume from in {root}; skipped " + "; ".join(reasons)
+            + ". Restore an intact copy, or start without resume_from_checkpoint.")
+    path = Path(resume).expanduser().absolute()
+
+    def exists() -> None:
+        if not path.is_dir():
+            raise NoCheckpointError(f"Checkpoint directory {path} does not exist")
+        refuse_transient(path)
+
+    run_phase(exists, f"Checking {path}")
+    return str(resume), _verify(path, rules)
+
+
+def _listed(root: Path, rules: TrainerRules) -> tuple[list[str], list[str]] | None:
+    """Rank 0: candidates best first and skip reasons; ``None`` when ``root`` holds no ``checkpoint-N`` at all."""
+    if not numbered_checkpoints(root):
+        return None
+    candidates, reasons = checkpoint_candidates(root, rules)
+    return [str(path) for path in candidates], reasons
+

@@ -1,0 +1,250 @@
+"""The Trainer save transaction: one native ``Trainer._save_checkpoint`` published atomically as ``checkpoint-N``.
+
+Collective: every rank of the Trainer's world runs it (native ``_save_checkpoint`` is called on every rank). Order,
+each step a rank phase (a failure anywhere raises the same error everywhere):
+
+1. every rank agrees on the destination ``RUN_DIR/checkpoint-N`` and ``save_total_limit``; rank 0 chooses the run id
+   (the one this Trainer resumed from or saved before, else a new one);
+2. rank 0 takes the directory lock of ``RUN_DIR``, puts back a checkpoint whose replacement was killed, removes dead
+   writers' leftovers, and creates the hidden staging sibling ``RUN_DIR/.checkpoint-N.staging-<run>-<txid>/``;
+3. the native save runs with Trainer's run directory pointed at that staging directory (``internals``), so it
+   writes ``.../staging/checkpoint-N/`` (model, optimizer, scheduler, scaler, RNG, ``trainer_state.json``) and its
+   own rotation finds nothing to delete there; paths Trainer recorded into staging (``best_model_checkpoint``) are
+   mapped to the published path, and rank 0 rewrites ``trainer_state.json`` with them;
+4. every rank hashes (XXH3-128) and fsyncs the files it wrote (its DCP shards and RNG file; rank 0 the shared ones);
+5. rank 0 checks that the rows cover exactly the staged tree and every file a resume reads (every rank's RNG file,
+   the DCP metadata, ``trainer_state.json``) and that every DCP tensor is covered, fsyncs the directories, writes
+   the manifest last, renames the tree onto ``checkpoint-N`` (an existing one is replaced atomically), fsyncs the
+   parent, removes the empty staging directory;
+6. retention: with ``save_total_limit``, rank 0 deletes the oldest complete checkpoints of the same run beyond it,
+   never the newest nor ``best_model_checkpoint`` (renamed aside first, then deleted: ``core.select.prune``).
+
+On failure before the publish the staging directory is removed and nothing is published; the Trainer's state is
+what the native save left (as after a native failure). ``core.faults.point`` marks the instants the crash tests kill
+a rank at.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+from weakref import WeakKeyDictionary
+
+import torch.distributed as dist
+
+from ..core import faults
+from ..core.manifest import HASH, PROTOCOL, add_schemas, check_dcp_inventory, hash_rows, list_tree, write_manifest, writer_rank
+from ..core.ranks import agree, distributed, on_main, rank, run_phase, world_size
+from ..core.select import complete_run_id, numbered_checkpoints, prune, replace_refusal
+from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError, CheckpointRankError
+from ..store.posix import (
+    POSIX,
+    DirectoryLock,
+    StagedDirectory,
+    fsync_path,
+    new_id,
+    recover_replaced,
+    remove_leftovers,
+    replace_directory,
+    staging_leftovers,
+    walk_tree,
+)
+from .internals import output_dir, redirected_output_dir, save_arguments
+from .layout import RANK_TEMPLATES, TRAINER_STATE, check_files, required_files, training_record
+from .versions import trainer_versions
+
+logger = logging.getLogger(__name__)
+PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR: checkpoint-N
+INTEGRITY = "full"  # every file hashed (XXH3-128 costs far less than writing the file)
+LOCK_TIMEOUT = 300.0  # seconds rank 0 waits for another writer of the same output directory
+#: The run id of each Trainer: the run it resumed from or last saved (so retention prunes that run's checkpoints).
+RUN_IDS: WeakKeyDictionary[Any, str] = WeakKeyDictionary()
+
+
+class Reservation:
+    """Rank 0's side of one Trainer save: the lock on the run directory and the staging directory."""
+
+    def __init__(self, final: Path, run_id: str) -> None:
+        self.final = final
+        self.lock = DirectoryLock(final.parent, LOCK_TIMEOUT)
+        self.staged = StagedDirectory(final, run_id)
+        self.replacing = False
+
+    @property
+    def tree(self) -> Path:
+        """Where the native save writes: ``checkpoint-N`` inside the staging directory."""
+        return self.staged.staging / self.final.name
+
+    def open(self) -> str:
+        """Lock, recover, clean, decide about an existing ``checkpoint-N``, create staging; returns its path."""
+        parent, run_id = self.final.parent, self.staged.run_id
+        parent.mkdir(parents=True, exist_ok=True)
+        self.lock.acquire()
+        try:
+            recover_replaced(parent)  # a replacement killed between its two renames: the old one goes back
+            if self.final.exists() or self.final.is_symlink():
+                why = None if (self.final / TRAINER_STATE).is_file() else replace_refusal(self.final)
+                if why is not None:
+                    raise CheckpointExistsError(
+                        f"Refusing to replace {self.final}: {why}, and it is no Trainer checkpoint (no "
+                        f"{TRAINER_STATE}). Move it away, or set another output_dir.")
+                self.replacing = True
+                logger.warning("Replacing %s: the new checkpoint is published atomically in its place, the old one "
+                               "deleted only after that", self.final)
+            runs = {complete_run_id(path) for _, path in numbered_checkpoints(parent)} - {None}
+            # Under the lock no other writer is alive: leftovers of this run, or of runs that never published here,
+            # are dead writers'. Another run's leftovers are reported, not touched.
+            abandoned = {run for _, run in staging_leftovers(parent)} - runs
+            remove_leftovers(parent, abandoned | {run_id})
+            staging = self.staged.create_beside() if self.replacing else self.staged.create()
+            self.tree.mkdir()
+            return str(staging)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def publish(self, record: dict[str, Any], rows: dict[str, dict[str, Any]]) -> str:
+        """Check the staged tree against the ranks' rows, write the manifest last and rename the tree into place."""
+        tree = self.tree
+        present = list_tree(tree)
+        vanished = sorted(set(rows) - set(present))
+        changed = sorted(name for name in set(rows) & set(present) if rows[name]["size"] != present[name])
+        if vanished or changed:
+            raise CheckpointIntegrityError(
+                f"Staged file {tree / (vanished or changed)[0]} {'vanished' if vanished else 'changed size'} after it "
+                "was hashed: something else writes into the staging directory. Nothing was published.")
+        rows.update(hash_rows(tree, sorted(set(present) - set(rows)), algorithm=HASH, integrity=INTEGRITY, flush=True))
+        add_schemas(tree, rows)
+        record["required"] = required_files(record, set(rows))
+        check_files(tree, set(rows), record, record["required"])
+        check_dcp_inventory(tree, {"files": rows})
+        for directory, _entries in reversed(list(walk_tree(tree))):
+            fsync_path(directory)
+        manifest = {
+            "protocol": PROTOCOL,
+            "status": "complete",
+            "run_id": self.staged.run_id,
+            "transaction_id": self.staged.txid,
+            "frontend": "transformers.Trainer",
+            "trainer": record,
+            "progress": {"checkpoint": record["global_step"], "global_step": record["global_step"]},
+            "versions": record.pop("versions"),
+            "integrity": INTEGRITY,
+            "hash": HASH,
+            "files": dict(sorted(rows.items())),
+        }
+        write_manifest(tree, manifest, store=POSIX)
+        faults.point("save:after-manifest")
+        if self.replacing and (self.final.exists() or self.final.is_symlink()):
+            faults.point("save:replace-before-swap")
+            replace_directory(tree, self.final, self.staged.txid, between=lambda: faults.point("save:replace-old-aside"),
+                              committed=lambda: faults.point("save:replace-after-swap"))
+        else:
+            if self.final.exists() or self.final.is_symlink():
+                raise CheckpointExistsError(f"Checkpoint destination {self.final} appeared while saving; nothing was "
+                                            "published.")
+            os.rename(tree, self.final)
+            try:
+                fsync_path(self.final.parent)
+            except OSError as exc:  # published: report, the rename stands
+                logger.warning("Published %s, but fsync of %s failed (%s)", self.final, self.final.parent, exc)
+        self.staged.discard()  # the empty staging directory
+        return str(self.final)
+
+    def close(self) -> None:
+        try:
+            self.staged.discard()
+        finally:
+            self.lock.release()
+
+
+def published_path(path: str | None, staging: Path, run_dir: Path) -> str | None:
+    """``path`` with a staging prefix mapped to the run directory (a path Trainer recorded during the save)."""
+    if path is None:
+        return None
+    try:
+        relative = Path(path).absolute().relative_to(staging)
+    except ValueError:
+        return path
+    return str(run_dir / relative)
+
+
+def _map_recorded_paths(trainer: Any, staging: Path, run_dir: Path, tree: Path) -> None:
+    """Every rank: paths the native save recorded into staging name the published checkpoint; rank 0 (Trainer's
+    ``should_save``) rewrites ``trainer_state.json`` if one changed."""
+    state = trainer.state
+    mapped = published_path(state.best_model_checkpoint, staging, run_dir)
+    if mapped != state.best_model_checkpoint:
+        state.best_model_checkpoint = mapped
+        if trainer.args.should_save and (tree / TRAINER_STATE).is_file():
+            state.save_to_json(str(tree / TRAINER_STATE))
+
+
+def _own_rows(tree: Path) -> dict[str, dict[str, Any]]:
+    """Hash and fsync the staged files this rank wrote (``core.manifest.writer_rank``)."""
+    world, me = world_size(), rank()
+    mine = [name for name in list_tree(tree) if writer_rank(name, world, RANK_TEMPLATES) == me]
+    return hash_rows(tree, mine, algorithm=HASH, integrity=INTEGRITY, flush=True,
+                     after_first=lambda: faults.point("save:during-flush"))
+
+
+def _gather_rows(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Rank 0 receives every rank's rows (the others get ``{}``) and checks that every rank contributed."""
+    if not distributed():
+        return rows
+    gathered: list[Any] = [None] * world_size() if rank() == 0 else []
+    dist.gather_object((rank(), rows), gathered if rank() == 0 else None, dst=0)
+    merged: dict[str, dict[str, Any]] = {}
+    if rank() == 0:
+        contributed = sorted(part[0] for part in gathered)
+        if contributed != list(range(world_size())):
+            raise CheckpointRankError(f"Ranks {contributed} of {world_size()} contributed their files: nothing was "
+                                      "published.")
+        for _rank, part in gathered:
+            merged.update(part)
+    return merged
+
+
+def protected_save(wrapped: Any, trainer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``wrapped(*args, **kwargs)`` (native ``_save_checkpoint``) as a transaction; see the module docstring."""
+    trial = save_arguments(args, kwargs)
+    run_dir = run_phase(lambda: Path(output_dir(trainer, trial)).expanduser().absolute(), "Resolving the run directory")
+    final = run_dir / f"{PREFIX}-{trainer.state.global_step}"
+    limit = trainer.args.save_total_limit
+    limit = limit if isinstance(limit, int) and limit > 0 else None
+    agree({"path": str(final), "limit": limit}, "the Trainer checkpoint path and save_total_limit")
+    run_id: str = on_main(lambda: RUN_IDS.get(trainer) or new_id(), "Choosing the run id")
+    reservation = run_phase(lambda: Reservation(final, run_id) if rank() == 0 else None, "Preparing the directory lock")
+    result: Any = None
+    try:
+        staging = Path(on_main(lambda: reservation.open(), f"Reserving {final}"))  # type: ignore[union-attr]
+        tree = staging / final.name
+
+        def native() -> Any:
+            with redirected_output_dir(trainer, str(staging)):
+                return wrapped(*args, **kwargs)
+
+        result = run_phase(native, f"Saving the Trainer checkpoint into {tree}")
+        run_phase(lambda: _map_recorded_paths(trainer, staging, run_dir, tree), "Recording the published paths")
+        faults.point("save:after-native-save")
+        record = {**training_record(trainer), "versions": trainer_versions()}
+        rows = _gather_rows(run_phase(lambda: _own_rows(tree), "Hashing and flushing the staged checkpoint"))
+        published = on_main(lambda: reservation.publish(record, rows), f"Publishing {final}")  # type: ignore[union-attr]
+        RUN_IDS[trainer] = run_id
+        faults.point("save:after-rename")
+        if limit is not None:
+            keep = [Path(trainer.state.best_model_checkpoint)] if trainer.state.best_model_checkpoint else []
+            try:
+                on_main(lambda: [str(p) for p in prune(run_dir, run_id, limit, final, store=POSIX, keep=keep)],
+                        "Retention (save_total_limit)")
+            except CheckpointError as exc:  # the new checkpoint is published: report, don't fail the save
+                if rank() == 0:
+                    logger.warning("Checkpoint %s is published, but retention failed: %s", published, exc)
+        if rank() == 0:
+            logger.info("Published Trainer checkpoint %s (global step %d)", published, trainer.state.global_step)
+    finally:
+        if reservation is not None:
+            reservation.close()
+    return result
