@@ -123,6 +123,9 @@ def checkpoint_manifest(url: str, command: str) -> dict[str, Any]:
             f"{url} is a prefix of checkpoints ({len(found)} checkpoint_N under it), not a checkpoint. See them with "
             f"'accelerate-txn list {url}', or the newest complete one with 'accelerate-txn latest {url}'")
     keys = list(where.list(url)) + list(where.incomplete_uploads(url))
+    hint = nested_hint(url, keys, "list")
+    if hint is not None:
+        raise PathKindError(hint)
     if any(objects.TXN_DIR.fullmatch(key.partition("/")[0]) for key in keys):
         raise CheckpointIntegrityError(
             f"{url} has no {MANIFEST}: an unfinished upload (a save in progress, or one whose writer died; the next "
@@ -135,12 +138,35 @@ def checkpoint_manifest(url: str, command: str) -> dict[str, Any]:
                         f"the prefix{_parent_hint(url)}")
 
 
+def nested_hint(url: str, keys: list[str], command: str) -> str | None:
+    """For a URL that holds no checkpoint_N itself but prefixes of them deeper (a bucket or a directory of runs):
+    where they are and the command to run instead; else ``None``."""
+    below = set()
+    for key in keys:
+        head, _, name = key.rpartition("/")
+        prefix, _, checkpoint = head.rpartition("/")
+        if name == MANIFEST and prefix and CHECKPOINT_NAME.fullmatch(checkpoint):
+            below.add(objects.join(url, prefix))
+    if not below:
+        return None
+    runs = sorted(below)
+    shown = ", ".join(runs[:5]) + (f" and {len(runs) - 5} more" if len(runs) > 5 else "")
+    return (f"{url} holds no checkpoint_N itself, but checkpoints under {len(runs)} prefixes below it: {shown}. Pass one "
+            f"of them, e.g. 'accelerate-txn {command} {runs[0]}'")
+
+
 def run_prefix(url: str, command: str) -> str:
-    """``url`` as a prefix of checkpoints, or a usage error if it is a checkpoint itself."""
-    if store(url).size(objects.join(url, MANIFEST)) is not None:
+    """``url`` as a prefix of checkpoints: a usage error if it is a checkpoint itself, or holds none but prefixes of
+    checkpoints deeper (with the command to run instead)."""
+    where = store(url)
+    if where.size(objects.join(url, MANIFEST)) is not None:
         raise click.UsageError(
             f"{url} is a checkpoint, not a prefix of checkpoints: check it with 'accelerate-txn verify {url}' or read "
             f"it with 'accelerate-txn inspect {url}'" + _parent_hint(url, command))
+    if not objects.layout(where, url):
+        hint = nested_hint(url, list(where.list(url)), command)
+        if hint is not None:
+            raise click.UsageError(hint)
     return url
 
 
