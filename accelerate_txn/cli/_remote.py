@@ -89,9 +89,9 @@ def store(url: str) -> ObjectStore:
 def client_error(exc: BaseException) -> str | None:
     """A message for an error of the object-store client (no credentials, endpoint unreachable, access denied, no
     such bucket) that names the fix; ``None`` for anything else."""
-    chain = [exc, exc.__cause__, exc.__context__]
+    chain = [exc, exc.__cause__, exc.__context__]  # s3fs raises built-in errors caused by botocore's
     if not any(type(error).__module__.split(".")[0] in ("botocore", "aiobotocore", "s3fs") for error in chain
-               if error is not None) and not isinstance(exc, PermissionError):
+               if error is not None):
         return None
     return (f"the object store refused or could not be reached: {exc}. The client reads its settings from the "
             "standard AWS environment (AWS_ENDPOINT_URL for an S3-compatible store, AWS_ACCESS_KEY_ID and "
