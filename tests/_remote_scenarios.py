@@ -128,3 +128,14 @@ def mirrored(root: str, mirror: str, cache: str, steps: int, fsdp_version: int) 
                               for name, entry in state["optim"].items()}}
     obs["iteration"] = acc.project_configuration.iteration
     return obs
+
+
+def series(parent: str, cache: str, fsdp_version: int, count: int) -> dict[str, Any]:
+    """``count`` saves of one run to ``parent/checkpoint_1`` ... ``checkpoint_<count>``, one training step apart
+    (the command-line tests read, damage and prune them)."""
+    acc, model, opt, sched = _build_for(fsdp_version, 0)
+    configure_checkpointing(acc, cache_dir=cache)
+    for number in range(1, count + 1):
+        _train(acc, model, opt, sched, 1, seed=number)
+        acc.save_state(f"{parent}/checkpoint_{number}")
+    return {"objects": sorted(_objects(parent))}

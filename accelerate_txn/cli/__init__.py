@@ -1,7 +1,8 @@
 """``accelerate-txn``: list, verify, inspect, compare, prune and export checkpoints from the command line.
 
 Offline, one CPU process. ``list``, ``verify``, ``latest`` and ``prune`` are file work and do not import torch
-themselves. Entry points: the console script ``accelerate-txn`` and ``python -m accelerate_txn``.
+themselves. Every path naming a checkpoint or a run directory may be an ``s3://`` URL (``_remote``). Entry points:
+the console script ``accelerate-txn`` and ``python -m accelerate_txn``.
 """
 
 from ._app import main

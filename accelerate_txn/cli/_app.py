@@ -14,6 +14,7 @@ import click
 from ..errors import CheckpointError
 from . import _output as out
 from ._commands import COMMANDS
+from ._remote import client_error
 
 PROG = "accelerate-txn"
 
@@ -62,9 +63,15 @@ def _run(args: list[str]) -> int:
         out.say(f"{PROG}: {exc}", err=True)
         return 1
     except OSError as exc:  # e.g. permission denied on a checkpoint file
-        out.say(f"{PROG}: {exc}", err=True)
+        out.say(f"{PROG}: {client_error(exc) or exc}", err=True)
         return 1
     except KeyboardInterrupt:
         out.say("interrupted", err=True)
         return 130
+    except Exception as exc:  # an object-store client's own error (no credentials, endpoint unreachable)
+        message = client_error(exc)
+        if message is None:
+            raise
+        out.say(f"{PROG}: {message}", err=True)
+        return 1
     return int(result or 0)

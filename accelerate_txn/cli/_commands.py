@@ -2,7 +2,8 @@
 checkpoint, no checkpoint, configurations differ), 2 a usage error (raised as :class:`click.UsageError`).
 
 ``list``, ``verify``, ``latest`` and ``prune`` do file work and never import torch themselves; ``inspect`` and
-``diff`` read manifests only; ``export`` imports torch.
+``diff`` read manifests only; ``export`` imports torch. Every path naming a checkpoint or a run directory may be an
+object-store URL instead (``_remote``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import click
 
 from ..errors import CheckpointError, CheckpointIntegrityError, NoCheckpointError
 from . import _output as out
+from . import _remote as remote
 from ._scan import (
     COMPLETE,
     CORRUPT,
@@ -39,6 +41,8 @@ JSON_HELP = "Print only JSON on stdout (messages and log lines go to stderr)."
 #: Differences ``diff`` prints without --all.
 DIFF_LINES = 20
 _EXISTING_DIR = click.Path(exists=True, file_okay=True, dir_okay=True, path_type=Path)
+#: A checkpoint or a run directory: an existing local path, or an object-store URL (a ``str``).
+_LOCATION = remote.Location()
 #: --dtype names: torch's own names and the usual short ones.
 DTYPES = {
     "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -80,6 +84,10 @@ def _would_load(root: Path) -> str | None:
     return latest_checkpoint(root, full=True, legacy=ALLOW_LEGACY_DEFAULT)
 
 
+def _age(modified: float | None, now: float) -> str:
+    return "-" if modified is None else out.age_text(now - modified)  # an object listing has no times
+
+
 def _status_cell(status: str) -> Any:
     """The status for a table: corrupt in red, legacy and leftovers in yellow, complete in green (no colour when
     stdout is not a terminal)."""
@@ -89,9 +97,11 @@ def _status_cell(status: str) -> Any:
     return Text(status, style=style)
 
 
-def _checkpoint(path: Path, command: str) -> dict[str, Any]:
+def _checkpoint(path: Path | str, command: str) -> dict[str, Any]:
     try:
-        return checkpoint_manifest(path, command)
+        if remote.is_url(path):
+            return remote.checkpoint_manifest(str(path), command)
+        return checkpoint_manifest(path, command)  # type: ignore[arg-type]
     except PathKindError as exc:
         raise click.UsageError(str(exc)) from None
 
@@ -100,27 +110,33 @@ def _checkpoint(path: Path, command: str) -> dict[str, Any]:
 
 
 @click.command("list", short_help="List a run directory's checkpoints and the one load_state() would pick.")
-@click.argument("directory", type=_EXISTING_DIR)
+@click.argument("directory", type=_LOCATION)
 @_json_option
-def list_command(directory: Path, as_json: bool) -> int:
-    """List every checkpoint of a run directory, newest first.
+def list_command(directory: Path | str, as_json: bool) -> int:
+    """List every checkpoint of a run directory (or an s3:// prefix), newest first.
 
     Shows each checkpoint_N and leftover with its status (complete, staging leftover, retired leftover, legacy,
-    corrupt, with the reason), optimizer step, Accelerator step, run id, size, age and integrity mode, and marks
-    the one load_state() would resume from (the newest complete checkpoint, else a legacy one; load_state() also
-    checks that it fits the live Accelerator).
+    corrupt, with the reason; under a URL also unfinished upload), optimizer step, Accelerator step, run id, size,
+    age and integrity mode, and marks the one load_state() would resume from (the newest complete checkpoint, else
+    a legacy one; load_state() also checks that it fits the live Accelerator).
     """
     from ..core.select import legacy_resume
 
-    root = _run_directory(directory, "list")
-    entries = scan_run_directory(root)
-    try:
-        with out.quiet("accelerate_txn.core.select"):  # its skip reasons are in the table already
-            pick = _would_load(root)
-    except NoCheckpointError:
-        pick = None
+    root: Path | str
+    if remote.is_url(directory):
+        root = remote.run_prefix(str(directory), "list")
+        entries: list[Any] = remote.scan(root)
+        pick = next((str(entry.path) for entry in entries if entry.status == COMPLETE), None)
+    else:
+        root = _run_directory(Path(directory), "list")
+        entries = scan_run_directory(root)
+        try:
+            with out.quiet("accelerate_txn.core.select"):  # its skip reasons are in the table already
+                pick = _would_load(root)
+        except NoCheckpointError:
+            pick = None
     for entry in entries:
-        entry.selected = pick is not None and entry.path == Path(pick)
+        entry.selected = pick is not None and str(entry.path) == pick
     now = time.time()
     if as_json:
         out.emit_json({"directory": str(root), "would_load": pick,
@@ -136,7 +152,7 @@ def list_command(directory: Path, as_json: bool) -> int:
         rows.append([arrow if entry.selected else "", entry.short_name(ellipsis), _status_cell(entry.status),
                      optimizer_step_text(manifest) if entry.manifest else "-",
                      step_text(manifest) if entry.manifest else "-", (entry.run_id or "-")[:8],
-                     out.size_text(entry.size()), out.age_text(now - entry.modified()),
+                     out.size_text(entry.size()), _age(entry.modified(), now),
                      str(manifest.get("integrity", "-"))])
     console = out.console()
     console.print(out.table(f"{root}", [("", "left"), ("checkpoint", "left"), ("status", "left"), ("step", "right"),
@@ -146,7 +162,11 @@ def list_command(directory: Path, as_json: bool) -> int:
         if entry.reason:
             out.say(f"  {entry.name}: {entry.reason}")
     picked = next((entry for entry in entries if entry.selected), None)
-    if pick is None:
+    if remote.is_url(root):
+        out.say(f"newest complete checkpoint: {remote.name_of(pick)}, the one a resume from this prefix takes (as a "
+                "mirror); large payloads were checked by size only here, 'accelerate-txn latest' downloads and "
+                "hashes every file" if pick else "no complete checkpoint here: a resume from this prefix finds none")
+    elif pick is None:
         out.say("load_state() would find no checkpoint to resume from here (a resume raises NoCheckpointError).")
     elif picked is not None and picked.status == LEGACY:
         out.say(f"load_state() would resume from {Path(pick).name}, which has no completion manifest: "
@@ -196,21 +216,24 @@ def _hash_progress(manifest: dict[str, Any], full: bool, *, enabled: bool) -> It
 
 
 @click.command("verify", short_help="Check a checkpoint against its manifest (exit 0 valid, 1 invalid).")
-@click.argument("checkpoint", type=_EXISTING_DIR)
-@click.option("--full", is_flag=True, help="Re-hash every file that has a recorded hash, large payloads included.")
+@click.argument("checkpoint", type=_LOCATION)
+@click.option("--full", is_flag=True, help="Re-hash every file that has a recorded hash, large payloads included "
+              "(for a URL: download every file into a temporary directory).")
 @click.option("--dcp", is_flag=True, help="Also re-read DCP .metadata files (schemas, payload lists); loads torch.")
 @_json_option
-def verify_command(checkpoint: Path, full: bool, dcp: bool, as_json: bool) -> int:
+def verify_command(checkpoint: Path | str, full: bool, dcp: bool, as_json: bool) -> int:
     """Check a checkpoint against its manifest: exit 0 valid, 1 invalid, 2 usage error.
 
     Checks the manifest, that the directory holds exactly the files of its inventory with their recorded sizes,
     and the content hashes of control files and small payloads (of every hashed file with --full). Says what it
-    did not check.
+    did not check. For an s3:// checkpoint the objects are checked from a listing, and the files to hash are
+    downloaded into a temporary directory (removed afterwards).
     """
     from ..core.select import symlink_reason
 
+    url = remote.is_url(checkpoint)
     try:
-        link = symlink_reason(checkpoint)
+        link = None if url else symlink_reason(checkpoint)  # type: ignore[arg-type]
         if link is not None:  # never verified through the link
             raise CheckpointIntegrityError(f"it is {link}")
         manifest = _checkpoint(checkpoint, "verify")
@@ -220,7 +243,8 @@ def verify_command(checkpoint: Path, full: bool, dcp: bool, as_json: bool) -> in
         out.say(f"{checkpoint}: NOT a valid checkpoint: {exc}", err=True)
         return 1
     with _hash_progress(manifest, full, enabled=not as_json) as progress:
-        result = verify_checkpoint(checkpoint, manifest, full=full, dcp=dcp, progress=progress)
+        check = remote.verify if url else verify_checkpoint
+        result = check(checkpoint, manifest, full=full, dcp=dcp, progress=progress)  # type: ignore[operator]
     if as_json:
         out.emit_json(result.as_json())
     if not result.valid:
@@ -234,9 +258,9 @@ def verify_command(checkpoint: Path, full: bool, dcp: bool, as_json: bool) -> in
     out.say("checked:")
     files, hashed = report["files"], report["hashed"]
     out.say(f"  {files} {plural(files, 'file')} present with {plural(files, 'its', 'their')} recorded "
-            f"{plural(files, 'size')}, no symbolic links")
-    out.say(f"  content of {hashed} {plural(hashed, 'file')} re-hashed ({report.get('algorithm')}) and equal to the "
-            "manifest")
+            f"{plural(files, 'size')}" + (" (objects of one listing)" if url else ", no symbolic links"))
+    out.say(f"  content of {hashed} {plural(hashed, 'file')} {'downloaded and ' if url else 're-'}hashed "
+            f"({report.get('algorithm')}) and equal to the manifest")
     extra = report.get("extra")
     if extra is not None:
         more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
@@ -292,9 +316,9 @@ def _inspect_lines(name: str, summary: dict[str, Any]) -> list[str]:
 
 
 @click.command("inspect", short_help="Show the training configuration a checkpoint was saved for.")
-@click.argument("checkpoint", type=_EXISTING_DIR)
+@click.argument("checkpoint", type=_LOCATION)
 @_json_option
-def inspect_command(checkpoint: Path, as_json: bool) -> int:
+def inspect_command(checkpoint: Path | str, as_json: bool) -> int:
     """Show what a checkpoint was saved for: models and parameter counts, optimizers and their groups,
     schedulers, precision, world size, versions and training metadata (read from its manifest, not verified)."""
     from ._describe import summarize
@@ -345,14 +369,14 @@ def _rank_lines(manifest: dict[str, Any]) -> list[str]:
 
 
 @click.command("diff", short_help="Explain why a run configured like B could not resume from A.")
-@click.argument("saved", metavar="A", type=_EXISTING_DIR)
-@click.argument("other", metavar="B", type=_EXISTING_DIR)
+@click.argument("saved", metavar="A", type=_LOCATION)
+@click.argument("other", metavar="B", type=_LOCATION)
 @click.option("--allow-reshard", is_flag=True,
               help="Compare as a run with configure_checkpointing(allow_reshard=True): a world-size change is allowed.")
 @click.option("--all", "show_all", is_flag=True,
               help=f"Print every difference (without it, the first {DIFF_LINES}; --json always has every one).")
 @_json_option
-def diff_command(saved: Path, other: Path, allow_reshard: bool, show_all: bool, as_json: bool) -> int:
+def diff_command(saved: Path | str, other: Path | str, allow_reshard: bool, show_all: bool, as_json: bool) -> int:
     """Explain why a run configured like B could not resume from A: exit 0 if it could, 1 if not.
 
     Compares the training configurations both manifests record, as load_state() compares a checkpoint's saved
@@ -399,11 +423,13 @@ def _prune_plan(entries: list[Any], run_id: str, keep: int) -> tuple[list[Any], 
     return [e for e in ours if e.path in doomed], [e for e in ours if e.path not in doomed]
 
 
-def _prune_run(root: Path, entries: list[Any], run_id: str | None) -> str | None:
+def _prune_run(root: Path | str, entries: list[Any], run_id: str | None,
+               published_run: Callable[[Any], str | None] | None = None) -> str | None:
     """The run to prune (usage error if it is ambiguous or absent); refuses while a published checkpoint of it fails
-    verification."""
+    verification. ``published_run(entry)``: the run id its manifest commits (default: a local directory's)."""
     from ..core.select import complete_run_id
 
+    published_run = published_run or (lambda entry: complete_run_id(entry.path))
     runs = sorted({entry.run_id for entry in entries if entry.status == COMPLETE and entry.run_id})
     if run_id is None and len(runs) > 1:
         raise click.UsageError(f"{root} holds complete checkpoints of {len(runs)} runs ({', '.join(runs)}): "
@@ -412,7 +438,7 @@ def _prune_run(root: Path, entries: list[Any], run_id: str | None) -> str | None
         raise click.UsageError(f"{root} holds no complete checkpoint of run {run_id!r} (runs: {', '.join(runs) or 'none'})")
     run = run_id or (runs[0] if runs else None)
     suspect = [entry.name for entry in entries if entry.status != COMPLETE and entry.run_id == run
-               and entry.manifest is not None and complete_run_id(entry.path) == run]
+               and entry.manifest is not None and published_run(entry) == run]
     if run and suspect:
         # Retention counts every published checkpoint of the run, verified or not: a corrupt one would count
         # toward --keep and good ones would go instead.
@@ -426,43 +452,58 @@ def _prune_run(root: Path, entries: list[Any], run_id: str | None) -> str | None
     return run
 
 
+def _prune_decision(root: Path | str, entries: list[Any], run_id: str | None, keep: int,
+                    published_run: Callable[[Any], str | None] | None = None) -> tuple[str | None, list[Any], list[Any]]:
+    """(run, deleted, kept) by the rules of save-time retention (:func:`_prune_run`, :func:`_prune_plan`)."""
+    run = _prune_run(root, entries, run_id, published_run)
+    doomed, kept = _prune_plan(entries, run, keep) if run else ([], [])
+    return run, doomed, kept
+
+
 @click.command("prune", short_help="Delete a run's oldest complete checkpoints, keeping --keep.")
-@click.argument("directory", type=_EXISTING_DIR)
+@click.argument("directory", type=_LOCATION)
 @click.option("--keep", type=click.IntRange(min=1), required=True, help="How many complete checkpoints to keep.")
 @click.option("--run-id", help="The run to prune, when the directory holds checkpoints of several runs.")
 @click.option("--dry-run", is_flag=True,
               help="Only say what would be deleted now (takes no lock: a save publishing meanwhile changes the answer).")
 @_json_option
-def prune_command(directory: Path, keep: int, run_id: str | None, dry_run: bool, as_json: bool) -> int:
+def prune_command(directory: Path | str, keep: int, run_id: str | None, dry_run: bool, as_json: bool) -> int:
     """Delete the oldest complete checkpoints of one run, keeping the newest --keep.
 
     The rules of save-time retention: only complete checkpoints of that run are counted and deleted, never the
     newest; leftovers, corrupt, legacy and other runs' checkpoints are left alone. Takes the directory's lock first
     and decides from what it lists while holding it, so it never races a save (it fails at once if a save is in
-    progress).
+    progress). Under an s3:// prefix (no lock there) it decides again from a fresh listing when it deletes, each
+    manifest first.
     """
     from ..core.select import prune
     from ..store.posix import POSIX, DirectoryLock
 
-    root = _run_directory(directory, "prune")
-    if dry_run:  # no lock: the same rule applied to what is there now
+    root: Path | str
+    if remote.is_url(directory):  # no lock on an object store: core.remote.prune lists again and spares the newest
+        root = remote.run_prefix(str(directory), "prune")
+        entries: list[Any] = remote.scan(root)
+        run, doomed, kept = _prune_decision(root, entries, run_id, keep, remote.published_run)
+        deleted = remote.prune(root, run, keep, kept[-1].path) if run and doomed and not dry_run else None
+    elif dry_run:  # no lock: the same rule applied to what is there now
+        root = _run_directory(Path(directory), "prune")
         entries = scan_run_directory(root)
-        run = _prune_run(root, entries, run_id)
-        doomed, kept = _prune_plan(entries, run, keep) if run else ([], [])
-        deleted: list[Path] = [entry.path for entry in doomed]
-        kept_paths = [entry.path for entry in kept]
+        run, doomed, kept = _prune_decision(root, entries, run_id, keep)
+        deleted = None
     else:
+        root = _run_directory(Path(directory), "prune")
         lock = DirectoryLock(root)
         lock.acquire()  # first: a save publishing between a scan and the lock would make that scan stale
         try:
             entries = scan_run_directory(root)
-            run = _prune_run(root, entries, run_id)
-            doomed, kept = _prune_plan(entries, run, keep) if run else ([], [])
+            run, doomed, kept = _prune_decision(root, entries, run_id, keep)
             # prune lists the directory again (still under the lock) and never deletes the newest it lists.
             deleted = prune(root, run, keep, kept[-1].path, store=POSIX) if run and doomed else []  # type: ignore[arg-type]
         finally:
             lock.release()
-        kept_paths = [e.path for e in sorted(kept + doomed, key=lambda e: e.number) if e.path not in deleted]
+    if deleted is None:  # a dry run, or nothing to delete under a URL: what the rule takes
+        deleted = [entry.path for entry in doomed]
+    kept_paths = [e.path for e in sorted(kept + doomed, key=lambda e: e.number) if e.path not in deleted]
     if as_json:  # a dry run deleted nothing: what would go is under "would_delete", and "deleted" is empty
         out.emit_json({"directory": str(root), "run_id": run, "keep": keep, "dry_run": dry_run,
                        "deleted": [] if dry_run else [str(p) for p in deleted],
@@ -470,8 +511,8 @@ def prune_command(directory: Path, keep: int, run_id: str | None, dry_run: bool,
                        "kept": [str(p) for p in kept_paths]})
         return 0
     verb = "would delete" if dry_run else "deleted"
-    out.say(f"{verb}: {', '.join(p.name for p in deleted) or 'nothing'}")
-    out.say(f"kept: {', '.join(p.name for p in kept_paths) or 'nothing'}" + (f" (run {run})" if run else ""))
+    out.say(f"{verb}: {', '.join(map(remote.name_of, deleted)) or 'nothing'}")
+    out.say(f"kept: {', '.join(map(remote.name_of, kept_paths)) or 'nothing'}" + (f" (run {run})" if run else ""))
     others = [e.name for e in entries if not (e.status == COMPLETE and e.run_id == run)]
     if others:
         out.say(f"left alone (not complete checkpoints of this run): {', '.join(others)}")
@@ -482,11 +523,12 @@ def prune_command(directory: Path, keep: int, run_id: str | None, dry_run: bool,
 
 
 @click.command("latest", short_help="Print the checkpoint load_state() would resume from.")
-@click.argument("directory", type=_EXISTING_DIR)
+@click.argument("directory", type=_LOCATION)
 @_json_option
-def latest_command(directory: Path, as_json: bool) -> int:
+def latest_command(directory: Path | str, as_json: bool) -> int:
     """Print the checkpoint load_state() would resume from: the newest complete checkpoint_N, else a legacy
-    (manifest-less) one, as load_state() with the default allow_legacy=True would.
+    (manifest-less) one, as load_state() with the default allow_legacy=True would. Under an s3:// prefix: the newest
+    checkpoint there that verifies fully (every file downloaded and hashed), the one a resume from it takes.
 
     Exit 1 if the directory holds no checkpoint load_state() would resume from; why each newer one was skipped goes
     to stderr.
@@ -494,13 +536,14 @@ def latest_command(directory: Path, as_json: bool) -> int:
     from ..core.manifest import read_manifest
     from ..core.select import legacy_resume
 
-    root = _run_directory(directory, "latest")
+    url = remote.is_url(directory)
+    root = remote.run_prefix(str(directory), "latest") if url else _run_directory(Path(directory), "latest")
     try:
-        found = _would_load(root)
+        found = remote.latest(str(root)) if url else _would_load(root)  # type: ignore[arg-type]
         error = None if found else f"{root}: no checkpoints"
     except NoCheckpointError as exc:
         found, error = None, str(exc)
-    legacy = found is not None and read_manifest(Path(found)) is None
+    legacy = found is not None and not url and read_manifest(Path(found)) is None
     if as_json:
         out.emit_json({"directory": str(root), "latest": found, "error": error, "legacy": legacy})
     elif found:
@@ -527,20 +570,22 @@ def _dtype_name(_ctx: click.Context, _param: click.Parameter, value: str | None)
 
 
 @click.command("export", short_help="Export a checkpoint's model to Diffusers sharded safetensors.")
-@click.argument("checkpoint", type=_EXISTING_DIR)
-@click.argument("config", type=_EXISTING_DIR)
-@click.argument("output", type=click.Path(path_type=Path))
+@click.argument("checkpoint", type=_LOCATION)
+@click.argument("config", type=remote.Location(local=_EXISTING_DIR))
+@click.argument("output", type=remote.Location(local=click.Path(path_type=Path)))
 @click.option("--max-shard-size", default="5GiB", show_default=True,
               help="Bytes per shard: a number, or with a unit: 5GiB = 5*2**30 (the API default), 5GB = 5*10**9.")
 @click.option("--dtype", callback=_dtype_name,
               help="Cast floating tensors: bf16, fp16, fp32 (or bfloat16, float16, half, float32, float, ...).")
 @_json_option
-def export_command(checkpoint: Path, config: Path, output: Path, max_shard_size: str, dtype: str | None,
+def export_command(checkpoint: Path | str, config: Path, output: Path, max_shard_size: str, dtype: str | None,
                    as_json: bool) -> int:
     """Export a checkpoint's model to Diffusers sharded safetensors.
 
-    CHECKPOINT is a checkpoint directory (with pytorch_model_fsdp_0/) or a DCP directory; CONFIG the model's
-    config.json (or its directory), shipped with the weights; OUTPUT the export directory (replaced atomically).
+    CHECKPOINT is a checkpoint directory (with pytorch_model_fsdp_0/), a DCP directory, or an s3:// checkpoint (its
+    model state is downloaded into a temporary directory first, each file verified); CONFIG the model's config.json
+    (or its directory), shipped with the weights; OUTPUT the export directory (replaced atomically). CONFIG and
+    OUTPUT are local.
     """
     import torch
 
@@ -552,7 +597,8 @@ def export_command(checkpoint: Path, config: Path, output: Path, max_shard_size:
     except CheckpointConfigurationError as exc:
         raise click.BadParameter(str(exc), param_hint="'--max-shard-size'") from None
     cast = getattr(torch, dtype) if dtype else None
-    result = export_dcp_to_diffusers(checkpoint, config, output, size, dtype=cast)
+    with remote.model_copy(str(checkpoint)) if remote.is_url(checkpoint) else contextlib.nullcontext(checkpoint) as source:
+        result = export_dcp_to_diffusers(source, config, output, size, dtype=cast)
     files = sorted(p.name for p in Path(result).iterdir())
     if as_json:
         out.emit_json({"checkpoint": str(checkpoint), "output": str(result), "max_shard_size": size, "dtype": dtype,

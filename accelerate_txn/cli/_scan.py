@@ -186,7 +186,7 @@ def _hash_algorithm(row: dict[str, Any]) -> str | None:
 class Verification:
     """The outcome of verifying one checkpoint, and exactly what was and was not checked."""
 
-    path: Path
+    path: Path | str  # a URL for a checkpoint in an object store
     manifest: dict[str, Any]
     full: bool
     dcp: bool
@@ -324,7 +324,7 @@ def progress_text(manifest: dict[str, Any]) -> str:
 class Entry:
     """One checkpoint-like directory of a run directory."""
 
-    path: Path
+    path: Path  # a URL in a RemoteEntry (cli._remote)
     number: int
     status: str
     reason: str | None = None
@@ -359,7 +359,8 @@ class Entry:
                 total += info.st_size if stat.S_ISREG(info.st_mode) else 0
         return total
 
-    def modified(self) -> float:
+    def modified(self) -> float | None:
+        """When the manifest (or the directory) was written; ``None`` where it is not known."""
         if self.path.is_symlink():  # the link's own time: never followed
             return self.path.lstat().st_mtime
         target = self.path / MANIFEST if self.status == COMPLETE else self.path
@@ -382,8 +383,8 @@ class Entry:
             "checkpoint_number": checkpoint_number(manifest) if self.manifest else None,
             "integrity": manifest.get("integrity"),
             "size_bytes": self.size(),
-            "modified": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(modified)),
-            "age_seconds": round(max(0.0, now - modified), 1),
+            "modified": None if modified is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(modified)),
+            "age_seconds": None if modified is None else round(max(0.0, now - modified), 1),
             "would_load": self.selected,
         }
 

@@ -185,16 +185,19 @@ def commit(store: ObjectStore, url: str, manifest: Mapping[str, Any], *, replace
     return existing is not None
 
 
-def _layout(store: ObjectStore, parent: str) -> dict[str, dict[str, Any]]:
-    """``{checkpoint name: {"manifest": bool, "data": {txn dir: object count}}}`` of every ``checkpoint_N`` under
-    ``parent``, from one listing (incomplete uploads included as data directories with no objects)."""
+def layout(store: ObjectStore, parent: str) -> dict[str, dict[str, Any]]:
+    """``{checkpoint name: {"manifest": bool, "data": {txn dir: object count}, "bytes": stored bytes}}`` of every
+    ``checkpoint_N`` under ``parent``, from one listing (incomplete uploads included as data directories with no
+    objects; ``bytes`` counts every object under the name, leftovers included)."""
     found: dict[str, dict[str, Any]] = {}
-    keys = list(store.list(parent)) + list(store.incomplete_uploads(parent))
+    objects = store.list(parent)
+    keys = list(objects) + list(store.incomplete_uploads(parent))
     for key in keys:
         name, _, rest = key.partition("/")
         if not CHECKPOINT_NAME.fullmatch(name) or not rest:
             continue
-        entry = found.setdefault(name, {"manifest": False, "data": {}})
+        entry = found.setdefault(name, {"manifest": False, "data": {}, "bytes": 0})
+        entry["bytes"] += objects.get(key, 0)
         head = rest.partition("/")[0]
         if rest == MANIFEST:
             entry["manifest"] = True
@@ -207,7 +210,7 @@ def checkpoints(store: ObjectStore, parent: str) -> list[tuple[int, str]]:
     """``(number, URL)`` of every ``checkpoint_N`` under ``parent`` that has a manifest object, oldest first
     (whether it is complete is for the verification to say)."""
     return sorted((int(CHECKPOINT_NAME.fullmatch(name).group(1)), join(parent, name))  # type: ignore[union-attr]
-                  for name, entry in _layout(store, parent).items() if entry["manifest"])
+                  for name, entry in layout(store, parent).items() if entry["manifest"])
 
 
 def complete_run_id(store: ObjectStore, url: str) -> str | None:
@@ -245,7 +248,7 @@ def remove_leftovers(store: ObjectStore, parent: str, run_id: str) -> list[str]:
     manifest names (objects and open multipart uploads). Call only while no save of that run is in progress (the
     front end waits for the one in flight first). Another run's leftovers are not touched. Returns the prefixes."""
     removed = []
-    for name, entry in _layout(store, parent).items():
+    for name, entry in layout(store, parent).items():
         url = join(parent, name)
         try:
             manifest = read_manifest(store, url) if entry["manifest"] else None
