@@ -267,3 +267,11 @@ def test_list_and_verify_of_a_url_import_no_torch_and_client_errors_print_no_tra
                                       "AWS_MAX_ATTEMPTS": "1"})
     assert unreachable.returncode == 1 and "Traceback" not in unreachable.stderr, unreachable.stderr
     assert "AWS_ENDPOINT_URL" in unreachable.stderr
+
+
+def test_the_remote_export_reads_the_model_directory_the_weights_exporter_reads() -> None:
+    # The CLI keeps its own copy of the name (importing accelerate_txn.weights would import torch for `list`).
+    from accelerate_txn.cli._remote import MODEL_DIR
+    from accelerate_txn.weights._common import ACCELERATE_FSDP_MODEL_DIR
+
+    assert MODEL_DIR == ACCELERATE_FSDP_MODEL_DIR
