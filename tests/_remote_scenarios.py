@@ -4,7 +4,9 @@ server of ``tests._s3_server`` reached through the inherited AWS environment).""
 from __future__ import annotations
 
 import functools
+import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -118,10 +120,16 @@ def mirrored(root: str, mirror: str, cache: str, steps: int, fsdp_version: int) 
         acc.load_state()
         obs["resumed"] = acc.project_configuration.iteration
     done = acc.project_configuration.iteration
+    started = time.monotonic()
+    if acc.process_index == 0:  # for a test that kills the job: written whole, then renamed
+        Path(root).mkdir(parents=True, exist_ok=True)
+        Path(root, "loop-started.tmp").write_text(str(done))
+        os.replace(Path(root, "loop-started.tmp"), Path(root, "loop-started"))
     for step in range(done, steps):
         _train(acc, model, opt, sched, 1, seed=step)
         acc.save_state()
     wait_for_checkpoint(acc)
+    obs["loop_seconds"] = time.monotonic() - started
     state = _local_state(model, opt)  # this rank's shards, bitwise (as lists of floats)
     obs["state"] = {"params": {name: t.tolist() for name, t in state["params"].items()},
                     "optim": {name: {k: v.tolist() if torch.is_tensor(v) else v for k, v in entry.items()}
@@ -139,3 +147,9 @@ def series(parent: str, cache: str, fsdp_version: int, count: int) -> dict[str, 
         _train(acc, model, opt, sched, 1, seed=number)
         acc.save_state(f"{parent}/checkpoint_{number}")
     return {"objects": sorted(_objects(parent))}
+
+
+def mirrored_job() -> None:
+    """A killable job (``start_ranks``): :func:`mirrored` with the arguments in ``ACCELERATE_TXN_TEST_JOB`` (JSON)."""
+    spec = json.loads(os.environ["ACCELERATE_TXN_TEST_JOB"])
+    mirrored(spec["root"], spec["mirror"], spec["cache"], spec["steps"], 1)
