@@ -279,3 +279,47 @@ def test_kill_9_of_the_whole_job_at_a_random_instant_of_a_mirrored_run(
     resumed = _mirrored(root, mirror, tmp_path / "cache-new-node", 5, resume=newest is not None)
     assert [obs["resumed"] for obs in resumed] == [None if newest is None else newest + 1] * 2, (held, resumed)
     assert [obs["state"] for obs in resumed] == [obs["state"] for obs in reference]
+
+
+# -- the commit protocol itself (no training) --------------------------------------------------------------------
+
+def _fake_transaction(tmp_path: Any, store: Any, url: str, run: str, txid: str, content: bytes) -> dict[str, Any]:
+    import xxhash
+
+    from accelerate_txn.core.remote import upload
+
+    directory = tmp_path / txid
+    directory.mkdir()
+    (directory / "model.safetensors").write_bytes(content)
+    manifest = {"protocol": 2, "status": "complete", "run_id": run, "transaction_id": txid, "hash": "xxh3_128",
+                "files": {"model.safetensors": {"size": len(content), "xxh3_128": xxhash.xxh3_128_hexdigest(content)}}}
+    upload(store, directory, url, manifest, ["model.safetensors"])
+    return manifest
+
+
+def test_two_writers_of_one_name_one_commit_wins_and_the_loser_removes_its_upload(
+        s3_server: Server, tmp_path: Any) -> None:
+    from accelerate_txn.core.remote import check_listing, commit, read_manifest
+    from accelerate_txn.errors import CheckpointExistsError, CheckpointIntegrityError
+    from accelerate_txn.store.s3 import S3Store
+
+    store = S3Store()
+    url = _parent("writers") + "/checkpoint_1"
+    first = _fake_transaction(tmp_path, store, url, "runA", "aa01", b"first writer")
+    second = _fake_transaction(tmp_path, store, url, "runB", "bb02", b"second writer!")
+    assert commit(store, url, first, replace=False) is False
+    with pytest.raises(CheckpointExistsError, match="already holds a checkpoint"):
+        commit(store, url, second, replace=False)
+    assert read_manifest(store, url)["transaction_id"] == "aa01"
+    assert check_listing(store, url, first)["extra"] == []  # the loser's objects are gone
+    # A transaction whose objects vanished during the save is never committed.
+    third = _fake_transaction(tmp_path, store, url, "runA", "cc03", b"third")
+    store.delete(url + "/.txn-runA-cc03/model.safetensors")
+    with pytest.raises(CheckpointIntegrityError, match="was not committed"):
+        commit(store, url, third, replace=True)
+    assert read_manifest(store, url)["transaction_id"] == "aa01"
+    # Replacing: the new manifest, then the old transaction's objects deleted.
+    fourth = _fake_transaction(tmp_path, store, url, "runA", "dd04", b"fourth")
+    assert commit(store, url, fourth, replace=True) is True
+    assert read_manifest(store, url)["transaction_id"] == "dd04"
+    assert check_listing(store, url, fourth)["extra"] == []
