@@ -153,3 +153,17 @@ def mirrored_job() -> None:
     """A killable job (``start_ranks``): :func:`mirrored` with the arguments in ``ACCELERATE_TXN_TEST_JOB`` (JSON)."""
     spec = json.loads(os.environ["ACCELERATE_TXN_TEST_JOB"])
     mirrored(spec["root"], spec["mirror"], spec["cache"], spec["steps"], 1)
+
+
+def mirror_failure(root: str, mirror: str, cache: str) -> dict[str, Any]:
+    """A mirror whose uploads fail (its bucket does not exist): the local checkpoint stays published; the error is
+    raised on every rank at the next save and at a wait, once."""
+    acc, model, opt, sched = _build_for(1, 0, project_dir=root, automatic_checkpoint_naming=True)
+    configure_checkpointing(acc, mirror=mirror, cache_dir=cache)
+    _train(acc, model, opt, sched, 1, seed=0)
+    obs: dict[str, Any] = {"first": _error(acc.save_state)}
+    _train(acc, model, opt, sched, 1, seed=1)
+    obs["second"] = _error(acc.save_state)  # raises the first upload's error
+    obs["wait"] = _error(lambda: wait_for_checkpoint(acc))  # the second save did not run: nothing in flight
+    obs["local"] = sorted(p.name for p in Path(root, "checkpoints").iterdir() if p.name.startswith("checkpoint_"))
+    return obs

@@ -323,3 +323,17 @@ def test_two_writers_of_one_name_one_commit_wins_and_the_loser_removes_its_uploa
     assert commit(store, url, fourth, replace=True) is True
     assert read_manifest(store, url)["transaction_id"] == "dd04"
     assert check_listing(store, url, fourth)["extra"] == []
+
+
+def test_a_failing_mirror_upload_is_raised_on_every_rank_at_the_next_save(s3_server: Server, tmp_path: Any) -> None:
+    mirror = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run"
+    result = launch("tests._remote_scenarios:mirror_failure", 2,
+                    args=(str(tmp_path / "run"), mirror, str(tmp_path / "cache")), timeout=TIMEOUT,
+                    env={"AWS_MAX_ATTEMPTS": "1"})  # botocore would retry a missing bucket with backoff
+    for obs in result:
+        assert obs["first"] is None  # the local save returned: training went on while the mirror uploaded
+        assert obs["second"] is not None and "no-such-bucket" in obs["second"]["message"], obs["second"]
+        assert "to the mirror" in obs["second"]["message"] and "local checkpoint is published" in obs["second"]["message"]
+        assert obs["wait"] is None
+        assert obs["local"] == ["checkpoint_0"]  # published locally; the failed save published nothing
+    assert len({obs["second"]["type"] for obs in result}) == 1

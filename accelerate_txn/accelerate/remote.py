@@ -146,8 +146,16 @@ def start_mirror(owners: list[Any], published: Path, run_id: str, limit: int | N
     comm = run_phase(background_group, "Creating the background process group")
     handle = async_save.AsyncCheckpoint(published, owners, lambda: None)
     async_save.install_exit_handling()
-    handle.start([], lambda group: str(replicate(published, url, run_id, limit, replace=True, group=group)),
-                 lambda: None, comm)
+
+    def upload(group: Any) -> str:
+        try:
+            return replicate(published, url, run_id, limit, replace=True, group=group)
+        except CheckpointError as exc:  # the same error on every rank: say what it means for the two tiers
+            exc.args = (f"Uploading {published} to the mirror {url} failed (the local checkpoint is published and "
+                        f"restorable; the mirror does not hold it): {exc.args[0] if exc.args else exc}", *exc.args[1:])
+            raise
+
+    handle.start([], upload, lambda: None, comm)
 
 
 def fetch(url: str, root: Path, group: Any = None) -> Path:
