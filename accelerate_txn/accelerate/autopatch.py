@@ -28,16 +28,29 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
 _TARGET = "accelerate.accelerator"
 
 
-def _install() -> None:
-    try:
-        from .patch import install
+def guarded(install: Any, what: str, unprotected: str) -> Any:
+    """``install`` made safe for an import hook: a failure never breaks the user's import, it is a warning that
+    says what could not be wrapped (``what``) and what is therefore unprotected."""
 
-        install()
-    except Exception as exc:  # never turn the user's import of Accelerate into an error
-        import warnings
+    def run() -> None:
+        try:
+            install()
+        except Exception as exc:  # never turn the user's import into an error
+            import warnings
 
-        warnings.warn(f"accelerate-txn could not wrap Accelerator.save_state/load_state ({type(exc).__name__}: "
-                      f"{exc}): checkpoints are NOT protected in this process.", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"accelerate-txn could not wrap {what} ({type(exc).__name__}: {exc}): {unprotected} NOT "
+                          "protected in this process.", RuntimeWarning, stacklevel=2)
+
+    return run
+
+
+def _install_patch() -> None:
+    from .patch import install
+
+    install()
+
+
+_install = guarded(_install_patch, "Accelerator.save_state/load_state", "checkpoints are")
 
 
 class _Loader:

@@ -8,21 +8,18 @@ reported as a warning saying that Trainer checkpoints are not protected.
 
 from __future__ import annotations
 
-from ..accelerate.autopatch import when_imported
+from ..accelerate.autopatch import guarded, when_imported
 
 TARGET = "transformers.trainer"
 
 
-def _install() -> None:
-    try:
-        from .patch import install
+def _install_patch() -> None:
+    from .patch import install
 
-        install()
-    except Exception as exc:  # never turn the user's import of transformers into an error
-        import warnings
+    install()
 
-        warnings.warn(f"accelerate-txn could not wrap transformers.Trainer ({type(exc).__name__}: {exc}): Trainer "
-                      "checkpoints are NOT protected in this process.", RuntimeWarning, stacklevel=2)
+
+_install = guarded(_install_patch, "transformers.Trainer", "Trainer checkpoints are")
 
 
 def install_on_import() -> None:
