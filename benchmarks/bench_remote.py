@@ -13,8 +13,9 @@ machine's load affects them alike:
 2. **Mirrored save** (2 ranks, FSDP1, gloo, CPU): wall time of ``accelerator.save_state(path)`` with
    ``configure_checkpointing(acc, mirror="s3://...")`` against the same save without a mirror; only the call is
    timed (the slower rank's), the upload runs in the background and ``wait_for_checkpoint`` is called after the
-   timed region, before the next save. Ratio: mirrored over local (target at most 1.05). One save of each kind is
-   made before the repeats (the first mirrored save creates the background process group and the S3 client).
+   timed region, before the next save. Ratio: mirrored over local (target at most 1.05), ``--save-repeats`` pairs.
+   One save of each kind is made before the repeats (the first mirrored save creates the background process group
+   and the S3 client).
 3. **Restore from the remote tier** (the same 2 ranks): ``acc.load_state("s3://.../checkpoint_N")`` into an empty
    cache (``configure_checkpointing(acc, cache_dir=<fresh directory>)``: manifest and listing checked, each rank
    downloads its share of the files, each verified, then the protected local restore of the copy) against s3fs's
@@ -25,7 +26,7 @@ machine's load affects them alike:
 The model is a stack of ``Linear(2048)`` (``bench_checkpoint._model``), AdamW after one step; ``--million 8``
 gives a checkpoint of about 100 MB (model and optimizer shards of both ranks).
 
-    .venv/bin/python benchmarks/bench_remote.py --million 8 --repeats 5 --json benchmarks/results/remote.json
+    .venv/bin/python benchmarks/bench_remote.py --million 8 --repeats 7 --save-repeats 15 --json benchmarks/results/remote.json
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _tree_bytes(directory: Path) -> int:
     return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
 
 
-def worker(root: str, parent: str, million: int, repeats: int) -> dict[str, Any]:
+def worker(root: str, parent: str, million: int, repeats: int, save_repeats: int) -> dict[str, Any]:
     """Ratios 2 and 3 in each of 2 ranks; returns this rank's times and the last published local checkpoint."""
     import s3fs
     import torch
@@ -109,11 +110,11 @@ def worker(root: str, parent: str, million: int, repeats: int) -> dict[str, Any]
     saves: dict[str, list[float]] = {"local": [], "mirrored": []}
     ratios: dict[str, list[float]] = {"mirrored_save": [], "restore": []}
     kept: Path | None = None
-    for repeat in range(repeats):
+    for repeat in range(save_repeats):
         measured = {}
         for mode in _rotated(("local", "mirrored"), repeat):
             measured[mode], path = save(mode == "mirrored")
-            if mode == "mirrored" and repeat == repeats - 1:
+            if mode == "mirrored" and repeat == save_repeats - 1:
                 kept = path  # its remote copy is the one restored below
             else:
                 discard(path, mode == "mirrored")
@@ -238,7 +239,9 @@ def _version(name: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--million", type=int, default=8, help="model size in millions of parameters")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="repeats of the upload and restore measurements")
+    parser.add_argument("--save-repeats", type=int, default=15,
+                        help="repeats of the save measurement (a save of tens of MB on a busy machine is noisy)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # ranks import benchmarks.bench_remote
@@ -250,14 +253,14 @@ def main() -> None:
     with loopback_s3(), tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as root:
         S3Store().fs.mkdir(BUCKET)
         parent = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}"
-        ranks = launch("benchmarks.bench_remote:worker", 2, args=(root, parent, args.million, args.repeats),
+        ranks = launch("benchmarks.bench_remote:worker", 2, args=(root, parent, args.million, args.repeats, args.save_repeats),
                        timeout=1800)
         upload = upload_ratio(Path(ranks[0]["checkpoint"]), parent, args.repeats)
     load_after = os.getloadavg()
     rank0 = ranks[0]
     results = {
         "million": args.million, "parameters": rank0["parameters"], "checkpoint_bytes": rank0["checkpoint_bytes"],
-        "files": rank0["files"], "repeats": args.repeats, "cpus": os.cpu_count(),
+        "files": rank0["files"], "repeats": args.repeats, "save_repeats": args.save_repeats, "cpus": os.cpu_count(),
         "load_average_before": load_before, "load_average_after": load_after,
         "versions": {name: _version(name) for name in ("torch", "accelerate", "s3fs", "botocore", "moto")},
         "ratios": {
@@ -271,8 +274,8 @@ def main() -> None:
     r, t = results["ratios"], rank0
     med = statistics.median
     print(f"{results['parameters'] / 1e6:.1f}M parameters, checkpoint {results['checkpoint_bytes'] / 1e6:.0f} MB in "
-          f"{results['files']} files; {args.repeats} repeats; {os.cpu_count()} CPUs; load average "
-          f"{load_before[0]:.2f} before, {load_after[0]:.2f} after")
+          f"{results['files']} files; {args.repeats} repeats ({args.save_repeats} for the saves); {os.cpu_count()} CPUs; "
+          f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
     print("| ratio | library | client baseline | median of per-repeat ratios | target |")
     print("| --- | --- | --- | --- | --- |")
     up = upload["MBps"]
