@@ -2,7 +2,8 @@
 fast each moves checkpoint-sized files.
 
 The server is moto's ``ThreadedMotoServer`` on 127.0.0.1 (a free port), started in a child process so that its
-Python request handling does not share the interpreter lock with the client measured. For each client:
+Python request handling does not share the interpreter lock with the client measured (``benchmarks/loopback_s3.py``).
+For each client:
 
 * **create-only, one request**: ``If-None-Match: *`` on ``PutObject`` of a small object, written twice; the second
   must be refused (the exception is recorded) and the first content kept.
@@ -28,7 +29,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,28 +41,6 @@ from typing import Any
 import xxhash
 
 BUCKET = "bench-store"
-_SERVER = """
-import logging, sys
-logging.getLogger("werkzeug").setLevel(logging.ERROR)
-from moto.server import ThreadedMotoServer
-server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-server.start()
-print(server.get_host_and_port()[1], flush=True)
-sys.stdin.read()  # until the parent closes the pipe
-server.stop()
-"""
-
-
-def _start_server() -> tuple[subprocess.Popen[str], str]:
-    server = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)
-    assert server.stdout is not None
-    port = server.stdout.readline().strip()
-    if not port:
-        raise RuntimeError("the moto server did not start")
-    return server, f"http://127.0.0.1:{port}"
-
-
 def _error(call: Callable[[], Any]) -> str:
     try:
         call()
@@ -212,10 +190,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
-    server, endpoint = _start_server()
-    try:
-        os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-                          AWS_DEFAULT_REGION="us-east-1", AWS_ALLOW_HTTP="true", AWS_EC2_METADATA_DISABLED="true")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: import benchmarks.*
+    from benchmarks.loopback_s3 import loopback_s3
+
+    with loopback_s3():
         clients = [S3fsClient(), ObstoreClient(), TxnClient(), TxnClient(at_once=4)]
         fs = clients[0].fs
         fs.mkdir(BUCKET)
@@ -230,10 +208,6 @@ def main() -> None:
             for client in clients:
                 results["clients"][client.name] = {**_capabilities(client, fs),
                                                    **_throughput(client, fs, files, args.repeats, scratch)}
-    finally:
-        assert server.stdin is not None
-        server.stdin.close()
-        server.wait(timeout=60)
     print(f"{args.files} files x {args.mib} MiB, median of {args.repeats}, moto {_version('moto')}, "
           f"s3fs {_version('s3fs')}, obstore {_version('obstore')}, {os.cpu_count()} CPUs")
     print("| client | create-only PutObject (2nd write) | large create-only sent as | create-only large (2nd write) "

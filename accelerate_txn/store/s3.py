@@ -65,6 +65,9 @@ MIN_PART_SIZE = 5 * 2**20
 #: At most this many parts in one multipart upload (S3's limit): larger files get larger parts.
 MAX_PARTS = 10_000
 DEFAULT_PART_SIZE = 16 * 2**20
+#: With the default part size, a file up to this size goes in one ``PutObject`` (s3fs sends up to 100 MiB so): one
+#: request instead of a multipart upload's three or more, and nothing for the store to assemble.
+DEFAULT_SINGLE_REQUEST_SIZE = 64 * 2**20
 DEFAULT_CONCURRENCY = 8
 #: Keys per ``DeleteObjects`` request (S3's limit).
 _DELETE_BATCH = 1000
@@ -172,17 +175,18 @@ def part_size_for(size: int, part_size: int) -> int:
 class S3Store:
     """Operations on S3-compatible storage through s3fs; see the module docstring for each one's guarantee.
 
-    ``part_size``: the size of each part of a multipart upload (at least :data:`MIN_PART_SIZE`); a file up to this
-    size goes in one ``PutObject``. ``concurrency``: parts of one upload in flight at once; an upload holds about
-    ``concurrency + 2`` parts in memory. Downloads use s3fs's own parallel ranged reads. ``filesystem``: an
-    ``s3fs.S3FileSystem`` configured by the caller; by default one configured from the standard AWS environment
-    and profiles.
+    ``part_size``: the size of each part of a multipart upload (at least :data:`MIN_PART_SIZE`).
+    ``single_request_size``: a file up to this size goes in one ``PutObject``, held in memory whole; by default
+    :data:`DEFAULT_SINGLE_REQUEST_SIZE` with the default part size, else ``part_size``. ``concurrency``: parts of
+    one upload in flight at once; an upload holds about ``concurrency + 2`` parts in memory. Downloads use s3fs's
+    own parallel ranged reads. ``filesystem``: an ``s3fs.S3FileSystem`` configured by the caller; by default one
+    configured from the standard AWS environment and profiles.
     """
 
     name = "s3"
 
     def __init__(self, *, part_size: int = DEFAULT_PART_SIZE, concurrency: int = DEFAULT_CONCURRENCY,
-                 filesystem: Any = None) -> None:
+                 filesystem: Any = None, single_request_size: int | None = None) -> None:
         if part_size < MIN_PART_SIZE:
             raise CheckpointConfigurationError(
                 f"part_size={part_size} is below S3's minimum part size of {MIN_PART_SIZE} bytes (5 MiB).")
@@ -194,6 +198,9 @@ class S3Store:
             filesystem = _import_s3fs().S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
         self.fs = filesystem
         self.part_size = part_size
+        if single_request_size is None:
+            single_request_size = DEFAULT_SINGLE_REQUEST_SIZE if part_size == DEFAULT_PART_SIZE else part_size
+        self.single_request_size = max(part_size, single_request_size)
         self.concurrency = concurrency
         self._conditions_checked = False
 
@@ -252,8 +259,8 @@ class S3Store:
         """Upload the local file ``local`` to ``url``; return ``(size, XXH3-128 hex digest)`` of the bytes sent.
 
         The file is read once, sequentially; each part is hashed as it is handed to the client. A file larger
-        than the part size goes as a multipart upload with up to ``concurrency`` parts in flight; the object
-        appears only when the upload completes. If anything fails the upload is aborted and the error raised
+        than ``single_request_size`` goes as a multipart upload with up to ``concurrency`` parts in flight; the
+        object appears only when the upload completes. If anything fails the upload is aborted and the error raised
         (the key is as it was). A process killed mid-upload leaves an incomplete upload and no object
         (:meth:`abort_incomplete_uploads`). ``create_only``: refuse (:class:`CheckpointExistsError`, the existing
         object kept) if ``url`` exists when the upload completes. ``progress``: called with the bytes
@@ -265,8 +272,11 @@ class S3Store:
         with open(local, "rb") as stream:
             size = os.fstat(stream.fileno()).st_size
             part_size = part_size_for(size, self.part_size)
-            first = stream.read(part_size)
-            second = stream.read(part_size) if len(first) == part_size else b""
+            # One PutObject up to single_request_size: the whole file is the first read (if it grew since fstat,
+            # the second read finds more and it goes as a multipart upload, this read its first part).
+            limit = part_size if size > self.single_request_size else max(part_size, size)
+            first = stream.read(limit)
+            second = stream.read(part_size) if len(first) == limit else b""
             if not second:  # one part: a single PutObject
                 condition = {"IfNoneMatch": "*"} if create_only else {}
                 hasher = new_hasher(HASH)
