@@ -180,9 +180,14 @@ def fetch(url: str, root: Path, group: Any = None) -> Path:
     marker = f".peer-{new_id()}-" if rank(group) == 0 else ""
     marker = on_main(lambda: marker, "Naming the download", group)
 
+    # A copy whose every file is hashed is verified byte for byte by the restore: it is not fsynced as it is
+    # downloaded, and one already in the cache is reused. Otherwise (checksum="metadata") it is fsynced and never
+    # reused: its large payloads are checked by size only.
+    verified_again = objects.fully_hashed(manifest)
+
     def prepare() -> list[int]:
         current = read_manifest(final) if final.is_dir() else None
-        if current is not None and current.get("transaction_id") == txid:
+        if verified_again and current is not None and current.get("transaction_id") == txid:
             return []  # this exact checkpoint is already here (the load verifies it like any local checkpoint)
         staging.mkdir(parents=True, exist_ok=True)
         (staging / f"{marker}{rank(group)}").touch()
@@ -199,7 +204,8 @@ def fetch(url: str, root: Path, group: Any = None) -> Path:
     # Every rank takes part in each phase (its context names no local path: caches may differ between ranks).
     mine = objects.shares(manifest["files"], len(sharing))[sharing.index(rank(group))] if sharing else []
     run_phase(lambda: objects.download(store, url, manifest, mine, staging,
-                                       after_each=lambda _name: faults.point("fetch:during")),
+                                       after_each=lambda _name: faults.point("fetch:during"),
+                                       sync=not verified_again, listed=True),
               f"Downloading {url} into the cache", group)
 
     def finish() -> None:

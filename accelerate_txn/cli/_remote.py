@@ -192,7 +192,7 @@ def local_copy(url: str, manifest: dict[str, Any], names: list[str]) -> Iterator
     with tempfile.TemporaryDirectory(prefix="accelerate-txn-") as scratch:
         directory = Path(scratch)
         try:
-            objects.download(store(url), url, manifest, names, directory)
+            objects.download(store(url), url, manifest, names, directory, sync=False)  # a temporary copy
             wanted = set(names)
             for name, row in manifest["files"].items():
                 if name not in wanted:
@@ -329,7 +329,7 @@ def model_copy(url: str, model_dir: str = MODEL_DIR) -> Iterator[Path]:
         raise NoCheckpointError(f"{url} holds no torch.distributed.checkpoint model state ({model_dir}/, Accelerate's "
                                 "FSDP SHARDED_STATE_DICT layout): nothing to export")
     with tempfile.TemporaryDirectory(prefix="accelerate-txn-export-") as scratch:
-        objects.download(store(url), url, manifest, names, Path(scratch))
+        objects.download(store(url), url, manifest, names, Path(scratch), sync=False, listed=True)
         try:
             yield Path(scratch)
         except CheckpointError as exc:

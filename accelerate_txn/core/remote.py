@@ -305,9 +305,10 @@ def check_listing(store: ObjectStore, url: str, manifest: Mapping[str, Any],
 
 
 def download(store: ObjectStore, url: str, manifest: Mapping[str, Any], names: Iterable[str], directory: Path,
-             after_each: Callable[[str], None] | None = None) -> int:
+             after_each: Callable[[str], None] | None = None, *, sync: bool = True, listed: bool = False) -> int:
     """Download ``names`` of the checkpoint at ``url`` into ``directory``, each verified (size and hash) before it
-    appears under its name. Returns the bytes downloaded."""
+    appears under its name; fsynced unless ``sync=False``; ``listed``: the caller checked the listing
+    (:func:`check_listing`) just before. Returns the bytes downloaded."""
     prefix = join(url, data_dir(manifest))
     files = manifest["files"]
 
@@ -315,7 +316,8 @@ def download(store: ObjectStore, url: str, manifest: Mapping[str, Any], names: I
         local = Path(directory) / relative_inside(name)
         local.parent.mkdir(parents=True, exist_ok=True)
         expected = _expected_hash(manifest, name)  # None: sized only (checksum="metadata"), as a local restore checks
-        store.download_file(join(prefix, name), local, size=int(files[name]["size"]), digest=expected)
+        store.download_file(join(prefix, name), local, size=int(files[name]["size"]), digest=expected, sync=sync,
+                            listed=listed)
         if after_each is not None:
             after_each(name)
         return int(files[name]["size"])
@@ -340,3 +342,9 @@ def default_cache_root() -> Path:
     """``$XDG_CACHE_HOME/accelerate-txn`` (default ``~/.cache/accelerate-txn``)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "accelerate-txn"
+
+
+def fully_hashed(manifest: Mapping[str, Any]) -> bool:
+    """Whether every file of ``manifest`` has its content hash (``checksum="full"``): a local copy of it is verified
+    byte for byte by every restore, so it need not be made durable when downloaded."""
+    return manifest.get("hash", HASH) == HASH and all(HASH in row for row in manifest["files"].values())

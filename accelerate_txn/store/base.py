@@ -138,8 +138,10 @@ class ObjectStore(Protocol):
         """Upload a local file; ``(size, XXH3-128)`` of exactly the bytes sent."""
         ...
 
-    def download_file(self, url: str, local: str | os.PathLike[str], *, size: int, digest: str | None) -> None:
-        """Download ``url`` onto ``local`` only if it holds ``size`` bytes hashing to ``digest`` (None: size only)."""
+    def download_file(self, url: str, local: str | os.PathLike[str], *, size: int, digest: str | None,
+                      sync: bool = True, listed: bool = False) -> None:
+        """Download ``url`` onto ``local`` only if it holds ``size`` bytes hashing to ``digest`` (None: size only);
+        fsynced unless ``sync=False``; ``listed``: the caller just checked its size in a listing."""
         ...
 
     def size(self, url: str) -> int | None:

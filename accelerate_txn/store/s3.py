@@ -396,31 +396,37 @@ class S3Store:
             token = {"ContinuationToken": reply["NextContinuationToken"]}
 
     def download_file(self, url: str | S3Url, local: str | os.PathLike[str], *, size: int,
-                      digest: str | None) -> None:
+                      digest: str | None, sync: bool = True, listed: bool = False) -> None:
         """Download ``url`` to the local file ``local`` if it holds exactly ``size`` bytes with the XXH3-128
         ``digest`` (``None``: the size only, for a checkpoint saved with ``checksum="metadata"``); otherwise raise
         :class:`CheckpointIntegrityError` naming the URL.
 
-        The object's size is checked first (a wrong one is refused before anything is downloaded). The bytes go to
-        a hidden temporary file beside ``local`` (``.NAME.download-<id>``) through s3fs's own download (ranged
-        reads in parallel for large objects), are hashed from that file (in the page cache), fsynced, and renamed
-        onto ``local`` only after both checks passed. On any failure the temporary file is removed: nothing is
-        left under either name, and an existing ``local`` is untouched."""
+        The object's size is checked first (a wrong one is refused before anything is downloaded), unless the caller
+        has just checked it in a listing (``listed``: one request fewer per file; the size is still checked after the
+        download). The bytes go to a hidden temporary file beside ``local`` (``.NAME.download-<id>``) through s3fs's
+        own download (ranged reads in parallel for large objects), are hashed from that file (in the page cache),
+        fsynced (unless ``sync=False``: a copy whose every byte is verified again before use need not survive a power
+        loss), and renamed onto ``local`` only after both checks passed. On any failure the temporary file is
+        removed: nothing is left under either name, and an existing ``local`` is untouched."""
         url = S3Url.parse(url)
         local = Path(local)
-        found = self.size(url)
-        if found is None:
-            raise CheckpointIntegrityError(
-                f"{url} does not exist: the checkpoint lists it ({size} bytes) but the object store has no such "
-                f"object. The checkpoint is incomplete; restore from another one.")
-        if found != size:
-            raise CheckpointIntegrityError(
-                f"{url} holds {found} bytes where the checkpoint lists {size}: it was truncated, extended or "
-                f"replaced. The checkpoint is damaged; restore from another one.")
+        missing = (f"{url} does not exist: the checkpoint lists it ({size} bytes) but the object store has no such "
+                   f"object. The checkpoint is incomplete; restore from another one.")
+        if not listed:
+            found = self.size(url)
+            if found is None:
+                raise CheckpointIntegrityError(missing)
+            if found != size:
+                raise CheckpointIntegrityError(
+                    f"{url} holds {found} bytes where the checkpoint lists {size}: it was truncated, extended or "
+                    f"replaced. The checkpoint is damaged; restore from another one.")
         temporary = local.with_name(f".{local.name}.download-{uuid.uuid4().hex}")
         try:
-            self.fs.get_file(str(url), str(temporary))
-            received, found_digest = hash_file(temporary, HASH, flush=True)
+            try:
+                self.fs.get_file(str(url), str(temporary))
+            except FileNotFoundError:
+                raise CheckpointIntegrityError(missing) from None
+            received, found_digest = hash_file(temporary, HASH, flush=sync)
             if received != size or (digest is not None and found_digest != digest):
                 raise CheckpointIntegrityError(
                     f"{url} does not hold the content the checkpoint lists: {received} bytes with XXH3-128 "
