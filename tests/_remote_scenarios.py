@@ -3,10 +3,13 @@ server of ``tests._s3_server`` reached through the inherited AWS environment).""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,19 @@ def _objects(url: str) -> dict[str, int]:
     return S3Store().list(url)
 
 
+@contextlib.contextmanager
+def _logged(name: str) -> Iterator[list[str]]:
+    """The messages logged by ``name`` (WARNING and above) while the block runs."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger(name).addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logging.getLogger(name).removeHandler(handler)
+
+
 def _build_for(fsdp_version: int, seed: int, **kwargs: Any) -> tuple:
     if fsdp_version == 1:
         return _build(seed, **kwargs)
@@ -37,7 +53,7 @@ def _build_for(fsdp_version: int, seed: int, **kwargs: Any) -> tuple:
 
 def roundtrip(parent: str, cache: str, fsdp_version: int) -> dict[str, Any]:
     """save_state to a URL, then restore into a fresh model and optimizer from it."""
-    obs: dict[str, Any] = {}
+    obs: dict[str, Any] = {"rank": int(os.environ["RANK"])}
     acc, model, opt, sched = _build_for(fsdp_version, 0)
     configure_checkpointing(acc, cache_dir=cache)
     _train(acc, model, opt, sched, 3, seed=1)
@@ -50,11 +66,21 @@ def roundtrip(parent: str, cache: str, fsdp_version: int) -> dict[str, Any]:
     acc.wait_for_everyone()
 
     # A restore in a fresh cache (another machine), then again where the copy is already there (reused, verified).
-    for label, cache_dir in (("fresh", f"{cache}-load"), ("again", f"{cache}-load")):
+    # Then once more after the cached copy was damaged (it is not fsynced when downloaded: a power loss could do
+    # this): the restore's verification fails on it, and it is downloaded again.
+    for label, cache_dir in (("fresh", f"{cache}-load"), ("again", f"{cache}-load"), ("damaged", f"{cache}-load")):
+        if label == "damaged" and acc.process_index == 0:
+            copy = next(Path(cache_dir).rglob("checkpoint_1")) / "pytorch_model_fsdp_0" / "__0_0.distcp"
+            data = bytearray(copy.read_bytes())
+            data[len(data) // 2] ^= 0x01
+            copy.write_bytes(bytes(data))
+        acc.wait_for_everyone()
         acc2, model2, opt2, sched2 = _build_for(fsdp_version, 7)
         configure_checkpointing(acc2, cache_dir=cache_dir)
         torch.manual_seed(999)
-        obs[f"{label}_error"] = _error(lambda acc2=acc2: acc2.load_state(url))
+        with _logged("accelerate_txn.accelerate.load") as lines:
+            obs[f"{label}_error"] = _error(lambda acc2=acc2: acc2.load_state(url))
+        obs[f"{label}_downloaded_again"] = any("downloading it again" in line for line in lines)
         obs[f"{label}_differences"] = _same(expected, _local_state(model2, opt2))
         obs[f"{label}_rng"] = torch.equal(torch.rand(3), expected_rng)
         obs[f"{label}_lr"] = sched2.get_last_lr() == expected_lr

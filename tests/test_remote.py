@@ -34,11 +34,14 @@ def test_save_to_a_url_commits_one_transaction_and_resumes_exactly(roundtrip: li
         assert manifests == ["checkpoint_manifest.json"]
         prefixes = {key.split("/")[0] for key in obs["objects"] if key != "checkpoint_manifest.json"}
         assert len(prefixes) == 1 and next(iter(prefixes)).startswith(".txn-")
-        for label in ("fresh", "again"):
+        for label in ("fresh", "again", "damaged"):
             assert obs[f"{label}_error"] is None, obs[f"{label}_error"]
             assert obs[f"{label}_differences"] == []
             assert obs[f"{label}_rng"] and obs[f"{label}_lr"]
             assert obs[f"{label}_copies"] == ["checkpoint_1"]
+        # Only the damaged cached copy was downloaded again (rank 0 logs it); the others were used as they were.
+        assert [obs[f"{label}_downloaded_again"] for label in ("fresh", "again", "damaged")] == (
+            [False, False, obs["rank"] == 0])
 
 
 def test_resaving_a_name_replaces_it_as_a_whole(roundtrip: list[dict[str, Any]]) -> None:

@@ -114,6 +114,23 @@ def _across_tiers(found: list[Path], reasons: list[str], remote: list[tuple[int,
     return candidates
 
 
+def _fetch_and_verify(url: str, root: Path, group: dict[str, Any],
+                      templates: list[str]) -> tuple[dict[str, Any] | None, dict[str, Preflight], Path]:
+    """The local copy of ``url`` in the cache ``root``, verified like a local checkpoint. A copy found already in the
+    cache (not fsynced when downloaded: the restore checks every byte) that fails is downloaded again, once."""
+    path, reused = _remote.fetch(url, root)
+    try:
+        manifest, found = _verify(path, group, templates)
+    except CheckpointIntegrityError as exc:
+        if not reused:
+            raise
+        if rank() == 0:
+            logger.warning("The cached copy %s of %s failed verification (%s): downloading it again", path, url, exc)
+        path, _ = _remote.fetch(url, root, reuse=False)
+        manifest, found = _verify(path, group, templates)
+    return manifest, found, path
+
+
 def _templates(group: dict[str, Any]) -> list[str]:
     return sorted({t for owner in group.values() for t in rank_files(owner)})
 
@@ -293,8 +310,9 @@ def load_training_checkpoint(owners: Any, input_dir: str | Path | None = None, *
         path = Path(candidate)
         try:
             if is_url(candidate):  # downloaded into the cache (each file verified), then checked like a local one
-                path = _remote.fetch(candidate, _remote.cache_root(primary))
-            manifest, found = _verify(path, group, templates)
+                manifest, found, path = _fetch_and_verify(candidate, _remote.cache_root(primary), group, templates)
+            else:
+                manifest, found = _verify(path, group, templates)
         except (CheckpointIntegrityError, NoCheckpointError) as exc:  # NoCheckpointError: a mirror's went away
             if not automatic or index == len(candidates) - 1:
                 raise

@@ -25,7 +25,7 @@ from typing import Any
 from ..core import faults
 from ..core import remote as objects
 from ..core.manifest import MANIFEST, read_manifest, write_manifest
-from ..core.ranks import on_main, rank, run_phase, world_size
+from ..core.ranks import any_rank, on_main, rank, run_phase, world_size
 from ..core.select import CHECKPOINT_NAME, numbered_checkpoints
 from ..errors import CheckpointConfigurationError, CheckpointError, CheckpointIntegrityError
 from ..store.base import ObjectStore
@@ -158,9 +158,11 @@ def start_mirror(owners: list[Any], published: Path, run_id: str, limit: int | N
     handle.start([], upload, lambda: None, comm)
 
 
-def fetch(url: str, root: Path, group: Any = None) -> Path:
+def fetch(url: str, root: Path, group: Any = None, *, reuse: bool = True) -> tuple[Path, bool]:
     """Download the checkpoint at ``url`` into the cache ``root`` (collective); returns the local copy, complete
-    (manifest last) and verified file by file as downloaded. An unchanged copy already there is reused."""
+    (manifest last) and verified file by file as downloaded, and whether a copy already there was reused
+    (``reuse``, only for a checkpoint whose every file is hashed: the restore verifies it byte for byte, and the
+    caller fetches again, ``reuse=False``, if that fails)."""
     store = run_phase(lambda: object_store(url), f"Connecting to the object store of {url}", group)
 
     def inspect() -> dict[str, Any]:
@@ -187,7 +189,7 @@ def fetch(url: str, root: Path, group: Any = None) -> Path:
 
     def prepare() -> list[int]:
         current = read_manifest(final) if final.is_dir() else None
-        if verified_again and current is not None and current.get("transaction_id") == txid:
+        if reuse and verified_again and current is not None and current.get("transaction_id") == txid:
             return []  # this exact checkpoint is already here (the load verifies it like any local checkpoint)
         staging.mkdir(parents=True, exist_ok=True)
         (staging / f"{marker}{rank(group)}").touch()
@@ -201,6 +203,7 @@ def fetch(url: str, root: Path, group: Any = None) -> Path:
         return sorted(int(entry.name[len(marker):]) for entry in staging.iterdir() if entry.name.startswith(marker))
 
     sharing = run_phase(peers, "Finding the ranks that share a cache directory", group)
+    reused = any_rank(not sharing, group)  # some rank found the copy already there
     # Every rank takes part in each phase (its context names no local path: caches may differ between ranks).
     mine = objects.shares(manifest["files"], len(sharing))[sharing.index(rank(group))] if sharing else []
     run_phase(lambda: objects.download(store, url, manifest, mine, staging,
@@ -224,7 +227,7 @@ def fetch(url: str, root: Path, group: Any = None) -> Path:
 
     run_phase(finish, f"Publishing the local copy of {url}", group)
     run_phase(lambda: None if (final / MANIFEST).is_file() else _missing_copy(final), f"Checking the local copy of {url}", group)
-    return final
+    return final, reused
 
 
 def _missing_copy(final: Path) -> None:
