@@ -17,7 +17,7 @@ config), real 2-rank FSDP1 and FSDP2 on CPU (gloo) and real ``kill -9``:
 * an unvalidated transformers runs native Trainer with one warning.
 
 Cost on 2 shared CPU cores: two reference runs (module fixtures, reused), a kill chain of 8 jobs, about 7 other
-launches; about 3 minutes.
+launches; 3 minutes (178 s with the machine at load 5).
 """
 
 from __future__ import annotations
