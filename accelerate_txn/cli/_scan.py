@@ -88,20 +88,22 @@ def run_directory_hint(path: Path, command: str) -> str | None:
 
 
 def is_trainer_run(root: Path) -> bool:
-    """Whether ``root`` is the output directory of a transformers Trainer: one of its ``checkpoint-N`` holds a
-    Trainer manifest, or, saved by native Trainer, a ``trainer_state.json``. Its checkpoints are then judged by the
-    Trainer's rules (``trainer.layout.TrainerRules``), as ``train(resume_from_checkpoint=True)`` judges them."""
+    """Whether ``root`` is the output directory of a transformers Trainer, decided by its newest checkpoint that says
+    so: a readable manifest (a Trainer's, or another front end's), or, without one, a ``trainer_state.json`` (saved by
+    native Trainer). Its checkpoints are then judged by the Trainer's rules (``trainer.layout.TrainerRules``), as
+    ``train(resume_from_checkpoint=True)`` judges them. Reads about one manifest, not every one."""
     from ..core.select import numbered_checkpoints
 
-    for _number, path in numbered_checkpoints(root):
+    for _number, path in reversed(numbered_checkpoints(root)):
         if path.is_symlink():
             continue
         try:
             manifest = read_manifest(path)
         except (CheckpointIntegrityError, OSError):
-            manifest = None
-        if trainer_layout.is_trainer_manifest(manifest) or (manifest is None
-                                                           and (path / trainer_layout.TRAINER_STATE).is_file()):
+            continue
+        if manifest is not None:
+            return trainer_layout.is_trainer_manifest(manifest)
+        if (path / trainer_layout.TRAINER_STATE).is_file():
             return True
     return False
 
