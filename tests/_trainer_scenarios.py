@@ -1,18 +1,58 @@
 """Rank functions of tests/test_trainer.py: a real transformers Trainer (a tiny Llama built from a config, no
-download) training with FSDP on CPU (gloo) through ``accelerate_txn.testing.force_fsdp_trainer``."""
+download) training with FSDP on CPU (gloo) through ``accelerate_txn.testing.force_fsdp_trainer``.
+
+* :func:`train` runs under ``accelerate_txn.testing.launch`` and returns what the test compares;
+* :func:`main` is the entry of a crash-harness job (``tests._crash_harness.Job``: separate interpreters the test
+  kills), which writes what it observed under the job's ``obs`` directory;
+* :func:`refuse_each` damages one file class at a time and checks that the explicit resume refuses it on every rank
+  before anything is loaded, in one process group.
+
+Kill points inside Trainer's own save (:data:`NATIVE_POINTS`). The library wraps ``Trainer._save_checkpoint`` as one
+unit, so none of its code runs between Trainer's own writes; to kill a rank there, the Trainer of these scenarios
+(:func:`_trainer_class`) calls ``accelerate_txn.core.faults.point`` between them, through the same
+``ACCELERATE_TXN_KILL_AT`` variable as the library's points. Test instrumentation only: the library never names them.
+"""
 
 from __future__ import annotations
 
+import faulthandler
+import json
 import os
+import signal
+import sys
+import warnings
+from pathlib import Path
 from typing import Any
 
+#: Instants inside Trainer's native save, in order: the model's DCP shards written; the optimizer's shards and
+#: ``scheduler.pt`` written; every rank's ``rng_state_{rank}.pth`` written (``trainer_state.json`` not yet).
+NATIVE_POINTS = ("trainer:after-model", "trainer:after-optimizer", "trainer:after-rng")
 
-def train(output_dir: str, resume: Any, max_steps: int, fsdp_version: int = 2,
-          save_total_limit: int | None = None) -> dict[str, Any]:
-    """Train to ``max_steps`` saving every 2 steps (``resume``: ``train(resume_from_checkpoint=...)``); returns this
-    rank's local parameter shards, the global step and the output directory's entries."""
+
+def _trainer_class() -> type:
+    from transformers import Trainer
+
+    from accelerate_txn.core import faults
+
+    class KillPointTrainer(Trainer):
+        """Trainer with :data:`NATIVE_POINTS` between its own writes (no-ops unless a kill is armed)."""
+
+        def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+            faults.point("trainer:after-model")
+            super()._save_optimizer_and_scheduler(output_dir)
+            faults.point("trainer:after-optimizer")
+
+        def _save_rng_state(self, output_dir: str) -> None:
+            super()._save_rng_state(output_dir)
+            faults.point("trainer:after-rng")
+
+    return KillPointTrainer
+
+
+def build(output_dir: str, max_steps: int, fsdp_version: int = 2, save_total_limit: int | None = None) -> Any:
+    """This rank's Trainer (FSDP forced on, saving every 2 steps), its model and data the same on every run."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     import accelerate_txn  # noqa: F401  (the import protects Trainer checkpoints)
@@ -27,9 +67,99 @@ def train(output_dir: str, resume: Any, max_steps: int, fsdp_version: int = 2,
     args = TrainingArguments(output_dir=output_dir, use_cpu=True, per_device_train_batch_size=4, max_steps=max_steps,
                              save_strategy="steps", save_steps=2, save_total_limit=save_total_limit, logging_steps=1,
                              report_to=[], seed=0, dataloader_num_workers=0, disable_tqdm=True)
-    trainer = force_fsdp_trainer(Trainer(model=model, args=args, train_dataset=data), fsdp_version=fsdp_version,
-                                 auto_wrap=LlamaDecoderLayer)
+    return force_fsdp_trainer(_trainer_class()(model=model, args=args, train_dataset=data), fsdp_version=fsdp_version,
+                              auto_wrap=LlamaDecoderLayer)
+
+
+def train(output_dir: str, resume: Any, max_steps: int, fsdp_version: int = 2,
+          save_total_limit: int | None = None, began_file: str | None = None) -> dict[str, Any]:
+    """Train to ``max_steps`` saving every 2 steps (``resume``: ``train(resume_from_checkpoint=...)``); returns this
+    rank's local parameter shards, its optimizer state (at the end, when training began and at each save), the global
+    step when training began and at the end, and the output directory's entries. ``began_file``: also written (with
+    ``torch.save``) when training begins, for a job that is killed later."""
+    import torch
+    from transformers import TrainerCallback
+
+    trainer = build(output_dir, max_steps, fsdp_version, save_total_limit)
+    began: dict[str, Any] = {}
+    saved: dict[int, Any] = {}
+
+    class Record(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:  # after a restore
+            began.update(step=state.global_step, optimizer=optimizer_state(trainer.optimizer))
+            if began_file:
+                torch.save(began, began_file)
+
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:  # what each save wrote
+            saved[state.global_step] = optimizer_state(trainer.optimizer)
+
+    trainer.add_callback(Record())
     trainer.train(resume_from_checkpoint=resume)
     local = [getattr(p, "_local_tensor", p).detach().clone() for p in trainer.model.parameters()]
     return {"weights": local, "step": trainer.state.global_step, "entries": sorted(os.listdir(output_dir)),
-            "best": trainer.state.best_model_checkpoint}
+            "best": trainer.state.best_model_checkpoint, "optimizer": optimizer_state(trainer.optimizer),
+            "began": began, "optimizer_at_save": saved}
+
+
+def optimizer_state(optimizer: Any) -> list[tuple[int, str, Any]]:
+    """This rank's optimizer state as ``(parameter position, key, value)`` in parameter order (tensors: their local
+    shard, cloned)."""
+    raw = getattr(optimizer, "optimizer", optimizer)
+    parameters = [p for group in raw.param_groups for p in group["params"]]
+    rows = []
+    for position, parameter in enumerate(parameters):
+        for key, value in sorted(raw.state.get(parameter, {}).items()):
+            value = getattr(value, "_local_tensor", value)
+            rows.append((position, key, value.detach().clone() if hasattr(value, "detach") else value))
+    return rows
+
+
+def refuse_each(output_dir: str, cases: dict[str, str]) -> dict[str, Any]:
+    """One Trainer tries ``train(resume_from_checkpoint=path)`` for each damaged checkpoint of ``cases`` (name ->
+    path) in turn; returns this rank's error per case (``type: message``, or ``"loaded"`` if none was raised) and
+    whether the live model, optimizer and Trainer state were untouched after every attempt."""
+    import torch
+
+    trainer = build(output_dir, 6)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    errors: dict[str, str] = {}
+    untouched: dict[str, bool] = {}
+    for name, path in cases.items():
+        try:
+            trainer.train(resume_from_checkpoint=path)
+            errors[name] = "loaded"
+        except Exception as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+        untouched[name] = (trainer.state.global_step == 0 and trainer.optimizer is None
+                           and all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters())))
+    return {"errors": errors, "untouched": untouched}
+
+
+def main(spec_path: str) -> None:
+    """Entry of one rank of a crash-harness job: ``spec`` = ``{"output_dir", "resume", "max_steps", "fsdp_version",
+    "save_total_limit", "kill", "obs"}``. Arms ``kill`` (``ACCELERATE_TXN_KILL_AT``), trains, and writes
+    ``obs/rank{R}.began.pt`` when training begins and ``obs/rank{R}.pt`` plus ``obs/rank{R}.json`` at the end."""
+    import torch
+
+    torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks for stacks before killing a hang
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    spec = json.loads(Path(spec_path).read_text())
+    if spec.get("kill"):
+        from accelerate_txn.core.faults import KILL_ENV
+
+        os.environ[KILL_ENV] = spec["kill"]
+    obs = Path(spec["obs"])
+    obs.mkdir(parents=True, exist_ok=True)
+    rank = os.environ["RANK"]
+    try:
+        result = train(spec["output_dir"], spec.get("resume"), spec["max_steps"], spec.get("fsdp_version", 1),
+                       spec.get("save_total_limit"), began_file=str(obs / f"rank{rank}.began.pt"))
+        torch.save(result, obs / f"rank{rank}.pt")
+        (obs / f"rank{rank}.json").write_text(json.dumps({"step": result["step"], "entries": result["entries"]}))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.stdout.flush()

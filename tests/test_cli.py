@@ -196,7 +196,8 @@ def test_list_refuses_what_is_not_a_run_directory(cli: Any, run_dir: Path, tmp_p
     assert cli("list", run_dir / "checkpoint_1" / MANIFEST).code == 2
     empty = cli("list", tmp_path)
     assert empty.code == 0 and "no checkpoints" in empty.out
-    assert cli("list", tmp_path, "--json").json() == {"directory": str(tmp_path), "would_load": None, "checkpoints": []}
+    assert cli("list", tmp_path, "--json").json() == {"directory": str(tmp_path), "trainer": False, "would_load": None,
+                                                      "checkpoints": []}
 
 
 # --------------------------------------------------------------------------------------------- verify
@@ -397,7 +398,7 @@ def test_latest_prints_the_newest_complete_checkpoint_and_says_why_others_were_s
     assert "Skipping checkpoint" in result.err and "checkpoint_3" in result.err
     data = cli("latest", messy_run, "--json").json()
     assert data == {"directory": str(messy_run), "latest": str(messy_run / "checkpoint_2"), "error": None,
-                    "legacy": False}
+                    "legacy": False, "trainer": False}
 
 
 def test_latest_exit_codes(cli: Any, tmp_path: Path) -> None:

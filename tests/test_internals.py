@@ -1,6 +1,7 @@
-"""The internals layers, the only doors to private Accelerate/torch/NumPy internals:
-``accelerate_txn.accelerate.internals`` (Accelerate's) and ``accelerate_txn.fsdp.internals`` (torch's, NumPy's,
-CPython's). Below, ``_internals`` is both of them together.
+"""The internals layers, the only doors to private Accelerate/torch/NumPy/transformers internals:
+``accelerate_txn.accelerate.internals`` (Accelerate's), ``accelerate_txn.fsdp.internals`` (torch's, NumPy's,
+CPython's) and ``accelerate_txn.trainer.internals`` (transformers Trainer's). Below, ``_internals`` is all of them
+together.
 
 (a) Every private dependency exists and behaves as the library assumes on the *installed* versions: each
 accessor is called on a real single-process Accelerator, and the FSDP1 and ShardedTensor ones on real FSDP1
@@ -28,15 +29,16 @@ import accelerate_txn
 from accelerate_txn.accelerate import internals as _accelerate_internals
 from accelerate_txn.fsdp import internals as _torch_internals
 from accelerate_txn.testing import launch
+from accelerate_txn.trainer import internals as _trainer_internals
 
 TIMEOUT = 300
 PACKAGE = Path(accelerate_txn.__file__).parent
-INTERNALS_MODULES = (_accelerate_internals, _torch_internals)
+INTERNALS_MODULES = (_accelerate_internals, _torch_internals, _trainer_internals)
 INTERNALS = {Path(module.__file__) for module in INTERNALS_MODULES}
 
 
 class _Layers:
-    """Both internals layers as one namespace (each accessor is defined in exactly one of them)."""
+    """The internals layers as one namespace (each accessor is defined in exactly one of them)."""
 
     def __getattr__(self, name: str) -> Any:
         owners = [module for module in INTERNALS_MODULES if hasattr(module, name)]
@@ -473,6 +475,55 @@ def test_sharded_tensor_helpers_build_what_dcp_reads_in_place(fsdp_observed: lis
         assert sharded["groups"] == {"lr": 1.0}
 
 
+# --- transformers Trainer (accelerate_txn.trainer.internals), on the installed transformers -------------------
+
+def _tiny_trainer(output_dir: Path) -> Any:
+    transformers = pytest.importorskip("transformers")
+
+    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=32, max_position_embeddings=16)
+    args = transformers.TrainingArguments(output_dir=str(output_dir), use_cpu=True, report_to=[], max_steps=1)
+    return transformers.Trainer(model=transformers.LlamaForCausalLM(config), args=args)
+
+
+def test_trainer_private_points_exist_with_the_recorded_signatures() -> None:
+    transformers = pytest.importorskip("transformers")
+    from transformers import Trainer
+
+    series = ".".join(transformers.__version__.split(".")[:2])
+    assert set(_internals.points_for(series)) == {"_save_checkpoint", "_get_output_dir"}
+    assert set(_internals.module_points_for(series)) == {"load_fsdp_optimizer"}
+    assert _internals.missing_points(Trainer, series) == []
+    # The check can fail: a class without the points is reported, each point by name.
+    assert _internals.missing_points(object, series) == ["_save_checkpoint(model, trial)", "_get_output_dir(trial)"]
+
+
+def test_trainer_output_dir_is_what_the_native_save_joins_checkpoint_n_to_and_can_be_redirected(tmp_path: Path) -> None:
+    trainer = _tiny_trainer(tmp_path / "out")
+    assert _internals.output_dir(trainer, None) == str(tmp_path / "out")
+    with _internals.redirected_output_dir(trainer, str(tmp_path / "staging")):
+        assert trainer._get_output_dir(trial=None) == str(tmp_path / "staging")
+    assert _internals.output_dir(trainer, None) == str(tmp_path / "out")  # the method again, not the shadow
+    assert "_get_output_dir" not in vars(trainer)
+
+
+def test_trainer_call_arguments_bind_as_the_installed_functions_declare_them() -> None:
+    pytest.importorskip("transformers")
+    import transformers.trainer as module
+
+    parameters = inspect.signature(module.Trainer._save_checkpoint).parameters
+    assert list(parameters)[1:3] == ["model", "trial"]
+    assert _internals.save_arguments(("model", "trial"), {}) == "trial"
+    assert _internals.save_arguments(("model",), {"trial": "by name"}) == "by name"
+    declared = inspect.signature(module.load_fsdp_optimizer).parameters
+    bound = _internals.optimizer_load_arguments(("plugin", "accelerator", "optimizer", "model", "dir"), {})
+    assert set(bound) == set(declared)  # every parameter, positional ones by position, the rest by their defaults
+    assert [bound[name] for name in list(declared)[:5]] == ["plugin", "accelerator", "optimizer", "model", "dir"]
+    assert {name: bound[name] for name in list(declared)[5:]} == {
+        name: parameter.default for name, parameter in list(declared.items())[5:]}
+    assert _internals.optimizer_load_arguments((1, 2, 3, 4, 5), {"optimizer_index": 1})["optimizer_index"] == 1
+
+
 # --- (b) the rule cannot erode ----------------------------------------------------------------------------------
 
 def _own_private_names() -> set[str]:
@@ -545,9 +596,9 @@ def test_no_module_but_internals_reaches_a_private_name_of_another_package() -> 
     offenders = {name: sorted(found - PENDING.get(name, set())) for name, found in reached.items()}
     offenders = {name: found for name, found in offenders.items() if found}
     assert not offenders, (
-        f"Private Accelerate/torch/NumPy internals reached outside the internals layers (accelerate_txn/accelerate/"
-        f"internals.py, accelerate_txn/fsdp/internals.py): {offenders}. Add an accessor to the right one (with the "
-        "versions it was checked against) and call it instead.")
+        f"Private Accelerate/torch/NumPy/transformers internals reached outside the internals layers (accelerate_txn/"
+        f"accelerate/internals.py, accelerate_txn/fsdp/internals.py, accelerate_txn/trainer/internals.py): {offenders}. "
+        "Add an accessor to the right one (with the versions it was checked against) and call it instead.")
     stale = {name: sorted(expected - reached.get(name, set())) for name, expected in PENDING.items()}
     assert not any(stale.values()), f"PENDING lists accesses that are gone, delete them: {stale}"
 

@@ -34,7 +34,7 @@ LAYERS: dict[str, set[str]] = {
     # The Trainer front end: the Accelerate front end only for the shared import hook and version policy (see
     # accelerate_txn/trainer/__init__.py).
     "trainer": {"errors", "store", "core", "fsdp", "accelerate"},
-    "cli": {"errors", "store", "core", "fsdp", "accelerate", "weights", "__init__"},
+    "cli": {"errors", "store", "core", "fsdp", "accelerate", "weights", "trainer", "__init__"},
     "testing": {"errors"},
     "__init__": {"errors", "store", "core", "fsdp", "accelerate", "weights", "trainer"},
     "__main__": {"cli"},

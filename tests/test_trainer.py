@@ -1,16 +1,30 @@
-"""The transformers Trainer front end (``accelerate_txn.trainer``) with a real Trainer, real 2-rank FSDP2 on CPU
-(gloo), real ``kill -9``: a protected save publishes ``checkpoint-N`` with a manifest and leaves nothing behind; a job
-killed mid-save resumes with ``resume_from_checkpoint=True`` from the previous complete checkpoint and ends with the
-weights of an uninterrupted run; a corrupt newest checkpoint is skipped by ``True`` and refused on every rank, before
-anything is loaded, when named explicitly.
+"""The transformers Trainer front end (``accelerate_txn.trainer``) with a real Trainer (a tiny Llama built from a
+config), real 2-rank FSDP1 and FSDP2 on CPU (gloo) and real ``kill -9``:
 
-FSDP2 is used where weights are compared: with FSDP1, native Trainer restores no optimizer state into its fresh
-optimizer (the defect of issue 18 not fixed yet: docs/trainer.md), so an exact resume is not possible there.
-Cost on 2 shared CPU cores: about 8 launches of a few seconds each."""
+* a protected save publishes ``checkpoint-N`` with a manifest and leaves nothing behind;
+* FSDP1 resumes its optimizer (native Trainer restores none into its fresh optimizer: the defect of issue 18):
+  after each restart of the kill chain below, the optimizer state when training begins equals, bitwise, what the
+  uninterrupted run had when it saved that checkpoint, and the chain's last run ends with the uninterrupted run's
+  final weights and optimizer state;
+* the kill chain (FSDP1): ``kill -9`` of one rank or of the whole job at each phase of a Trainer save (inside
+  Trainer's own writes, ``tests._trainer_scenarios.NATIVE_POINTS``, and at the library's points), each followed by
+  ``resume_from_checkpoint=True``, which must take the newest complete checkpoint; one rank killed: the others fail on
+  their own (no hang);
+* FSDP2: a whole job killed mid-save resumes exactly; a corrupt newest checkpoint is skipped by ``True`` and refused
+  on every rank when named; each file class damaged in turn (model and optimizer shards, ``scheduler.pt``, an RNG
+  file, ``trainer_state.json``, a missing file, an extra loader-readable file) is refused with the same error on
+  every rank, before anything is loaded;
+* an unvalidated transformers runs native Trainer with one warning.
+
+Cost on 2 shared CPU cores: two reference runs (module fixtures, reused), a kill chain of 8 jobs, about 7 other
+launches; 3 minutes (178 s with the machine at load 5).
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +33,15 @@ import torch
 
 from accelerate_txn.core.faults import KILL_ENV
 from accelerate_txn.core.manifest import MANIFEST, read_manifest, verify_manifest
+from accelerate_txn.core.select import numbered_checkpoints
+from accelerate_txn.errors import CheckpointIntegrityError
 from accelerate_txn.testing import LaunchError, launch
+from tests._crash_harness import KILLED, JobResult, run_to_completion, run_until_crash_point
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 TIMEOUT = 240  # per launch: a hung group fails instead of stalling
 TRAIN = "tests._trainer_scenarios:train"
+ENTRY = "tests._trainer_scenarios"
 
 
 def _run(output: Path, resume: Any, max_steps: int, **kwargs: Any) -> list[dict[str, Any]]:
@@ -31,18 +49,46 @@ def _run(output: Path, resume: Any, max_steps: int, **kwargs: Any) -> list[dict[
                                   kwargs.pop("save_total_limit", None)), timeout=TIMEOUT, env=kwargs.pop("env", None))
 
 
+def _equal(one: Any, other: Any) -> bool:
+    if isinstance(one, torch.Tensor) or isinstance(other, torch.Tensor):
+        return isinstance(one, torch.Tensor) and isinstance(other, torch.Tensor) and torch.equal(one, other)
+    if isinstance(one, (list, tuple)) and isinstance(other, (list, tuple)):
+        return len(one) == len(other) and all(_equal(a, b) for a, b in zip(one, other))
+    return bool(one == other)
+
+
 def _same_weights(one: list[dict[str, Any]], other: list[dict[str, Any]]) -> bool:
-    return all(len(a["weights"]) == len(b["weights"]) and all(torch.equal(x, y) for x, y in zip(a["weights"], b["weights"]))
-               for a, b in zip(one, other))
+    return all(_equal(a["weights"], b["weights"]) for a, b in zip(one, other))
 
 
-def test_a_protected_trainer_save_publishes_a_checkpoint_with_a_manifest_and_no_staging_leftovers(tmp_path: Path) -> None:
-    results = _run(tmp_path, None, 6, fsdp_version=1, save_total_limit=2)
-    assert results[0]["step"] == 6
+def _copy_run(source: Path, destination: Path) -> Path:
+    shutil.copytree(source, destination, symlinks=True)
+    return destination
+
+
+@pytest.fixture(scope="module")
+def fsdp2_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """An uninterrupted FSDP2 run to step 6 (checkpoint-2, -4, -6): its directory and each rank's result. Tests copy
+    the directory before changing anything."""
+    root = tmp_path_factory.mktemp("fsdp2_reference") / "run"
+    return root, _run(root, None, 6)
+
+
+@pytest.fixture(scope="module")
+def fsdp1_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """An uninterrupted FSDP1 run to step 8 with ``save_total_limit=2`` (checkpoint-6 and -8 remain)."""
+    root = tmp_path_factory.mktemp("fsdp1_reference") / "run"
+    return root, _run(root, None, 8, fsdp_version=1, save_total_limit=2)
+
+
+def test_a_protected_trainer_save_publishes_a_checkpoint_with_a_manifest_and_no_staging_leftovers(
+        fsdp1_reference: tuple[Path, list[dict[str, Any]]]) -> None:
+    root, results = fsdp1_reference
+    assert results[0]["step"] == 8
     # Retention ran after each publish: the two newest complete checkpoints remain, nothing hidden but the lock.
-    assert results[0]["entries"] == [".accelerate-txn.lock", "checkpoint-4", "checkpoint-6"]
-    for name in ("checkpoint-4", "checkpoint-6"):
-        path = tmp_path / name
+    assert results[0]["entries"] == [".accelerate-txn.lock", "checkpoint-6", "checkpoint-8"]
+    for name in ("checkpoint-6", "checkpoint-8"):
+        path = root / name
         manifest = read_manifest(path)
         assert manifest is not None and manifest["status"] == "complete"
         assert manifest["trainer"]["world_size"] == 2 and manifest["trainer"]["backend"] == "FSDP1"
@@ -53,11 +99,126 @@ def test_a_protected_trainer_save_publishes_a_checkpoint_with_a_manifest_and_no_
         state = json.loads((path / "trainer_state.json").read_text())
         assert state["global_step"] == int(name.split("-")[1])
     # Both checkpoints belong to one run (retention prunes that run's checkpoints only).
-    assert read_manifest(tmp_path / "checkpoint-4")["run_id"] == read_manifest(tmp_path / "checkpoint-6")["run_id"]
+    assert read_manifest(root / "checkpoint-6")["run_id"] == read_manifest(root / "checkpoint-8")["run_id"]
+    # The optimizer the reference saved is not empty (what the FSDP1 restore test compares against).
+    assert all(result["optimizer_at_save"][8] for result in results)
 
 
-def test_kill_9_of_the_whole_job_mid_save_resumes_from_the_previous_complete_checkpoint_exactly(tmp_path: Path) -> None:
-    reference = _run(tmp_path / "reference", None, 6)
+# --- the FSDP1 kill chain ------------------------------------------------------------------------------------
+
+#: (kill spec, whole job, complete checkpoints right after the kill). Job 0 trains from scratch and is killed in its
+#: second save (checkpoint-4); each later job resumes with ``resume_from_checkpoint=True`` and is killed in its first
+#: save; a last job resumes and trains to step 8. One rank or the whole job, alternating over the phases of a save:
+#: inside Trainer's own writes (model written; optimizer and scheduler written; RNG written, ``trainer_state.json``
+#: not yet), then the library's points (native save done; hashing; manifest written, not renamed; published;
+#: retention renaming the oldest aside).
+CHAIN = (
+    ("trainer:after-model@1#2", False, [2]),
+    ("trainer:after-optimizer", True, [2]),
+    ("trainer:after-rng@0", False, [2]),
+    ("save:after-native-save@1", False, [2]),
+    ("save:during-flush@0", False, [2]),
+    ("save:after-manifest@0", False, [2]),
+    ("save:after-rename", True, [2, 4]),
+    ("save:during-retention@0", False, [4, 6]),
+)
+CHAIN_STEPS = 8
+
+
+def _trainer_report(root: Path) -> dict[str, Any]:
+    """Every ``checkpoint-N`` of ``root`` fully verified (every hash), and the hidden leftovers."""
+    complete, broken = [], {}
+    for number, path in numbered_checkpoints(root):
+        try:
+            manifest = read_manifest(path)
+            if manifest is None:
+                raise CheckpointIntegrityError("no completion manifest")
+            verify_manifest(path, manifest, full=True)
+            complete.append(number)
+        except CheckpointIntegrityError as exc:
+            broken[path.name] = str(exc)
+    leftovers = sorted(p.name for p in root.iterdir() if ".staging-" in p.name or ".deleting-" in p.name)
+    return {"complete": complete, "broken": broken, "leftovers": leftovers}
+
+
+def _obs(job: JobResult, directory: Path, name: str, kind: str) -> list[dict[str, Any] | None]:
+    paths = [directory / "obs" / name / f"rank{rank}.{kind}.pt" for rank in range(2)]
+    return [torch.load(path, weights_only=False) if path.exists() else None for path in paths]
+
+
+@pytest.fixture(scope="module")
+def fsdp1_chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Run the kill chain; returns per link the kill's result, the directory right after it, and what the next job
+    (its restart) observed when training began; and the last job's results."""
+    directory = tmp_path_factory.mktemp("fsdp1_chain")
+    root = directory / "run"
+    spec = {"output_dir": str(root), "max_steps": CHAIN_STEPS, "fsdp_version": 1, "save_total_limit": 2}
+    links = []
+    for index, (kill, whole_job, _complete) in enumerate(CHAIN):
+        job_spec = {**spec, "kill": kill, "resume": None if index == 0 else True}
+        killed = run_until_crash_point(job_spec, directory, f"link{index}", whole_job, entry=ENTRY)
+        links.append({"kill": killed, "report": _trainer_report(root), "began": _obs(killed, directory,
+                                                                                      f"link{index}", "began")})
+    final = run_to_completion({**spec, "resume": True}, directory, "final", entry=ENTRY)
+    return {"links": links, "final": final, "final_obs": _obs(final, directory, "final", "began"),
+            "final_results": [torch.load(directory / "obs" / "final" / f"rank{r}.pt", weights_only=False)
+                              for r in range(2)], "root": root}
+
+
+@pytest.mark.parametrize("index", range(len(CHAIN)), ids=[f"{kill.split('#')[0]}-{'job' if whole else 'rank'}"
+                                                          for kill, whole, _ in CHAIN])
+def test_kill_9_at_each_phase_of_a_trainer_save_then_resume_true_takes_the_newest_complete_checkpoint(
+        fsdp1_chain: dict[str, Any], fsdp1_reference: tuple[Path, list[dict[str, Any]]], index: int) -> None:
+    kill_spec, _whole_job, complete = CHAIN[index]
+    link = fsdp1_chain["links"][index]
+    killed: JobResult = link["kill"]
+    target = kill_spec.split("#")[0]
+    killed_rank = int(target.split("@")[1]) if "@" in target else None
+    assert KILLED in killed.returncodes, killed.describe()
+    if killed_rank is not None:
+        # One rank died; every other rank failed on its own (an error, not a hang the harness had to end).
+        assert killed.returncodes[killed_rank] == KILLED and killed.first_dead == killed_rank, killed.describe()
+        assert not killed.survivors_killed, f"rank(s) {killed.survivors_killed} hung\n{killed.describe()}"
+        assert all(code not in (0, None) for code in killed.survivors_exited.values()), killed.describe()
+    report = link["report"]
+    # Nothing half-written is published: every checkpoint-N present is complete (every hash), the killed save's
+    # checkpoint appears only once its manifest was renamed into place.
+    assert report["complete"] == complete and not report["broken"], report
+    if target.startswith(("trainer:", "save:after-native", "save:during-flush", "save:after-manifest")):
+        # Rank 0 dead: its hidden staging directory stays (never a checkpoint-N); rank 0 alive: it failed on its own
+        # and removed it.
+        assert bool(report["leftovers"]) == (killed_rank != 1), report
+    # The restart (the next link's job, or the last job) selected the newest complete checkpoint and restored the
+    # optimizer state the uninterrupted run had when it saved that checkpoint, bitwise, on every rank.
+    began = fsdp1_chain["links"][index + 1]["began"] if index + 1 < len(CHAIN) else fsdp1_chain["final_obs"]
+    _root, reference = fsdp1_reference
+    for rank in range(2):
+        assert began[rank] is not None, f"the restart after {kill_spec} never began training"
+        assert began[rank]["step"] == complete[-1]
+        restored, saved = began[rank]["optimizer"], reference[rank]["optimizer_at_save"][complete[-1]]
+        assert restored and len(restored) == len(saved), "the FSDP1 optimizer was not restored"
+        assert _equal(restored, saved), f"rank {rank}: the restored optimizer state differs from the saved one"
+
+
+def test_fsdp1_resume_restores_the_optimizer_and_ends_exactly_as_an_uninterrupted_run(
+        fsdp1_chain: dict[str, Any], fsdp1_reference: tuple[Path, list[dict[str, Any]]]) -> None:
+    """The defect of issue 18: native Trainer restores 0 optimizer tensors into its fresh FSDP1 optimizer. After eight
+    kills and restarts the last run ends with the uninterrupted run's weights and optimizer state, bitwise."""
+    _root, reference = fsdp1_reference
+    final = fsdp1_chain["final_results"]
+    assert [result["step"] for result in final] == [CHAIN_STEPS] * 2
+    assert _same_weights(final, reference), "the resumed FSDP1 run's final weights differ from the uninterrupted run's"
+    for rank in range(2):
+        assert final[rank]["optimizer"] and _equal(final[rank]["optimizer"], reference[rank]["optimizer"])
+    report = _trainer_report(fsdp1_chain["root"])
+    assert report == {"complete": [6, 8], "broken": {}, "leftovers": []}, report  # every leftover removed
+
+
+# --- FSDP2 ---------------------------------------------------------------------------------------------------
+
+def test_kill_9_of_the_whole_job_mid_save_resumes_from_the_previous_complete_checkpoint_exactly(
+        tmp_path: Path, fsdp2_reference: tuple[Path, list[dict[str, Any]]]) -> None:
+    _root, reference = fsdp2_reference
     killed = tmp_path / "killed"
     # Every rank kills itself (SIGKILL, no cleanup) in the save of checkpoint-4, after hashing its first file.
     with pytest.raises(LaunchError, match="died with exit codes"):
@@ -68,6 +229,8 @@ def test_kill_9_of_the_whole_job_mid_save_resumes_from_the_previous_complete_che
     resumed = _run(killed, True, 6)
     assert resumed[0]["step"] == 6
     assert _same_weights(resumed, reference), "the resumed run's final weights differ from the uninterrupted run's"
+    for rank in range(2):  # the library's FSDP2 restore put back what the reference had saved at step 2
+        assert _equal(resumed[rank]["began"]["optimizer"], reference[rank]["optimizer_at_save"][2])
     assert not [name for name in resumed[0]["entries"] if ".staging-" in name]  # the next save removed the leftover
     for name in ("checkpoint-2", "checkpoint-4", "checkpoint-6"):
         verify_manifest(killed / name, read_manifest(killed / name), full=True)
@@ -79,24 +242,155 @@ def _corrupt(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_a_corrupt_newest_checkpoint_is_skipped_by_resume_true_and_refused_when_named(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    reference = _run(run, None, 6)  # checkpoint-2, -4, -6; the final weights are the reference
+def _rank_parts(text: str) -> list[str]:
+    return [text.split(f"--- rank {rank} ---")[1].split("--- rank")[0] for rank in (0, 1)]
+
+
+def test_a_corrupt_newest_checkpoint_is_skipped_by_resume_true_and_refused_when_named(
+        tmp_path: Path, fsdp2_reference: tuple[Path, list[dict[str, Any]]]) -> None:
+    source, reference = fsdp2_reference
+    run = _copy_run(source, tmp_path / "run")  # checkpoint-2, -4, -6 of the uninterrupted run
     newest = run / "checkpoint-6"
     _corrupt(newest / "rng_state_1.pth")  # rank 1's file: Trainer would read it, and treats it as optional
     with pytest.raises(LaunchError) as refused:
         _run(run, str(newest), 6)
-    text = str(refused.value)
-    for rank in (0, 1):  # the same error on every rank, raised before Trainer loaded anything
-        part = text.split(f"--- rank {rank} ---")[1].split("--- rank")[0]
+    for part in _rank_parts(str(refused.value)):  # the same error on every rank, before Trainer loaded anything
         assert "CheckpointIntegrityError" in part and "rng_state_1.pth does not match its xxh3_128" in part, part
         assert "_load_from_checkpoint" not in part and "_prepare_for_training" not in part
     resumed = _run(run, True, 6)  # skips checkpoint-6 (logged), resumes from checkpoint-4
-    assert resumed[0]["step"] == 6
+    assert resumed[0]["step"] == 6 and resumed[0]["began"]["step"] == 4
     assert _same_weights(resumed, reference)
     # checkpoint-6 was saved again by the resumed run: replaced atomically by a complete, verified one.
     verify_manifest(newest, read_manifest(newest), full=True)
     assert (newest / MANIFEST).is_file()
+
+
+def _damage(checkpoint: Path, case: str) -> None:
+    if case == "model shard":
+        _corrupt(checkpoint / "pytorch_model_fsdp_0" / "__1_0.distcp")  # rank 1's shard: rank 1 finds it
+    elif case == "optimizer shard":
+        path = checkpoint / "optimizer_0" / "__0_0.distcp"
+        os.truncate(path, path.stat().st_size // 2)
+    elif case == "scheduler":
+        _corrupt(checkpoint / "scheduler.pt")
+    elif case == "rng state":
+        _corrupt(checkpoint / "rng_state_0.pth")
+    elif case == "trainer state":
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        state["global_step"] += 2  # still valid JSON, still a plausible Trainer state
+        (checkpoint / "trainer_state.json").write_text(json.dumps(state, indent=2))
+    elif case == "missing file":
+        (checkpoint / "optimizer_0" / "__1_0.distcp").unlink()
+    elif case == "extra file":
+        (checkpoint / "model.safetensors").write_bytes(b"{}")  # a file Trainer's loader would read
+    else:
+        raise AssertionError(case)
+
+
+#: Each damaged file class and what the refusal names (the same text on every rank).
+DAMAGE = {
+    "model shard": "pytorch_model_fsdp_0/__1_0.distcp does not match its xxh3_128",
+    "optimizer shard": "optimizer_0/__0_0.distcp",
+    "scheduler": "scheduler.pt does not match its xxh3_128",
+    "rng state": "rng_state_0.pth does not match its xxh3_128",
+    "trainer state": "trainer_state.json",
+    "missing file": "optimizer_0/__1_0.distcp",
+    "extra file": "model.safetensors",
+}
+
+
+def test_each_damaged_file_class_is_refused_on_every_rank_before_anything_is_loaded(
+        tmp_path: Path, fsdp2_reference: tuple[Path, list[dict[str, Any]]]) -> None:
+    source, _reference = fsdp2_reference
+    cases = {}
+    for case in DAMAGE:
+        checkpoint = _copy_run(source / "checkpoint-6", tmp_path / case.replace(" ", "-") / "checkpoint-6")
+        _damage(checkpoint, case)
+        cases[case] = str(checkpoint)
+    results = launch("tests._trainer_scenarios:refuse_each", 2, args=(str(tmp_path / "out"), cases), timeout=TIMEOUT)
+    for case, expected in DAMAGE.items():
+        errors = [result["errors"][case] for result in results]
+        assert errors[0] == errors[1], f"{case}: the ranks raised different errors: {errors}"
+        assert errors[0].startswith("CheckpointIntegrityError: ") and expected in errors[0], (case, errors[0])
+        assert all(result["untouched"][case] for result in results), f"{case}: something was loaded"
+
+
+# --- the command line on a Trainer output directory -----------------------------------------------------------
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, str, str]:
+    from accelerate_txn.cli import main
+
+    code = main([str(arg) for arg in args])
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err, captured.err
+    return code, captured.out, captured.err
+
+
+def test_the_cli_lists_verifies_inspects_and_picks_trainer_checkpoints_as_resume_true_does(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], fsdp2_reference: tuple[Path, list[dict[str, Any]]]) -> None:
+    source, _reference = fsdp2_reference
+    run = _copy_run(source, tmp_path / "run")
+    _corrupt(run / "checkpoint-6" / "rng_state_1.pth")  # the newest: resume_from_checkpoint=True skips it
+    native = _copy_run(source / "checkpoint-6", run / "checkpoint-8")  # as native Trainer saves: no manifest
+    (native / MANIFEST).unlink()
+
+    code, out, _err = _cli(capsys, "list", run, "--json")
+    listing = json.loads(out)
+    assert code == 0 and listing["trainer"] is True and listing["would_load"] == str(run / "checkpoint-4")
+    rows = {row["name"]: row for row in listing["checkpoints"]}
+    assert [row["name"] for row in listing["checkpoints"]] == ["checkpoint-8", "checkpoint-6", "checkpoint-4",
+                                                                "checkpoint-2"]
+    assert rows["checkpoint-8"]["status"] == "legacy" and "native Trainer" in rows["checkpoint-8"]["reason"]
+    assert rows["checkpoint-6"]["status"] == "corrupt" and "rng_state_1.pth" in rows["checkpoint-6"]["reason"]
+    assert [(rows[n]["status"], rows[n]["global_step"]) for n in ("checkpoint-4", "checkpoint-2")] == [
+        ("complete", 4), ("complete", 2)]
+    code, out, _err = _cli(capsys, "list", run)
+    assert code == 0 and "train(resume_from_checkpoint=True) would resume from checkpoint-4" in out
+
+    code, out, err = _cli(capsys, "latest", run)
+    assert code == 0 and out.strip() == str(run / "checkpoint-4") and "checkpoint-6" in err
+
+    code, out, _err = _cli(capsys, "verify", run / "checkpoint-4", "--full")
+    assert code == 0 and "valid" in out and "Trainer global step 4" in out
+    assert "the 6 files a Trainer resume reads" in out
+    code, _out, err = _cli(capsys, "verify", run / "checkpoint-6")
+    assert code == 1 and "rng_state_1.pth does not match its xxh3_128" in err
+    code, _out, err = _cli(capsys, "verify", native)
+    assert code == 1 and "saved by native Trainer" in err
+    extra = _copy_run(source / "checkpoint-2", tmp_path / "extra" / "checkpoint-2")
+    (extra / "config.json").write_text("{}")  # a file a Trainer resume reads, not in the inventory
+    code, _out, err = _cli(capsys, "verify", extra)
+    assert code == 1 and "config.json" in err
+
+    code, out, _err = _cli(capsys, "inspect", run / "checkpoint-4")
+    assert code == 0 and "saved by transformers.Trainer" in out
+    assert "world size 2, backend FSDP2, state dict type SHARDED_STATE_DICT, global step 4" in out
+    assert "rng_state_1.pth" in out and "trainer_state.json" in out  # the files a resume reads
+
+    # prune counts every published checkpoint of the run: a corrupt one is refused, as in an Accelerate run.
+    code, _out, err = _cli(capsys, "prune", run, "--keep", "1")
+    assert code == 1 and "checkpoint-6" in err and "fail verification" in err
+    shutil.rmtree(run / "checkpoint-6")
+    code, out, _err = _cli(capsys, "prune", run, "--keep", "1", "--json")
+    pruned = json.loads(out)
+    assert code == 0 and pruned["deleted"] == [str(run / "checkpoint-2")] and pruned["kept"] == [
+        str(run / "checkpoint-4")]
+    assert sorted(p.name for p in run.iterdir()) == [".accelerate-txn.lock", "checkpoint-4", "checkpoint-8"]
+
+
+def test_the_cli_reads_a_trainer_directory_without_importing_torch(
+        fsdp2_reference: tuple[Path, list[dict[str, Any]]]) -> None:
+    import subprocess
+    import sys
+
+    source, _reference = fsdp2_reference
+    probe = ("import sys\nfrom accelerate_txn.cli import main\n"
+             "codes = [main(['verify', sys.argv[1]]), main(['list', sys.argv[2]]), main(['latest', sys.argv[2]])]\n"
+             "print('torch' in sys.modules, codes)")
+    result = subprocess.run([sys.executable, "-c", probe, str(source / "checkpoint-4"), str(source)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "False [0, 0, 0]"
 
 
 _UNVALIDATED = """\
@@ -126,7 +420,7 @@ def test_an_unvalidated_transformers_runs_native_trainer_with_one_warning(tmp_pa
     import sys
 
     result = subprocess.run([sys.executable, "-c", _UNVALIDATED, str(tmp_path)], capture_output=True, text=True,
-                            timeout=TIMEOUT, env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+                            timeout=TIMEOUT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "WARNINGS 1 " in result.stdout and "has not validated its Trainer front end" in result.stdout, result.stdout
     # Native Trainer saved as it does without the library: no manifest, no lock, no staging.

@@ -28,9 +28,11 @@ from ._scan import (
     checkpoint_manifest,
     checkpoint_number,
     component_steps,
+    is_trainer_run,
     optimizer_step_text,
     plural,
     progress_text,
+    resume_call,
     run_directory_hint,
     scan_run_directory,
     step_text,
@@ -74,13 +76,20 @@ def _run_directory(path: Path, command: str) -> Path:
     return path
 
 
-def _would_load(root: Path) -> str | None:
+def _would_load(root: Path, trainer: bool = False) -> str | None:
     """The checkpoint load_state() would resume from under ``root``, by the library's own selection
     (``core.select.latest_checkpoint``) with the default legacy policy (``ALLOW_LEGACY_DEFAULT``: the command line
     has no Accelerator): the newest complete checkpoint, else a legacy one; ``None`` for an empty directory.
-    Raises :class:`NoCheckpointError` when candidates exist but none would load."""
+    ``trainer``: a Trainer output directory, judged by the Trainer's rules (``trainer.layout.TrainerRules``: every file
+    a resume reads present for every saving rank; a native Trainer checkpoint only when no complete one exists), as
+    ``train(resume_from_checkpoint=True)`` judges it. Raises :class:`NoCheckpointError` when candidates exist but
+    none would load."""
     from ..core.select import ALLOW_LEGACY_DEFAULT, latest_checkpoint
 
+    if trainer:
+        from ..trainer.layout import TrainerRules
+
+        return latest_checkpoint(root, TrainerRules(None, offline=True), full=True)
     return latest_checkpoint(root, full=True, legacy=ALLOW_LEGACY_DEFAULT)
 
 
@@ -115,6 +124,9 @@ def _checkpoint(path: Path | str, command: str) -> dict[str, Any]:
 def list_command(directory: Path | str, as_json: bool) -> int:
     """List every checkpoint of a run directory (or an s3:// prefix), newest first.
 
+    In a transformers Trainer output directory (checkpoint-N), the step is Trainer's global step and the mark is
+    the one train(resume_from_checkpoint=True) would take.
+
     Shows each checkpoint_N and leftover with its status (complete, staging leftover, retired leftover, legacy,
     corrupt, with the reason; under a URL also unfinished upload), optimizer step, Accelerator step, run id, size,
     age and integrity mode, and marks the one load_state() would resume from (the newest complete checkpoint, else
@@ -123,23 +135,25 @@ def list_command(directory: Path | str, as_json: bool) -> int:
     from ..core.select import legacy_resume
 
     root: Path | str
+    trainer = False
     if remote.is_url(directory):
         root = remote.run_prefix(str(directory), "list")
         entries: list[Any] = remote.scan(root)
         pick = next((str(entry.path) for entry in entries if entry.status == COMPLETE), None)
     else:
         root = _run_directory(Path(directory), "list")
-        entries = scan_run_directory(root)
+        trainer = is_trainer_run(root)
+        entries = scan_run_directory(root, trainer)
         try:
             with out.quiet("accelerate_txn.core.select"):  # its skip reasons are in the table already
-                pick = _would_load(root)
+                pick = _would_load(root, trainer)
         except NoCheckpointError:
             pick = None
     for entry in entries:
         entry.selected = pick is not None and str(entry.path) == pick
     now = time.time()
     if as_json:
-        out.emit_json({"directory": str(root), "would_load": pick,
+        out.emit_json({"directory": str(root), "trainer": trainer, "would_load": pick,
                        "checkpoints": [entry.as_json(now) for entry in entries]})
         return 0
     if not entries:
@@ -167,12 +181,14 @@ def list_command(directory: Path | str, as_json: bool) -> int:
                 "mirror); large payloads were checked by size only here, 'accelerate-txn latest' downloads and "
                 "hashes every file" if pick else "no complete checkpoint here: a resume from this prefix finds none")
     elif pick is None:
-        out.say("load_state() would find no checkpoint to resume from here (a resume raises NoCheckpointError).")
+        out.say(f"{resume_call(trainer)} would find no checkpoint to resume from here (a resume raises "
+                "NoCheckpointError).")
     elif picked is not None and picked.status == LEGACY:
-        out.say(f"load_state() would resume from {Path(pick).name}, which has no completion manifest: "
-                f"{legacy_resume()}")
+        out.say(f"{resume_call(trainer)} would resume from {Path(pick).name}, which has no completion manifest: "
+                + ("saved by native Trainer, taken only because no complete checkpoint exists" if trainer
+                   else legacy_resume()))
     else:
-        out.say(f"load_state() would resume from {Path(pick).name}")
+        out.say(f"{resume_call(trainer)} would resume from {Path(pick).name}")
     return 0
 
 
@@ -267,6 +283,10 @@ def verify_command(checkpoint: Path | str, full: bool, dcp: bool, as_json: bool)
         out.say("  no unlisted file that a loader would read" + (
             f"; {len(extra)} unlisted {plural(len(extra), 'file')} no loader reads: {', '.join(extra[:5])}{more}"
             if extra else ""))
+    if report.get("trainer_required"):
+        count = report["trainer_required"]
+        out.say(f"  the {count} {plural(count, 'file')} a Trainer resume reads (trainer_state.json, every saving rank's "
+                "RNG state, the scheduler, the DCP metadata) in the inventory")
     if report.get("dcp_metadata"):
         count = report["dcp_metadata"]
         out.say(f"  DCP metadata of {count} {plural(count, 'directory', 'directories')}: schemas and payload lists")
@@ -330,6 +350,7 @@ def inspect_command(checkpoint: Path | str, as_json: bool) -> int:
         out.emit_json({"path": str(checkpoint), "run_id": manifest.get("run_id"), "protocol": manifest.get("protocol"),
                        "integrity": manifest.get("integrity"), "versions": manifest.get("versions"),
                        "steps": component_steps(manifest), "checkpoint_number": checkpoint_number(manifest),
+                       "frontend": manifest.get("frontend"), "trainer": manifest.get("trainer"),
                        "components": summaries,
                        "rank_state": manifest.get("rank_state"), "resharded_from": manifest.get("resharded_from")})
         return 0
@@ -338,7 +359,11 @@ def inspect_command(checkpoint: Path | str, as_json: bool) -> int:
             f"{manifest.get('integrity')}; not verified here: see 'accelerate-txn verify')")
     out.say("saved with " + (", ".join(f"{k} {v}" for k, v in sorted(versions.items())) or "unknown versions")
             + f"; {progress_text(manifest)}")
-    if not summaries:
+    trainer = manifest.get("trainer") if isinstance(manifest.get("trainer"), dict) else None
+    if trainer is not None:
+        for line in _trainer_lines(trainer):
+            out.say(line)
+    elif not summaries:
         out.say("the manifest records no training configuration")
     for name, summary in summaries.items():
         for line in _inspect_lines(name, summary):
@@ -346,6 +371,20 @@ def inspect_command(checkpoint: Path | str, as_json: bool) -> int:
     for line in _rank_lines(manifest):
         out.say(line)
     return 0
+
+
+def _trainer_lines(record: dict[str, Any]) -> list[str]:
+    """What a Trainer manifest records of the saving Trainer (``trainer.layout.training_record``)."""
+    arguments = record.get("arguments") if isinstance(record.get("arguments"), dict) else {}
+    required = record.get("required") if isinstance(record.get("required"), list) else []
+    return [
+        "saved by transformers.Trainer:",
+        f"  world size {record.get('world_size')}, backend {record.get('backend')}, state dict type "
+        f"{record.get('state_dict_type') or '-'}, global step {record.get('global_step')}"
+        + (", model only (save_only_model)" if record.get("save_only_model") else ""),
+        "  arguments: " + (", ".join(f"{k}={v!r}" for k, v in sorted(arguments.items())) or "none"),
+        f"  files a resume reads: {', '.join(map(str, required)) or '-'}",
+    ]
 
 
 def _rank_lines(manifest: dict[str, Any]) -> list[str]:
@@ -413,13 +452,31 @@ def diff_command(saved: Path | str, other: Path | str, allow_reshard: bool, show
 # --------------------------------------------------------------------------------------------- prune
 
 
-def _prune_plan(entries: list[Any], run_id: str, keep: int) -> tuple[list[Any], list[Any]]:
+def _best_model(root: Path, entries: list[Any], run_id: str | None) -> list[Path]:
+    """A Trainer run's ``best_model_checkpoint`` (as its newest complete checkpoint's ``trainer_state.json`` records
+    it) when it is a checkpoint of ``root``: save-time retention never deletes it, nor does ``prune``."""
+    import json
+
+    from ..trainer.layout import TRAINER_STATE
+
+    newest = max((e for e in entries if e.status == COMPLETE and e.run_id == run_id), key=lambda e: e.number,
+                 default=None)
+    if newest is None:
+        return []
+    try:
+        best = json.loads((newest.path / TRAINER_STATE).read_text(encoding="utf-8")).get("best_model_checkpoint")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [root / Path(best).name] if isinstance(best, str) and best and (root / Path(best).name).is_dir() else []
+
+
+def _prune_plan(entries: list[Any], run_id: str, keep: int, spared: list[Path] = ()) -> tuple[list[Any], list[Any]]:  # type: ignore[assignment]
     """(deleted, kept) complete checkpoints of ``run_id`` under retention ``keep``, oldest first: the rule of
-    ``accelerate_txn._select.prune`` (``retention_victims``: oldest first, never the newest listed)."""
+    ``accelerate_txn._select.prune`` (``retention_victims``: oldest first, never the newest listed nor ``spared``)."""
     from ..core.select import retention_victims
 
     ours = sorted((e for e in entries if e.status == COMPLETE and e.run_id == run_id), key=lambda e: e.number)
-    doomed = set(retention_victims([entry.path for entry in ours], keep))
+    doomed = set(retention_victims([entry.path for entry in ours], keep, keep=spared))
     return [e for e in ours if e.path in doomed], [e for e in ours if e.path not in doomed]
 
 
@@ -453,11 +510,25 @@ def _prune_run(root: Path | str, entries: list[Any], run_id: str | None,
 
 
 def _prune_decision(root: Path | str, entries: list[Any], run_id: str | None, keep: int,
-                    published_run: Callable[[Any], str | None] | None = None) -> tuple[str | None, list[Any], list[Any]]:
-    """(run, deleted, kept) by the rules of save-time retention (:func:`_prune_run`, :func:`_prune_plan`)."""
+                    published_run: Callable[[Any], str | None] | None = None,
+                    spared: list[Path] = ()) -> tuple[str | None, list[Any], list[Any]]:  # type: ignore[assignment]
+    """(run, deleted, kept) by the rules of save-time retention (:func:`_prune_run`, :func:`_prune_plan`);
+    ``spared``: checkpoints never deleted (a Trainer's best model)."""
     run = _prune_run(root, entries, run_id, published_run)
-    doomed, kept = _prune_plan(entries, run, keep) if run else ([], [])
+    doomed, kept = _prune_plan(entries, run, keep, spared) if run else ([], [])
     return run, doomed, kept
+
+
+def _local_prune_decision(root: Path, run_id: str | None, keep: int) -> tuple[list[Any], str | None, list[Any],
+                                                                               list[Any], list[Path]]:
+    """(entries, run, deleted, kept, spared) for a local run directory; in a Trainer run the best model is spared."""
+    trainer = is_trainer_run(root)
+    entries = scan_run_directory(root, trainer)
+    spared: list[Path] = []
+    if trainer:
+        spared = _best_model(root, entries, _prune_run(root, entries, run_id))
+    run, doomed, kept = _prune_decision(root, entries, run_id, keep, spared=spared)
+    return entries, run, doomed, kept, spared
 
 
 @click.command("prune", short_help="Delete a run's oldest complete checkpoints, keeping --keep.")
@@ -487,18 +558,17 @@ def prune_command(directory: Path | str, keep: int, run_id: str | None, dry_run:
         deleted = remote.prune(root, run, keep, kept[-1].path) if run and doomed and not dry_run else None
     elif dry_run:  # no lock: the same rule applied to what is there now
         root = _run_directory(Path(directory), "prune")
-        entries = scan_run_directory(root)
-        run, doomed, kept = _prune_decision(root, entries, run_id, keep)
+        entries, run, doomed, kept, _spared = _local_prune_decision(root, run_id, keep)
         deleted = None
     else:
         root = _run_directory(Path(directory), "prune")
         lock = DirectoryLock(root)
         lock.acquire()  # first: a save publishing between a scan and the lock would make that scan stale
         try:
-            entries = scan_run_directory(root)
-            run, doomed, kept = _prune_decision(root, entries, run_id, keep)
+            entries, run, doomed, kept, spared = _local_prune_decision(root, run_id, keep)
             # prune lists the directory again (still under the lock) and never deletes the newest it lists.
-            deleted = prune(root, run, keep, kept[-1].path, store=POSIX) if run and doomed else []  # type: ignore[arg-type]
+            deleted = (prune(root, run, keep, kept[-1].path, store=POSIX, keep=spared)  # type: ignore[arg-type]
+                       if run and doomed else [])
         finally:
             lock.release()
     if deleted is None:  # a dry run, or nothing to delete under a URL: what the rule takes
@@ -527,8 +597,10 @@ def prune_command(directory: Path | str, keep: int, run_id: str | None, dry_run:
 @_json_option
 def latest_command(directory: Path | str, as_json: bool) -> int:
     """Print the checkpoint load_state() would resume from: the newest complete checkpoint_N, else a legacy
-    (manifest-less) one, as load_state() with the default allow_legacy=True would. Under an s3:// prefix: the newest
-    checkpoint there that verifies fully (every file downloaded and hashed), the one a resume from it takes.
+    (manifest-less) one, as load_state() with the default allow_legacy=True would. In a transformers Trainer output
+    directory: the checkpoint-N train(resume_from_checkpoint=True) would resume from, by the Trainer's rules. Under
+    an s3:// prefix: the newest checkpoint there that verifies fully (every file downloaded and hashed), the one a
+    resume from it takes.
 
     Exit 1 if the directory holds no checkpoint load_state() would resume from; why each newer one was skipped goes
     to stderr.
@@ -538,17 +610,21 @@ def latest_command(directory: Path | str, as_json: bool) -> int:
 
     url = remote.is_url(directory)
     root = remote.run_prefix(str(directory), "latest") if url else _run_directory(Path(directory), "latest")
+    trainer = not url and is_trainer_run(root)  # type: ignore[arg-type]
     try:
-        found = remote.latest(str(root)) if url else _would_load(root)  # type: ignore[arg-type]
+        found = remote.latest(str(root)) if url else _would_load(root, trainer)  # type: ignore[arg-type]
         error = None if found else f"{root}: no checkpoints"
     except NoCheckpointError as exc:
         found, error = None, str(exc)
     legacy = found is not None and not url and read_manifest(Path(found)) is None
     if as_json:
-        out.emit_json({"directory": str(root), "latest": found, "error": error, "legacy": legacy})
+        out.emit_json({"directory": str(root), "latest": found, "error": error, "legacy": legacy, "trainer": trainer})
     elif found:
         out.say(found)
-    if legacy:
+    if legacy and trainer:
+        out.say(f"note: {Path(found).name} has no completion manifest (saved by native Trainer): "  # type: ignore[arg-type]
+                "train(resume_from_checkpoint=True) takes it only because no complete checkpoint exists", err=True)
+    elif legacy:
         out.say(f"note: {Path(found).name} has no completion manifest (a native Accelerate checkpoint): "  # type: ignore[arg-type]
                 f"{legacy_resume()}", err=True)
     if error:

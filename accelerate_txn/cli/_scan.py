@@ -23,6 +23,7 @@ from ..store.posix import (
     staging_leftovers,
     walk_tree,
 )
+from ..trainer import layout as trainer_layout
 
 COMPLETE, STAGING, RETIRED, LEGACY, CORRUPT = "complete", "staging leftover", "retired leftover", "legacy", "corrupt"
 REPLACED = "replaced leftover"
@@ -86,6 +87,32 @@ def run_directory_hint(path: Path, command: str) -> str | None:
             f"{shown}. Pass one of them, e.g. 'accelerate-txn {command} {runs[0]}'")
 
 
+def is_trainer_run(root: Path) -> bool:
+    """Whether ``root`` is the output directory of a transformers Trainer, decided by its newest checkpoint that says
+    so: a readable manifest (a Trainer's, or another front end's), or, without one, a ``trainer_state.json`` (saved by
+    native Trainer). Its checkpoints are then judged by the Trainer's rules (``trainer.layout.TrainerRules``), as
+    ``train(resume_from_checkpoint=True)`` judges them. Reads about one manifest, not every one."""
+    from ..core.select import numbered_checkpoints
+
+    for _number, path in reversed(numbered_checkpoints(root)):
+        if path.is_symlink():
+            continue
+        try:
+            manifest = read_manifest(path)
+        except (CheckpointIntegrityError, OSError):
+            continue
+        if manifest is not None:
+            return trainer_layout.is_trainer_manifest(manifest)
+        if (path / trainer_layout.TRAINER_STATE).is_file():
+            return True
+    return False
+
+
+def resume_call(trainer: bool) -> str:
+    """What resumes from a run directory, in words: ``load_state()``, or Trainer's resume."""
+    return "train(resume_from_checkpoint=True)" if trainer else "load_state()"
+
+
 def plural(count: int, one: str, many: str | None = None) -> str:
     """``one`` for a count of 1, else ``many`` (default: ``one`` + "s")."""
     return one if count == 1 else (many if many is not None else one + "s")
@@ -147,6 +174,11 @@ def checkpoint_manifest(path: Path, command: str) -> dict[str, Any]:
         raise PathKindError(f"{hint}, or pass one checkpoint_N of it to '{command}'")
     if (path / (MANIFEST + ".tmp")).exists():
         raise CheckpointIntegrityError(f"{path} holds only a partly written manifest ({MANIFEST}.tmp): an interrupted save")
+    if (path / trainer_layout.TRAINER_STATE).is_file():
+        raise CheckpointIntegrityError(
+            f"{path} has no {MANIFEST}: saved by native Trainer (without accelerate-txn), or a save that did not "
+            "finish. There is nothing to verify it against; train(resume_from_checkpoint=True) takes such a checkpoint "
+            "only when no complete one exists, after checking that the files a resume reads are there")
     files, error = _loader_files(path)
     if files and error is None:
         raise CheckpointIntegrityError(
@@ -171,7 +203,12 @@ def private_patterns(manifest: dict[str, Any]) -> list[re.Pattern[str]]:
     for descriptor in components.values() if isinstance(components, dict) else ():
         states = descriptor.get("private_states") if isinstance(descriptor, dict) else None
         templates.update(name for name in states or {} if isinstance(name, str) and "{rank}" in name)
-    return [re.compile(re.escape(t).replace(re.escape("{rank}"), r"\d+")) for t in sorted(templates)]
+    if trainer_layout.is_trainer_manifest(manifest):  # the files a Trainer resume reads besides Accelerate's
+        templates.update(trainer_layout.RANK_TEMPLATES)
+        extra = list(trainer_layout.LOADER_PATTERNS)
+    else:
+        extra = []
+    return [re.compile(re.escape(t).replace(re.escape("{rank}"), r"\d+")) for t in sorted(templates)] + extra
 
 
 def _is_large_payload(name: str, size: int) -> bool:
@@ -217,8 +254,12 @@ class Verification:
                          "loads torch)")
         if self.report.get("extra") is None:
             notes.append("files present but not in the inventory (this version does not look for them)")
-        notes.append("fit to a training configuration: load_state() compares it with the live Accelerator "
-                     "(see 'accelerate-txn inspect' and 'accelerate-txn diff')")
+        if trainer_layout.is_trainer_manifest(self.manifest):
+            notes.append("fit to the live Trainer (world size, model, optimizer groups): checked when "
+                         "train(resume_from_checkpoint=...) loads it (see 'accelerate-txn inspect')")
+        else:
+            notes.append("fit to a training configuration: load_state() compares it with the live Accelerator "
+                         "(see 'accelerate-txn inspect' and 'accelerate-txn diff')")
         return notes
 
     def as_json(self) -> dict[str, Any]:
@@ -233,6 +274,7 @@ class Verification:
             "integrity": manifest.get("integrity"),
             "components": component_steps(manifest),
             "checkpoint_number": checkpoint_number(manifest),
+            "global_step": global_step(manifest),
             "versions": manifest.get("versions"),
             "checked": {**self.report, "full": self.full, "dcp": self.dcp} if self.valid else None,
             "not_checked": self.not_checked() if self.valid else None,
@@ -247,6 +289,9 @@ def verify_checkpoint(path: Path, manifest: dict[str, Any], *, full: bool, dcp: 
     try:
         report = verify_manifest(path, manifest, full=full, dcp=dcp, private_patterns=private_patterns(manifest),
                                  progress=progress)
+        if trainer_layout.is_trainer_manifest(manifest):  # every file a Trainer resume reads, for every saving rank
+            record = trainer_layout.check_record(Path(path), manifest)
+            report = {**report, "trainer_required": len(record["required"])}
     except CheckpointIntegrityError as exc:
         result.error = str(exc)
         return result
@@ -290,6 +335,8 @@ def component_steps(manifest: dict[str, Any]) -> list[dict[str, Any]]:
 def step_text(manifest: dict[str, Any]) -> str:
     """``Accelerator.step`` for display: one number when every component agrees."""
     values = {row["accelerator_step"] for row in component_steps(manifest)}
+    if not values:  # no Accelerate component (a Trainer checkpoint)
+        return "-"
     if len(values) == 1:
         (value,) = values
         return "-" if value is None else str(value)
@@ -299,6 +346,9 @@ def step_text(manifest: dict[str, Any]) -> str:
 def optimizer_step_text(manifest: dict[str, Any]) -> str:
     """The optimizer steps taken, for display: one number when every optimizer of every component agrees, ``-``
     when none was recorded (an older manifest, or optimizers that keep no step count, such as plain SGD)."""
+    if trainer_layout.is_trainer_manifest(manifest):  # Trainer's global step counts optimizer steps
+        step = global_step(manifest)
+        return "-" if step is None else str(step)
     rows = component_steps(manifest)
     values = {value for row in rows for value in row["optimizer_steps"] or [] if value is not None}
     if not values:
@@ -309,10 +359,21 @@ def optimizer_step_text(manifest: dict[str, Any]) -> str:
                      for row in rows)
 
 
+def global_step(manifest: dict[str, Any]) -> int | None:
+    """A Trainer checkpoint's ``state.global_step`` (``None`` for other manifests)."""
+    if not trainer_layout.is_trainer_manifest(manifest):
+        return None
+    record = manifest.get("trainer")
+    return _count(record.get("global_step")) if isinstance(record, dict) else None
+
+
 def progress_text(manifest: dict[str, Any]) -> str:
     """The numbers a person knows about a checkpoint: its checkpoint number, the optimizer steps taken and
-    ``Accelerator.step``."""
+    ``Accelerator.step`` (a Trainer checkpoint: its global step)."""
     number = checkpoint_number(manifest)
+    if trainer_layout.is_trainer_manifest(manifest):
+        step = global_step(manifest)
+        return f"checkpoint {'-' if number is None else number}, Trainer global step {'-' if step is None else step}"
     return (f"checkpoint {'-' if number is None else number}, optimizer step {optimizer_step_text(manifest)}, "
             f"Accelerator step {step_text(manifest)}")
 
@@ -381,6 +442,7 @@ class Entry:
             "run_id": self.run_id,
             "components": component_steps(manifest) if self.manifest else None,
             "checkpoint_number": checkpoint_number(manifest) if self.manifest else None,
+            "global_step": global_step(manifest) if self.manifest else None,
             "integrity": manifest.get("integrity"),
             "size_bytes": self.size(),
             "modified": None if modified is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(modified)),
@@ -389,7 +451,19 @@ class Entry:
         }
 
 
-def _checkpoint_entry(number: int, path: Path) -> Entry:
+def _trainer_legacy_entry(number: int, path: Path) -> Entry:
+    """A manifest-less ``checkpoint-N`` of a Trainer run: legacy when it holds every file a Trainer resume reads
+    (``TrainerRules``), else corrupt with the reason."""
+    try:
+        trainer_layout.TrainerRules(None, offline=True).check_required(path, None)
+    except CheckpointIntegrityError as exc:
+        return Entry(path, number, CORRUPT, f"no completion manifest, and not a complete native Trainer checkpoint "
+                     f"either: {exc}")
+    return Entry(path, number, LEGACY, "no completion manifest: saved by native Trainer (or an unfinished native "
+                 "save); train(resume_from_checkpoint=True) takes it only when no complete checkpoint exists")
+
+
+def _checkpoint_entry(number: int, path: Path, trainer: bool = False) -> Entry:
     from ..core.select import symlink_reason
 
     link = symlink_reason(path)
@@ -402,6 +476,8 @@ def _checkpoint_entry(number: int, path: Path) -> Entry:
     if manifest is None:
         if (path / (MANIFEST + ".tmp")).exists():
             return Entry(path, number, CORRUPT, f"only a partly written {MANIFEST}.tmp: an interrupted save")
+        if trainer:
+            return _trainer_legacy_entry(number, path)
         files, error = _loader_files(path)
         if files and error is None:
             from ..core.select import legacy_resume
@@ -422,11 +498,13 @@ def _leftover_number(name: str) -> int:
     return int(match.group(1)) if match else -1
 
 
-def scan_run_directory(root: Path) -> list[Entry]:
-    """Every checkpoint and leftover of ``root``, newest first (a leftover of ``checkpoint_9`` ranks as 9)."""
+def scan_run_directory(root: Path, trainer: bool | None = None) -> list[Entry]:
+    """Every checkpoint and leftover of ``root``, newest first (a leftover of ``checkpoint_9`` ranks as 9).
+    ``trainer``: whether ``root`` is a Trainer output directory (``None``: :func:`is_trainer_run` decides)."""
     from ..core.select import numbered_checkpoints
 
-    entries = [_checkpoint_entry(number, path) for number, path in numbered_checkpoints(root)]
+    trainer = is_trainer_run(root) if trainer is None else trainer
+    entries = [_checkpoint_entry(number, path, trainer) for number, path in numbered_checkpoints(root)]
     for path, run in staging_leftovers(root):
         target = STAGING_NAME.fullmatch(path.name).group("name")  # type: ignore[union-attr]
         entries.append(Entry(path, _leftover_number(target), STAGING,

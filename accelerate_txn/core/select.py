@@ -183,8 +183,8 @@ def check_candidate(path: Path, rules: CandidateRules | None, *, legacy: bool | 
                     ) -> dict[str, Any] | None:
     """Quick check of one candidate (no collectives): the manifest and the tree against its inventory, the hashes
     of control files and small payloads, every rank's files and, with ``rules`` (live training objects: torch is
-    loaded), the DCP chunk coverage, the components and every required file. Returns the
-    manifest (``None`` for a legacy directory that is allowed); raises :class:`CheckpointIntegrityError`.
+    loaded; unless the rules set ``dcp_coverage = False``), the DCP chunk coverage, the components and every required
+    file. Returns the manifest (``None`` for a legacy directory that is allowed); raises :class:`CheckpointIntegrityError`.
 
     A legacy (manifest-less) directory is allowed by ``rules.allow_legacy()``; without rules by ``legacy`` (default
     False; the command line passes :data:`ALLOW_LEGACY_DEFAULT` to answer as ``load_state()`` does), and then only
@@ -196,7 +196,8 @@ def check_candidate(path: Path, rules: CandidateRules | None, *, legacy: bool | 
     manifest = read_manifest(path)
     patterns = rules.private_patterns() if rules is not None else []
     if manifest is not None:
-        verify_manifest(path, manifest, full=False, dcp=rules is not None, private_patterns=patterns)
+        dcp = rules is not None and getattr(rules, "dcp_coverage", True)
+        verify_manifest(path, manifest, full=False, dcp=dcp, private_patterns=patterns)
         if rules is not None and set(manifest.get("components", {})) != set(rules.components):
             raise CheckpointIntegrityError(
                 f"it holds components {sorted(manifest.get('components', {}))}, not {sorted(rules.components)}"

@@ -7,17 +7,23 @@ The front end wraps the fewest, most stable points of ``transformers.Trainer``:
 * ``Trainer._save_checkpoint(model, trial)`` (private) for the save: the whole native save (model, optimizer,
   scheduler, scaler, RNG, ``trainer_state.json``, Trainer's own rotation) runs inside it;
 * ``Trainer._get_output_dir(trial)`` (private), the run directory ``_save_checkpoint`` joins ``checkpoint-N`` to: for
-  the duration of one save it names a hidden staging directory, so the native save writes there.
+  the duration of one save it names a hidden staging directory, so the native save writes there;
+* ``transformers.trainer.load_fsdp_optimizer`` (a private binding: the module's import of Accelerate's
+  ``accelerate.utils.load_fsdp_optimizer``, which ``Trainer._load_optimizer_and_scheduler`` calls on resume). It is
+  not the binding the Accelerate front end wraps (``accelerate.accelerator``'s), so the Trainer front end wraps this
+  one, to route a protected resume to the library's sharded optimizer restore.
 
 :data:`POINTS` records, per transformers minor series, the private names and signatures this module relies on;
 :func:`missing_points` checks them on the installed Trainer class, so a release that moved them runs native Trainer
 with a warning instead of failing inside a save. Between 4.46 and 5.24 ``_save_checkpoint`` lost its ``metrics``
-argument (5.0); ``_get_output_dir`` kept its signature.
+argument (5.0); ``_get_output_dir`` kept its signature. :data:`MODULE_POINTS` records the same for the module-level
+bindings of ``transformers.trainer``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 from collections.abc import Iterator
 from typing import Any
@@ -26,29 +32,46 @@ from typing import Any
 POINTS: dict[str, dict[str, tuple[str, ...]]] = {
     "5.24": {"_save_checkpoint": ("self", "model", "trial"), "_get_output_dir": ("self", "trial")},
 }
+#: transformers minor series -> the bindings of the ``transformers.trainer`` module used, as ``{name: parameter
+#: names}`` (the leading parameters of Accelerate's function, as Trainer calls it).
+MODULE_POINTS: dict[str, dict[str, tuple[str, ...]]] = {
+    "5.24": {"load_fsdp_optimizer": ("fsdp_plugin", "accelerator", "optimizer", "model", "input_dir",
+                                     "optimizer_index")},
+}
 #: The points of the newest series listed: what an unlisted release is checked against (it runs native anyway
 #: unless the user set the override).
 DEFAULT_SERIES = "5.24"
 SAVE_CHECKPOINT = "Trainer._save_checkpoint"
 """The wrapt path of the save point, relative to ``transformers.trainer``."""
+LOAD_OPTIMIZER = "load_fsdp_optimizer"
+"""The wrapt path of the optimizer-restore point (a module binding), relative to ``transformers.trainer``."""
 
 
 def points_for(series: str) -> dict[str, tuple[str, ...]]:
     return POINTS.get(series, POINTS[DEFAULT_SERIES])
 
 
+def module_points_for(series: str) -> dict[str, tuple[str, ...]]:
+    return MODULE_POINTS.get(series, MODULE_POINTS[DEFAULT_SERIES])
+
+
+def _signature_differs(function: Any, parameters: tuple[str, ...]) -> bool:
+    try:
+        found = tuple(inspect.signature(function).parameters) if function is not None else None
+    except (TypeError, ValueError):
+        found = None
+    return found is None or found[: len(parameters)] != parameters
+
+
 def missing_points(trainer_class: type, series: str) -> list[str]:
-    """The private points of ``series`` that ``trainer_class`` lacks or has with another signature (empty: all
-    there), each as ``"name(parameters)"``."""
-    missing = []
-    for name, parameters in points_for(series).items():
-        function = getattr(trainer_class, name, None)
-        try:
-            found = tuple(inspect.signature(function).parameters) if function is not None else None
-        except (TypeError, ValueError):
-            found = None
-        if found is None or found[: len(parameters)] != parameters:
-            missing.append(f"{name}({', '.join(parameters[1:])})")
+    """The private points of ``series`` that ``trainer_class`` (or the ``transformers.trainer`` module) lacks or has
+    with another signature (empty: all there), each as ``"name(parameters)"``."""
+    missing = [f"{name}({', '.join(parameters[1:])})" for name, parameters in points_for(series).items()
+               if _signature_differs(getattr(trainer_class, name, None), parameters)]
+    module = importlib.import_module("transformers.trainer")
+    missing += [f"transformers.trainer.{name}({', '.join(parameters)})"
+                for name, parameters in module_points_for(series).items()
+                if _signature_differs(getattr(module, name, None), parameters)]
     return missing
 
 
@@ -76,3 +99,15 @@ def redirected_output_dir(trainer: Any, directory: str) -> Iterator[None]:
 def save_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The ``trial`` of a ``_save_checkpoint(model, trial)`` call."""
     return args[1] if len(args) > 1 else kwargs.get("trial")
+
+
+def optimizer_load_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of a ``load_fsdp_optimizer(fsdp_plugin, accelerator, optimizer, model, input_dir,
+    optimizer_index=0, adapter_only=False, use_dcp=True)`` call (Accelerate 1.15, as Trainer makes it) by name,
+    with the defaults filled in."""
+    names = ("fsdp_plugin", "accelerator", "optimizer", "model", "input_dir", "optimizer_index", "adapter_only",
+             "use_dcp")
+    bound: dict[str, Any] = {"optimizer_index": 0, "adapter_only": False, "use_dcp": True}
+    bound.update(zip(names, args))
+    bound.update(kwargs)
+    return bound

@@ -7,7 +7,8 @@ A native Trainer save writes, into ``checkpoint-N``: the model (FSDP ``SHARDED_S
 ``rng_state_{rank}.pth`` per rank (``rng_state.pth`` with one process), ``trainer_state.json``, and
 ``training_args.bin``. Trainer treats the RNG files and ``scheduler.pt`` as optional on resume; here every file the
 save wrote is in the inventory, and the files a resume needs are listed in the manifest (``trainer.required``) and
-checked for every saving rank.
+checked for every saving rank. :class:`TrainerRules` are the selection rules of a Trainer checkpoint, used by the
+resume and by the command line (torch is never imported here).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointIntegrityError
+from ..accelerate.versions import checkpoint_compatibility
+from ..core.manifest import list_tree
+from ..errors import CheckpointConfigurationError, CheckpointIntegrityError
 
 TRAINER_STATE = "trainer_state.json"
 RNG_TEMPLATE = "rng_state_{rank}.pth"
@@ -27,6 +30,8 @@ RANK_TEMPLATES = (RNG_TEMPLATE,)
 #: published checkpoint is refused.
 LOADER_PATTERNS = (re.compile(r"trainer_state\.json\Z"), re.compile(r".*config\.json\Z"))
 _RNG = re.compile(r"rng_state_(\d+)\.pth\Z")
+FRONTEND = "transformers.Trainer"
+"""The ``frontend`` of a Trainer manifest."""
 
 
 def backend(trainer: Any) -> str:
@@ -100,6 +105,67 @@ def check_files(directory: Path, names: set[str], record: dict[str, Any], requir
             f"{directory}: RNG files of ranks {sorted(ranks)} for a world of {world} rank(s): not every saving rank "
             "contributed (or the directory was altered). It is not a complete checkpoint."
         )
+
+
+def is_trainer_manifest(manifest: Any) -> bool:
+    return isinstance(manifest, dict) and manifest.get("frontend") == FRONTEND
+
+
+def check_record(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """A Trainer manifest's record is there and every file a resume reads is in its inventory, for every saving
+    rank (:func:`check_files`); returns the record. Raises :class:`CheckpointIntegrityError`."""
+    record = manifest.get("trainer")
+    if not isinstance(record, dict) or not isinstance(record.get("world_size"), int) \
+            or not isinstance(record.get("required"), list):
+        raise CheckpointIntegrityError(f"{path}: its manifest has no Trainer record: it is not a Trainer checkpoint "
+                                       "(resume it with the front end that saved it)")
+    check_files(path, set(manifest["files"]), record, [str(name) for name in record["required"]])
+    return record
+
+
+def legacy_world(names: set[str]) -> int:
+    """The world size a native (manifest-less) Trainer checkpoint was saved by, from its RNG files (1 if none)."""
+    ranks = [int(match.group(1)) for name in names if "/" not in name and (match := _RNG.fullmatch(name))]
+    return max(ranks) + 1 if ranks else 1
+
+
+class TrainerRules:
+    """``core.select.CandidateRules`` of a Trainer checkpoint resumed on ``world`` ranks (``None``: the saving world
+    of each checkpoint, as the command line checks them). ``offline``: the command line's checks, without torch (it
+    never imports torch to list or verify): no comparison with the installed torch, and DCP ``.metadata`` files are
+    hash-checked against the manifest but not re-read for chunk coverage (the save checked coverage before it
+    published, and the hash proves the file is the one it checked)."""
+
+    components: set[str] = set()  # Trainer manifests record no Accelerate components
+
+    def __init__(self, world: int | None, *, offline: bool = False) -> None:
+        self.world = world
+        self.offline = offline
+        self.dcp_coverage = not offline  # read by ``core.select.check_candidate``
+
+    def private_patterns(self) -> list[re.Pattern[str]]:
+        return list(LOADER_PATTERNS)
+
+    def allow_legacy(self) -> bool:
+        return True  # a native Trainer checkpoint is resumed when nothing complete exists (never preferred)
+
+    def check_required(self, path: Path, manifest: dict[str, Any] | None) -> None:
+        if manifest is not None:
+            check_record(path, manifest)
+            reason = None if self.offline else checkpoint_compatibility(manifest.get("versions") or {})
+            if reason:
+                raise CheckpointConfigurationError(f"Cannot resume from {path}: {reason}")
+            return
+        names = set(list_tree(path))
+        present_rng = any(re.fullmatch(r"rng_state(_\d+)?\.pth", name) for name in names)
+        record = {"world_size": self.world if self.world is not None else legacy_world(names),
+                  "save_only_model": not present_rng,
+                  "state_dict_type": "SHARDED_STATE_DICT" if "pytorch_model_fsdp_0/.metadata" in names
+                  or any(name.startswith("pytorch_model_fsdp_0/") for name in names) else None}
+        check_files(path, names, record, required_files(record, names))
+        empty = sorted(name for name, size in list_tree(path).items() if size == 0 and name.endswith((".pth", ".pt")))
+        if empty:
+            raise CheckpointIntegrityError(f"{path / empty[0]} is empty: the save was interrupted")
 
 
 def _plain(value: Any) -> Any:

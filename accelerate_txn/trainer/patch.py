@@ -1,8 +1,9 @@
 """The Trainer patch (wrapt) and the dispatch decision: protected transaction or native Trainer.
 
-``install()`` wraps ``Trainer.train`` (the resume) and ``Trainer._save_checkpoint`` (the save) of
-``transformers.trainer`` exactly once; ``uninstall()`` puts the originals back. The wrappers only decide and hand off
-to :mod:`.resume` and :mod:`.save`.
+``install()`` wraps ``Trainer.train`` (the resume), ``Trainer._save_checkpoint`` (the save) and the module's
+``load_fsdp_optimizer`` binding (the optimizer restore) of ``transformers.trainer`` exactly once; ``uninstall()`` puts
+the originals back. The wrappers only decide and hand off to :mod:`.resume`, :mod:`.save` and :mod:`.restore` (which
+acts only inside a protected resume: :func:`.restore.resuming`).
 
 Protected when all hold: automatic dispatch is on (``VIDEOX_ACCELERATE_PATCHES`` unset or truthy); the installed
 transformers/torch/Accelerate are a validated row (:mod:`.versions`) or the override is set; the private points of
@@ -27,8 +28,9 @@ from weakref import WeakSet
 import wrapt
 
 from ..core.ranks import agree
-from .internals import SAVE_CHECKPOINT, missing_points
+from .internals import LOAD_OPTIMIZER, SAVE_CHECKPOINT, missing_points
 from .layout import backend
+from .restore import restore_optimizer, resuming
 from .resume import resolve_resume
 from .save import RUN_IDS, protected_save
 from .versions import transformers_series, unsupported_message, versions_ok
@@ -36,7 +38,7 @@ from .versions import transformers_series, unsupported_message, versions_ok
 logger = logging.getLogger(__name__)
 MODULE = "transformers.trainer"
 PATCH_ENV = "VIDEOX_ACCELERATE_PATCHES"
-_TARGETS = (SAVE_CHECKPOINT, "Trainer.train")
+_TARGETS = (SAVE_CHECKPOINT, "Trainer.train", LOAD_OPTIMIZER)
 ORIGINALS: dict[str, Any] = {}
 _NOTED: WeakSet = WeakSet()
 _WARNED: set[str] = set()
@@ -92,34 +94,42 @@ def _train_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: d
     if run_id is not None:
         RUN_IDS[instance] = run_id  # the resumed run's retention goes on pruning its own checkpoints
     bound.arguments["resume_from_checkpoint"] = chosen
-    return wrapped(*bound.args, **bound.kwargs)
+    with resuming(instance):  # Trainer's optimizer restore takes the library's sharded path (``.restore``)
+        return wrapped(*bound.args, **bound.kwargs)
 
 
-_WRAPPERS = {SAVE_CHECKPOINT: _save_wrapper, "Trainer.train": _train_wrapper}
+_WRAPPERS = {SAVE_CHECKPOINT: _save_wrapper, "Trainer.train": _train_wrapper, LOAD_OPTIMIZER: restore_optimizer}
+
+
+def _current(module: Any, target: str) -> Any:
+    """What ``target`` (a path relative to ``module``) names now, as stored (not bound)."""
+    parent, attribute, _original = wrapt.resolve_path(module, target)
+    return vars(parent).get(attribute)
 
 
 def install() -> None:
-    """Wrap ``Trainer.train`` and ``Trainer._save_checkpoint`` (idempotent)."""
+    """Wrap ``Trainer.train``, ``Trainer._save_checkpoint`` and ``transformers.trainer.load_fsdp_optimizer``
+    (idempotent)."""
     import transformers.trainer as module
 
     for target in _TARGETS:
-        attribute = target.split(".", 1)[1]
-        if isinstance(module.Trainer.__dict__.get(attribute), wrapt.FunctionWrapper):
+        if isinstance(_current(module, target), wrapt.FunctionWrapper):
             continue
-        ORIGINALS[target] = module.Trainer.__dict__[attribute]
+        ORIGINALS[target] = _current(module, target)
         wrapt.wrap_function_wrapper(module, target, _WRAPPERS[target])
 
 
 def uninstall() -> None:
-    """Put the original methods back (no-op if not installed)."""
+    """Put the originals back (no-op if not installed)."""
     import transformers.trainer as module
 
     for target, original in list(ORIGINALS.items()):
-        setattr(module.Trainer, target.split(".", 1)[1], original)
+        parent, attribute, _ = wrapt.resolve_path(module, target)
+        setattr(parent, attribute, original)
         del ORIGINALS[target]
 
 
 def installed() -> bool:
     import transformers.trainer as module
 
-    return all(isinstance(module.Trainer.__dict__.get(t.split(".", 1)[1]), wrapt.FunctionWrapper) for t in _TARGETS)
+    return all(isinstance(_current(module, target), wrapt.FunctionWrapper) for target in _TARGETS)

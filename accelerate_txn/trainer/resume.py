@@ -19,55 +19,16 @@ runs (nothing of the model, optimizer, scheduler, RNG or Trainer state has been 
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
-from ..accelerate.versions import checkpoint_compatibility
-from ..core.manifest import check_hashes, hashed_names, list_tree, writer_rank
+from ..core.manifest import check_hashes, hashed_names, writer_rank
 from ..core.ranks import on_main, rank, run_phase, world_size
 from ..core.select import check_candidate, checkpoint_candidates, numbered_checkpoints, refuse_transient
-from ..errors import CheckpointConfigurationError, CheckpointIntegrityError, NoCheckpointError
-from .layout import LOADER_PATTERNS, RANK_TEMPLATES, check_files, required_files
+from ..errors import CheckpointIntegrityError, NoCheckpointError
+from .layout import RANK_TEMPLATES, TrainerRules
 
 logger = logging.getLogger(__name__)
-
-
-class TrainerRules:
-    """``core.select.CandidateRules`` of a Trainer checkpoint resumed on ``world`` ranks."""
-
-    components: set[str] = set()  # Trainer manifests record no Accelerate components
-
-    def __init__(self, world: int) -> None:
-        self.world = world
-
-    def private_patterns(self) -> list[re.Pattern[str]]:
-        return list(LOADER_PATTERNS)
-
-    def allow_legacy(self) -> bool:
-        return True  # a native Trainer checkpoint is resumed when nothing complete exists (never preferred)
-
-    def check_required(self, path: Path, manifest: dict[str, Any] | None) -> None:
-        if manifest is not None:
-            record = manifest.get("trainer")
-            if not isinstance(record, dict) or not isinstance(record.get("world_size"), int) \
-                    or not isinstance(record.get("required"), list):
-                raise CheckpointIntegrityError(f"{path}: its manifest has no Trainer record: it is not a Trainer "
-                                               "checkpoint (resume it with the front end that saved it)")
-            check_files(path, set(manifest["files"]), record, [str(name) for name in record["required"]])
-            reason = checkpoint_compatibility(manifest.get("versions") or {})
-            if reason:
-                raise CheckpointConfigurationError(f"Cannot resume from {path}: {reason}")
-            return
-        names = set(list_tree(path))
-        present_rng = any(re.fullmatch(r"rng_state(_\d+)?\.pth", name) for name in names)
-        record = {"world_size": self.world, "save_only_model": not present_rng,
-                  "state_dict_type": "SHARDED_STATE_DICT" if "pytorch_model_fsdp_0/.metadata" in names
-                  or any(name.startswith("pytorch_model_fsdp_0/") for name in names) else None}
-        check_files(path, names, record, required_files(record, names))
-        empty = sorted(name for name, size in list_tree(path).items() if size == 0 and name.endswith((".pth", ".pt")))
-        if empty:
-            raise CheckpointIntegrityError(f"{path / empty[0]} is empty: the save was interrupted")
 
 
 def _own_hashes(path: Path, manifest: dict[str, Any] | None) -> None:

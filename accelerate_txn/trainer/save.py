@@ -52,7 +52,7 @@ from ..store.posix import (
     walk_tree,
 )
 from .internals import output_dir, redirected_output_dir, save_arguments
-from .layout import RANK_TEMPLATES, TRAINER_STATE, check_files, required_files, training_record
+from .layout import FRONTEND, RANK_TEMPLATES, TRAINER_STATE, check_files, required_files, training_record
 from .versions import trainer_versions
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class Reservation:
             "status": "complete",
             "run_id": self.staged.run_id,
             "transaction_id": self.staged.txid,
-            "frontend": "transformers.Trainer",
+            "frontend": FRONTEND,
             "trainer": record,
             "progress": {"checkpoint": record["global_step"], "global_step": record["global_step"]},
             "versions": record.pop("versions"),

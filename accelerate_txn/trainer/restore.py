@@ -1,0 +1,81 @@
+"""The optimizer restore of a protected Trainer resume: Trainer's ``load_fsdp_optimizer`` call routed to the library's
+sharded restore.
+
+Why: on resume Trainer creates its optimizer fresh, then calls Accelerate's ``load_fsdp_optimizer`` (its own binding,
+``internals.LOAD_OPTIMIZER``), whose FSDP1 ``SHARDED_STATE_DICT`` branch builds the DCP read template from the live
+optimizer state: a fresh optimizer has none, so nothing is read and nothing restored, silently (Accelerate
+1.13-1.15); the resumed run then trains from empty moments. Here, while a protected ``train`` resumes (:func:`resuming`,
+entered by the ``Trainer.train`` wrapper once the checkpoint was verified on every rank), that call goes to
+:func:`..fsdp.fsdp1.load_fsdp1_optimizer` (FSDP1) or :func:`..fsdp.fsdp2.load_fsdp2_optimizer` (FSDP2), the same
+restores the Accelerate front end uses: the template comes from the checkpoint's own metadata, every entry is checked
+against the live model and optimizer before anything changes, each rank reads only its own elements, and afterwards
+every parameter with saved state must hold it again (``verify_restored_*``). Every rank raises the same error.
+
+Anything else (no protected resume running, another Trainer's Accelerator, ``FULL_STATE_DICT``, ``use_dcp=False``)
+calls Accelerate's function unchanged. Parameter groups are never reordered: Trainer always has an LR scheduler,
+whose state is indexed by group.
+
+Limit: Trainer loads the model before the optimizer, so a checkpoint whose optimizer does not match the live model
+(another model, other parameter groups) is refused after the model was loaded (a configuration error, not
+corruption: every file was verified against its hash before anything was loaded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ..core.ranks import run_phase
+from ..fsdp import fsdp1, fsdp2
+from .internals import optimizer_load_arguments
+from .layout import backend, state_dict_type
+
+logger = logging.getLogger(__name__)
+#: The Trainer whose protected ``train(resume_from_checkpoint=...)`` runs in this context (``None``: none).
+_RESUMING: contextvars.ContextVar[Any] = contextvars.ContextVar("accelerate_txn_trainer_resuming", default=None)
+
+
+@contextlib.contextmanager
+def resuming(trainer: Any) -> Iterator[None]:
+    """While inside, Trainer's optimizer restores for ``trainer`` take the library's path."""
+    token = _RESUMING.set(trainer)
+    try:
+        yield
+    finally:
+        _RESUMING.reset(token)
+
+
+def routed_backend(trainer: Any, bound: dict[str, Any]) -> str | None:
+    """``"FSDP1"``/``"FSDP2"`` when this ``load_fsdp_optimizer`` call of ``trainer`` takes the library's restore,
+    else ``None`` (native)."""
+    if trainer is None or bound.get("accelerator") is not getattr(trainer, "accelerator", None):
+        return None
+    if state_dict_type(trainer) != "SHARDED_STATE_DICT" or not bound.get("use_dcp", True):
+        return None
+    kind = backend(trainer)
+    return kind if kind in ("FSDP1", "FSDP2") else None
+
+
+def restore_optimizer(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The wrapper of Trainer's ``load_fsdp_optimizer`` binding (see the module docstring). Collective when routed."""
+    bound = optimizer_load_arguments(args, kwargs)
+    trainer = _RESUMING.get()
+    kind = routed_backend(trainer, bound)
+    if kind is None:
+        return wrapped(*args, **kwargs)
+    optimizer, model, index = bound["optimizer"], bound["model"], int(bound["optimizer_index"])
+    directory = Path(bound["input_dir"]) / f"optimizer_{index}"
+    if kind == "FSDP1":
+        fsdp1.load_fsdp1_optimizer(optimizer, model, str(bound["input_dir"]), index, allow_reorder=False)
+        run_phase(lambda: fsdp1.verify_restored_fsdp1(model, optimizer, directory),
+                  "Checking the restored optimizer state")
+    else:
+        fsdp2.load_fsdp2_optimizer(optimizer, model, str(bound["input_dir"]), index, allow_reorder=False)
+        run_phase(lambda: fsdp2.verify_restored_fsdp2(model, optimizer, directory),
+                  "Checking the restored optimizer state")
+    logger.info("Restored the %s optimizer state from %s (each rank its own shard)", kind, directory)
+    return None  # as Accelerate's load_fsdp_optimizer
