@@ -17,6 +17,10 @@ The ``s3`` extra's floors, in a fresh ``/tmp/floors`` set up the same way (venv 
     PIP_CONSTRAINT= /tmp/floors/bin/pip install --no-deps 's3fs==2024.12.0' 'fsspec==2024.12.0' \\
         'aiobotocore==2.15.2' 'botocore==1.35.16' 'boto3==1.35.16' 's3transfer==0.10.4' 'wrapt==1.17.2'
     /tmp/floors/bin/python -m pytest -q tests/test_store_object.py
+
+The ``trainer`` extra's floor is the transformers release of its row in ``accelerate_txn/validated.json`` (the
+Trainer front end protects only validated releases; others run native Trainer with a warning): tests/test_trainer.py
+with that release installed is its check.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 REPO = Path(__file__).resolve().parents[1]
 #: Extras that are part of the library (an optional feature's client, imported only when the feature is used), as
 #: opposed to the tools of its development (``test``, ``bench``).
-LIBRARY_EXTRAS = ("s3",)
+LIBRARY_EXTRAS = ("s3", "trainer")
 
 
 def _dependencies(extras: tuple[str, ...] = ()) -> dict[str, Requirement]:
