@@ -1,0 +1,98 @@
+"""The Trainer front end without FSDP: a one-process Trainer (the "other checkpoint kinds" of issue 18: Trainer's
+full state dict layout, ``model.safetensors`` + ``optimizer.pt``) gets the same transaction and verification. Real
+Trainer, tiny Llama built from a config, in this process (no process group)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import accelerate_txn  # noqa: F401  (the import protects Trainer checkpoints)
+from accelerate_txn import MANIFEST
+from accelerate_txn.errors import CheckpointIntegrityError
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _trainer(output_dir: Path, max_steps: int) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    model = LlamaForCausalLM(config)
+    generator = torch.Generator().manual_seed(1)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (32, 16), generator=generator)]
+    args = TrainingArguments(output_dir=str(output_dir), use_cpu=True, per_device_train_batch_size=4,
+                             max_steps=max_steps, save_strategy="steps", save_steps=2, save_total_limit=2,
+                             lr_scheduler_type="constant",  # a shorter run is then an interrupted one
+                             report_to=[], seed=0, dataloader_num_workers=0, disable_tqdm=True)
+    return Trainer(model=model, args=args, train_dataset=data)
+
+
+def _weights(trainer: Any) -> dict[str, torch.Tensor]:
+    return {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
+
+
+def test_a_one_process_trainer_checkpoint_is_a_transaction_and_resumes_exactly(tmp_path: Path) -> None:
+    reference = _trainer(tmp_path / "reference", 6)
+    reference.train()
+    expected = _weights(reference)
+
+    run = tmp_path / "run"
+    _trainer(run, 4).train()
+    names = sorted(p.name for p in run.iterdir() if p.name != ".accelerate-txn.lock")  # the directory lock stays
+    assert names == ["checkpoint-2", "checkpoint-4"], names  # save_total_limit=2, no staging leftover
+    for name in names:
+        manifest = json.loads((run / name / MANIFEST).read_text())
+        assert manifest["status"] == "complete"
+        assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json"} <= set(manifest["files"])
+
+    resumed = _trainer(run, 6)
+    resumed.train(resume_from_checkpoint=True)
+    assert all(torch.equal(expected[name], value) for name, value in _weights(resumed).items())
+
+
+def test_a_damaged_one_process_checkpoint_is_refused_before_anything_loads(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _trainer(run, 4).train()
+    damaged = run / "checkpoint-4" / "optimizer.pt"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    damaged.write_bytes(bytes(data))
+    named = _trainer(run, 6)
+    before = _weights(named)
+    with pytest.raises(CheckpointIntegrityError, match=r"optimizer\.pt"):
+        named.train(resume_from_checkpoint=str(run / "checkpoint-4"))
+    assert all(torch.equal(before[name], value) for name, value in _weights(named).items())
+    # Automatic: the damaged newest is skipped for checkpoint-2, and training goes on from there.
+    automatic = _trainer(run, 6)
+    automatic.train(resume_from_checkpoint=True)
+    assert automatic.state.global_step == 6
+
+
+def ddp_run(output_dir: str, steps: int, resume: bool) -> dict[str, Any]:
+    """Rank function: a DDP Trainer on CPU (gloo; ``use_cpu=True`` in a torchrun-like environment)."""
+    trainer = _trainer(Path(output_dir), steps)
+    trainer.train(resume_from_checkpoint=True if resume else None)
+    return {"weights": {name: value.tolist() for name, value in _weights(trainer).items()},
+            "backend": trainer.accelerator.distributed_type.name}
+
+
+@pytest.mark.distributed
+def test_a_ddp_trainer_checkpoint_is_a_transaction_and_resumes_exactly(tmp_path: Path) -> None:
+    from accelerate_txn.testing import launch
+
+    reference = launch("tests.test_trainer_single:ddp_run", 2, args=(str(tmp_path / "reference"), 6, False),
+                       timeout=240)
+    launch("tests.test_trainer_single:ddp_run", 2, args=(str(tmp_path / "run"), 4, False), timeout=240)
+    for name in ("checkpoint-2", "checkpoint-4"):
+        manifest = json.loads((tmp_path / "run" / name / MANIFEST).read_text())
+        assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors"} <= set(manifest["files"])
+    resumed = launch("tests.test_trainer_single:ddp_run", 2, args=(str(tmp_path / "run"), 6, True), timeout=240)
+    assert [obs["backend"] for obs in resumed] == ["MULTI_CPU", "MULTI_CPU"]
+    assert [obs["weights"] for obs in resumed] == [obs["weights"] for obs in reference]
