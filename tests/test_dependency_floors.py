@@ -36,7 +36,7 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 REPO = Path(__file__).resolve().parents[1]
 #: Extras that are part of the library (an optional feature's client, imported only when the feature is used), as
 #: opposed to the tools of its development (``test``, ``bench``).
-LIBRARY_EXTRAS = ("s3",)
+LIBRARY_EXTRAS = ("s3", "trainer")
 
 
 def _dependencies(extras: tuple[str, ...] = ()) -> dict[str, Requirement]:

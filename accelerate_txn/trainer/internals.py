@@ -16,8 +16,10 @@ The front end wraps the fewest, most stable points of ``transformers.Trainer``:
 :data:`POINTS` records, per transformers minor series, the private names and signatures this module relies on;
 :func:`missing_points` checks them on the installed Trainer class, so a release that moved them runs native Trainer
 with a warning instead of failing inside a save. Between 4.46 and 5.24 ``_save_checkpoint`` lost its ``metrics``
-argument (5.0); ``_get_output_dir`` kept its signature. :data:`MODULE_POINTS` records the same for the module-level
-bindings of ``transformers.trainer``.
+argument (4.47); ``_get_output_dir`` kept its signature. The validated series, 4.57 (the newest 4.x) and 5.24, have
+the same points: 4.57 rotates with its own ``Trainer._rotate_checkpoints`` where 5.24 calls
+``trainer_utils.rotate_checkpoints``, neither of which the front end touches (both run inside the staging directory).
+:data:`MODULE_POINTS` records the same for the module-level bindings of ``transformers.trainer``.
 """
 
 from __future__ import annotations
@@ -30,11 +32,14 @@ from typing import Any
 
 #: transformers minor series -> the private points of the Trainer class, as ``{attribute: parameter names}``.
 POINTS: dict[str, dict[str, tuple[str, ...]]] = {
+    "4.57": {"_save_checkpoint": ("self", "model", "trial"), "_get_output_dir": ("self", "trial")},
     "5.24": {"_save_checkpoint": ("self", "model", "trial"), "_get_output_dir": ("self", "trial")},
 }
 #: transformers minor series -> the bindings of the ``transformers.trainer`` module used, as ``{name: parameter
 #: names}`` (the leading parameters of Accelerate's function, as Trainer calls it).
 MODULE_POINTS: dict[str, dict[str, tuple[str, ...]]] = {
+    "4.57": {"load_fsdp_optimizer": ("fsdp_plugin", "accelerator", "optimizer", "model", "input_dir",
+                                     "optimizer_index")},
     "5.24": {"load_fsdp_optimizer": ("fsdp_plugin", "accelerator", "optimizer", "model", "input_dir",
                                      "optimizer_index")},
 }
