@@ -174,6 +174,21 @@ def run_until_crash_point(spec: dict[str, Any], directory: Path, name: str, whol
     return result
 
 
+def run_until_killed_after(spec: dict[str, Any], directory: Path, name: str, started: str, delay: float,
+                           entry: str = "tests._crash_scenarios") -> tuple[JobResult, list[int]]:
+    """A job whose every rank is SIGKILLed ``delay`` seconds after the file ``started`` (relative to the job's
+    ``obs`` directory, written by a rank when its loop begins) appeared, as when a node is lost. Returns the result
+    and the ranks that had already exited before the kill (a job that ended early: no kill at that instant)."""
+    job = Job(spec, directory, name, entry)
+    job.wait_for_file(job.obs_dir / started)
+    kill_at = time.monotonic() + delay
+    while time.monotonic() < kill_at and len(job.alive()) == WORLD:
+        time.sleep(min(POLL, max(0.0, kill_at - time.monotonic())))
+    early = [rank for rank in range(WORLD) if rank not in job.alive()]
+    job.kill_all()
+    return job.result(), early
+
+
 # --- invariants after a kill ----------------------------------------------------------------------------------
 
 def returned_save(root: Path) -> int | None:

@@ -72,11 +72,16 @@ def build(output_dir: str, max_steps: int, fsdp_version: int = 2, save_total_lim
 
 
 def train(output_dir: str, resume: Any, max_steps: int, fsdp_version: int = 2,
-          save_total_limit: int | None = None, began_file: str | None = None) -> dict[str, Any]:
+          save_total_limit: int | None = None, began_file: str | None = None,
+          saved_file: str | None = None) -> dict[str, Any]:
     """Train to ``max_steps`` saving every 2 steps (``resume``: ``train(resume_from_checkpoint=...)``); returns this
     rank's local parameter shards, its optimizer state (at the end, when training began and at each save), the global
-    step when training began and at the end, and the output directory's entries. ``began_file``: also written (with
-    ``torch.save``) when training begins, for a job that is killed later."""
+    step when training began and at the end, the output directory's entries, and the seconds from the start of the
+    training loop to its end (``loop_seconds``: what the random-instant kill draws its window from). For a job that is
+    killed later: ``began_file`` is written (``torch.save``) when training begins; ``saved_file`` (JSON, replaced
+    atomically) names the global step of the last save that returned."""
+    import time
+
     import torch
     from transformers import TrainerCallback
 
@@ -86,19 +91,42 @@ def train(output_dir: str, resume: Any, max_steps: int, fsdp_version: int = 2,
 
     class Record(TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:  # after a restore
-            began.update(step=state.global_step, optimizer=optimizer_state(trainer.optimizer))
+            began.update(step=state.global_step, optimizer=optimizer_state(trainer.optimizer), at=time.monotonic())
             if began_file:
                 torch.save(began, began_file)
 
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:  # what each save wrote
             saved[state.global_step] = optimizer_state(trainer.optimizer)
+            if saved_file:  # after _save_checkpoint returned: published and rotated
+                Path(saved_file + ".tmp").write_text(json.dumps({"returned": state.global_step}))
+                os.replace(saved_file + ".tmp", saved_file)
 
     trainer.add_callback(Record())
     trainer.train(resume_from_checkpoint=resume)
+    loop_seconds = time.monotonic() - began["at"]
     local = [getattr(p, "_local_tensor", p).detach().clone() for p in trainer.model.parameters()]
     return {"weights": local, "step": trainer.state.global_step, "entries": sorted(os.listdir(output_dir)),
             "best": trainer.state.best_model_checkpoint, "optimizer": optimizer_state(trainer.optimizer),
-            "began": began, "optimizer_at_save": saved}
+            "began": began, "optimizer_at_save": saved, "loop_seconds": loop_seconds}
+
+
+def train_keeping_best(output_dir: str, max_steps: int) -> dict[str, Any]:
+    """Train with ``save_total_limit=1`` and checkpoint-2 recorded as the best model (``state.best_global_step``, what
+    Trainer's metric comparison sets; no evaluation needed), so the run ends with Trainer's end-of-training removal of
+    every checkpoint but the best. Returns the global step, the best checkpoint and the output directory's entries."""
+    from transformers import TrainerCallback
+
+    trainer = build(output_dir, max_steps, save_total_limit=1)
+
+    class BestIsTwo(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:  # before that step's save
+            if state.global_step >= 2:
+                state.best_global_step = 2
+
+    trainer.add_callback(BestIsTwo())
+    trainer.train()
+    return {"step": trainer.state.global_step, "best": trainer.state.best_model_checkpoint,
+            "entries": sorted(os.listdir(output_dir))}
 
 
 def optimizer_state(optimizer: Any) -> list[tuple[int, str, Any]]:
@@ -137,8 +165,9 @@ def refuse_each(output_dir: str, cases: dict[str, str]) -> dict[str, Any]:
 
 def main(spec_path: str) -> None:
     """Entry of one rank of a crash-harness job: ``spec`` = ``{"output_dir", "resume", "max_steps", "fsdp_version",
-    "save_total_limit", "kill", "obs"}``. Arms ``kill`` (``ACCELERATE_TXN_KILL_AT``), trains, and writes
-    ``obs/rank{R}.began.pt`` when training begins and ``obs/rank{R}.pt`` plus ``obs/rank{R}.json`` at the end."""
+    "save_total_limit", "kill", "obs"}``. Arms ``kill`` (``ACCELERATE_TXN_KILL_AT``; none: the harness kills the job
+    at an instant of its own), trains, and writes ``obs/rank{R}.began.pt`` when training begins,
+    ``obs/rank{R}.saved.json`` after each save returns, and ``obs/rank{R}.pt`` plus ``obs/rank{R}.json`` at the end."""
     import torch
 
     torch.set_num_threads(1)
@@ -154,7 +183,8 @@ def main(spec_path: str) -> None:
     rank = os.environ["RANK"]
     try:
         result = train(spec["output_dir"], spec.get("resume"), spec["max_steps"], spec.get("fsdp_version", 1),
-                       spec.get("save_total_limit"), began_file=str(obs / f"rank{rank}.began.pt"))
+                       spec.get("save_total_limit"), began_file=str(obs / f"rank{rank}.began.pt"),
+                       saved_file=str(obs / f"rank{rank}.saved.json"))
         torch.save(result, obs / f"rank{rank}.pt")
         (obs / f"rank{rank}.json").write_text(json.dumps({"step": result["step"], "entries": result["entries"]}))
     finally:

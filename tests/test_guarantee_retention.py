@@ -157,9 +157,9 @@ def test_cli_prune_lists_only_while_it_holds_the_lock(tmp_path: Path, monkeypatc
         state["locked"] = False
         real_release(self)
 
-    def scan(root: Path) -> Any:
+    def scan(root: Path, *args: Any) -> Any:  # (root, trainer): whether it is a Trainer output directory
         held.append(state["locked"])
-        return real_scan(root)
+        return real_scan(root, *args)
 
     monkeypatch.setattr(DirectoryLock, "acquire", acquire)
     monkeypatch.setattr(DirectoryLock, "release", release)

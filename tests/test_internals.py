@@ -491,11 +491,31 @@ def test_trainer_private_points_exist_with_the_recorded_signatures() -> None:
     from transformers import Trainer
 
     series = ".".join(transformers.__version__.split(".")[:2])
-    assert set(_internals.points_for(series)) == {"_save_checkpoint", "_get_output_dir"}
+    finalize = _internals.finalize_target(series).split(".", 1)[1]  # the method that ends a run (its removal)
+    assert finalize in {"_finalize_training", "_inner_training_loop"}
+    assert set(_internals.points_for(series)) == {"_save_checkpoint", "_get_output_dir", finalize}
     assert set(_internals.module_points_for(series)) == {"load_fsdp_optimizer"}
     assert _internals.missing_points(Trainer, series) == []
     # The check can fail: a class without the points is reported, each point by name.
-    assert _internals.missing_points(object, series) == ["_save_checkpoint(model, trial)", "_get_output_dir(trial)"]
+    missing = _internals.missing_points(object, series)
+    assert missing[:2] == ["_save_checkpoint(model, trial)", "_get_output_dir(trial)"]
+    assert len(missing) == 3 and missing[2].startswith(f"{finalize}(")
+
+
+def test_trainer_end_of_training_method_calls_get_output_dir_only_for_its_removal_listing() -> None:
+    # The front end points that listing at a directory that does not exist (trainer/internals.py, FINALIZE): sound
+    # only while the method that ends a run calls _get_output_dir for nothing else, and the removal is there.
+    transformers = pytest.importorskip("transformers")
+    from transformers import Trainer
+
+    series = ".".join(transformers.__version__.split(".")[:2])
+    source = inspect.getsource(getattr(Trainer, _internals.finalize_target(series).split(".", 1)[1]))
+    assert source.count("_get_output_dir(") == 1 and "shutil.rmtree(checkpoint" in source
+    assert "save_total_limit == 1" in source
+    trial = object()
+    positional = (None, None, None, trial) if series == "4.57" else (trial, 64, 0.0)  # as the caller passes it
+    assert _internals.finalize_trial(series, positional, {}) is trial
+    assert _internals.finalize_trial(series, (), {"trial": trial}) is trial
 
 
 def test_trainer_output_dir_is_what_the_native_save_joins_checkpoint_n_to_and_can_be_redirected(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from accelerate import Accelerator
 
 from accelerate_txn import MANIFEST, latest_training_checkpoint, save_training_checkpoint
 from accelerate_txn.core import faults as _faults
-from accelerate_txn.core.select import complete_run_id, numbered_checkpoints, prune
+from accelerate_txn.core.select import complete_run_id, numbered_checkpoints, prune, retention_victims
 from accelerate_txn.store.posix import POSIX, retire, retired_leftovers
 from tests.test_save_single import _accelerator as _stepped_accelerator
 
@@ -108,3 +108,15 @@ def test_next_save_removes_a_retired_leftover_of_any_run(tmp_path: Path) -> None
     save_training_checkpoint(accelerator, tmp_path / "checkpoint_2")
     assert retired_leftovers(tmp_path) == []
     assert _visible(tmp_path) == ["checkpoint_1", "checkpoint_2"]
+
+
+def test_the_end_of_a_trainer_run_may_delete_the_newest_only_when_the_kept_best_is_one_of_the_listed(
+        tmp_path: Path) -> None:
+    # Trainer's end-of-training removal (save_total_limit=1 with a best model) keeps only the best: keep_newest=False.
+    listed = [tmp_path / f"checkpoint-{n}" for n in (2, 4, 6)]
+    best = listed[0]
+    assert retention_victims(listed, 1, keep=[best]) == [listed[1]]  # during training: the newest stays too
+    assert retention_victims(listed, 1, keep=[best], keep_newest=False) == listed[1:]
+    # A best that is not one of the run's complete, intact checkpoints never costs the run its newest one.
+    assert retention_victims(listed, 1, keep=[tmp_path / "elsewhere"], keep_newest=False) == listed[:2]
+    assert retention_victims(listed[1:], 1, keep=[best], keep_newest=False) == [listed[1]]

@@ -10,14 +10,20 @@ config), real 2-rank FSDP1 and FSDP2 on CPU (gloo) and real ``kill -9``:
   Trainer's own writes, ``tests._trainer_scenarios.NATIVE_POINTS``, and at the library's points), each followed by
   ``resume_from_checkpoint=True``, which must take the newest complete checkpoint; one rank killed: the others fail on
   their own (no hang);
+* a kill at a random instant (FSDP1): the whole job SIGKILLed at a seeded instant uniform over 5 train+save steps,
+  then ``resume_from_checkpoint=True``: every save that returned kept, the newest complete checkpoint selected, its
+  optimizer state restored bitwise, the final weights and optimizer state those of the uninterrupted run;
+* the end-of-training removal (``save_total_limit=1`` with a best model) goes through the library's retention: only
+  the best stays; killed inside it, no half-deleted ``checkpoint-N``, only a hidden leftover;
 * FSDP2: a whole job killed mid-save resumes exactly; a corrupt newest checkpoint is skipped by ``True`` and refused
   on every rank when named; each file class damaged in turn (model and optimizer shards, ``scheduler.pt``, an RNG
   file, ``trainer_state.json``, a missing file, an extra loader-readable file) is refused with the same error on
   every rank, before anything is loaded;
 * an unvalidated transformers runs native Trainer with one warning.
 
-Cost on 2 shared CPU cores: two reference runs (module fixtures, reused), a kill chain of 8 jobs, about 7 other
-launches; 3 minutes (178 s with the machine at load 5).
+Cost on 2 shared CPU cores: two reference runs (module fixtures, reused), a kill chain of 8 jobs, a random-instant
+kill and its restart (about 20 s), two launches of the end-of-training removal (about 25 s), about 7 other launches;
+under 4 minutes with the machine at load 4.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from accelerate_txn.core.manifest import MANIFEST, read_manifest, verify_manifes
 from accelerate_txn.core.select import numbered_checkpoints
 from accelerate_txn.errors import CheckpointIntegrityError
 from accelerate_txn.testing import LaunchError, launch
-from tests._crash_harness import KILLED, JobResult, run_to_completion, run_until_crash_point
+from tests._crash_harness import KILLED, JobResult, run_to_completion, run_until_crash_point, run_until_killed_after
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 TIMEOUT = 240  # per launch: a hung group fails instead of stalling
@@ -212,6 +218,90 @@ def test_fsdp1_resume_restores_the_optimizer_and_ends_exactly_as_an_uninterrupte
         assert final[rank]["optimizer"] and _equal(final[rank]["optimizer"], reference[rank]["optimizer"])
     report = _trainer_report(fsdp1_chain["root"])
     assert report == {"complete": [6, 8], "broken": {}, "leftovers": []}, report  # every leftover removed
+
+
+# --- a kill at a random instant -------------------------------------------------------------------------------
+
+#: The seed of the random-instant kill (``ACCELERATE_TXN_TRAINER_KILL_SEED`` overrides it: the failure message names
+#: the seed and the instant, so a failing draw can be replayed).
+RANDOM_KILL_SEED = 18
+#: The kill instant is uniform over this many of the run's :data:`CHAIN_STEPS` train+save steps from the start of the
+#: training loop (fewer than all: a job killed later than the reference's step time predicts still trains).
+RANDOM_WINDOW_STEPS = 5
+
+
+def test_kill_9_of_the_whole_job_at_a_random_instant_then_resume_true_ends_exactly_as_an_uninterrupted_run(
+        tmp_path: Path, fsdp1_reference: tuple[Path, list[dict[str, Any]]]) -> None:
+    """The whole FSDP1 job SIGKILLed at a seeded instant, uniform over :data:`RANDOM_WINDOW_STEPS` train+save steps
+    (the step time measured on the uninterrupted reference run): wherever it lands (training, Trainer's own writes,
+    hashing, the rename, retention) every ``checkpoint-N`` present is complete, every save that returned is kept, and
+    ``resume_from_checkpoint=True`` takes the newest complete one, restores its optimizer state bitwise and ends with
+    the uninterrupted run's weights and optimizer state, bitwise."""
+    import random
+
+    _root, reference = fsdp1_reference
+    seed = int(os.environ.get("ACCELERATE_TXN_TRAINER_KILL_SEED", RANDOM_KILL_SEED))
+    window = RANDOM_WINDOW_STEPS / CHAIN_STEPS * max(result["loop_seconds"] for result in reference)
+    delay = random.Random(f"trainer-kill:{seed}").uniform(0.0, window)
+    where = f"seed {seed}: the job was killed {delay:.2f}s into a {window:.2f}s window"
+    root = tmp_path / "run"
+    spec = {"output_dir": str(root), "max_steps": CHAIN_STEPS, "fsdp_version": 1, "save_total_limit": 2,
+            "resume": None}
+    killed, early = run_until_killed_after(spec, tmp_path, "killed", "rank0.began.pt", delay, entry=ENTRY)
+    assert not early, f"{where}, but rank(s) {early} had ended before it\n{killed.describe()}"
+    assert killed.returncodes == [KILLED, KILLED], f"{where}\n{killed.describe()}"
+
+    report = _trainer_report(root)
+    complete = report["complete"]
+    assert not report["broken"], (where, report)  # nothing half-written is ever a checkpoint-N
+    saved = tmp_path / "obs" / "killed" / "rank0.saved.json"
+    returned = json.loads(saved.read_text())["returned"] if saved.exists() else None
+    # Every save that returned is published and kept (retention keeps two); at most one newer was published (killed
+    # between its publish and its return); a kill during retention may leave the one it was about to delete.
+    if complete:
+        assert complete == list(range(complete[0], complete[-1] + 1, 2)), (where, report)
+    if returned is None:
+        assert complete in ([], [2]), (where, report)
+    else:
+        assert returned in complete and complete[-1] in (returned, returned + 2), (where, returned, report)
+
+    # The restart: resume_from_checkpoint=True (nothing complete yet: a fresh start, as a script would do).
+    restart = run_to_completion({**spec, "resume": True if complete else None}, tmp_path, "restart", entry=ENTRY)
+    began = _obs(restart, tmp_path, "restart", "began")
+    final = [torch.load(tmp_path / "obs" / "restart" / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    for rank in range(2):
+        assert began[rank] is not None and began[rank]["step"] == (complete[-1] if complete else 0), (where, report)
+        if complete:  # the newest complete checkpoint's optimizer state, bitwise
+            saved_state = reference[rank]["optimizer_at_save"][complete[-1]]
+            assert _equal(began[rank]["optimizer"], saved_state), f"{where}: rank {rank} optimizer not restored"
+        assert final[rank]["optimizer"] and _equal(final[rank]["optimizer"], reference[rank]["optimizer"]), where
+    assert [result["step"] for result in final] == [CHAIN_STEPS] * 2
+    assert _same_weights(final, reference), f"{where}: the final weights differ from the uninterrupted run's"
+    assert _trainer_report(root) == {"complete": [6, 8], "broken": {}, "leftovers": []}, where
+
+
+# --- the end-of-training removal -------------------------------------------------------------------------------
+
+def test_the_end_of_training_removal_keeps_only_the_best_through_retention_and_survives_a_kill_inside_it(
+        tmp_path: Path) -> None:
+    """``save_total_limit=1`` with a best model: at the end of the run Trainer deletes every checkpoint but the best
+    with ``shutil.rmtree``. Protected, the library's retention does it: the best stays, every other complete
+    checkpoint of the run is renamed aside, then deleted. Killed inside that removal (rank 0, after renaming
+    checkpoint-6 aside): no half-deleted ``checkpoint-6``, only a hidden leftover, and the best is still complete."""
+    done = launch("tests._trainer_scenarios:train_keeping_best", 2, args=(str(tmp_path / "done"), 6), timeout=TIMEOUT)
+    assert done[0]["step"] == 6 and done[0]["best"] == str(tmp_path / "done" / "checkpoint-2")
+    assert done[0]["entries"] == [".accelerate-txn.lock", "checkpoint-2"], done[0]["entries"]
+    assert _trainer_report(tmp_path / "done") == {"complete": [2], "broken": {}, "leftovers": []}
+
+    # Retention reaches save:during-retention once in the save of checkpoint-6 (checkpoint-4 goes: neither the newest
+    # nor the best), then at the end of training (checkpoint-6 goes).
+    killed = tmp_path / "killed"
+    with pytest.raises(LaunchError, match="died with exit codes"):
+        launch("tests._trainer_scenarios:train_keeping_best", 2, args=(str(killed), 6), timeout=TIMEOUT,
+               env={KILL_ENV: "save:during-retention@0#2"})
+    report = _trainer_report(killed)
+    assert report["complete"] == [2] and not report["broken"], report
+    assert [name.split(".deleting-")[0] for name in report["leftovers"]] == [".checkpoint-6"], report
 
 
 # --- FSDP2 ---------------------------------------------------------------------------------------------------

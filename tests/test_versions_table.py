@@ -72,6 +72,38 @@ def test_fsdp2_is_validated_only_on_pairs_of_the_table() -> None:
     assert _versions.FSDP2_VALIDATED == _versions.VALIDATED
 
 
+def test_transformers_rows_are_exact_releases_on_validated_pairs_each_keyed_in_the_trainer_internals() -> None:
+    # The Trainer front end's rows (issue 18: at least the newest transformers release that installs here and the
+    # newest 4.x). Each row's transformers minor must have its private points recorded in trainer/internals.py (the
+    # gate checks the installed Trainer against them), and its torch/Accelerate pair must be one the Accelerate front
+    # end validated (the Trainer front end runs on the same transaction core and FSDP restores).
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    from accelerate_txn.trainer import internals as trainer_internals
+    from accelerate_txn.trainer import versions as trainer_versions
+
+    rows = trainer_versions.ROWS
+    for row in rows:
+        assert all(re.fullmatch(r"\d+\.\d+\.\d+", v) for v in (row.transformers, row.torch, row.accelerate)), row
+        assert row.python and set(row.python) <= set(PYTHONS), row
+        assert row.series[1:] in _versions.VALIDATED, row
+        assert row.series[0] in trainer_internals.POINTS and row.series[0] in trainer_internals.MODULE_POINTS, row
+    assert len({row.series for row in rows}) == len(rows), "two rows validate the same series"
+    assert {"4.57", "5.24"} <= {row.series[0] for row in rows}  # the newest 4.x, the newest release that installs
+    assert trainer_internals.DEFAULT_SERIES == max((row.series[0] for row in rows), key=Version)
+    # The trainer extra's floor is the oldest validated transformers minor; make test installs a validated row.
+    pyproject = (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    (line,) = re.findall(r'^trainer = \["(.*)"\]$', pyproject, flags=re.MULTILINE)  # tomllib: Python 3.11+ only
+    floor = Requirement(line)
+    assert floor.name == "transformers" and str(floor.specifier) == f">={min((r.series[0] for r in rows), key=Version)}"
+    pins = _pins()
+    assert any((row.transformers, row.torch, row.accelerate) == (pins["transformers"], pins["torch"], pins["accelerate"])
+               for row in rows)
+    trainer_doc = (REPO / "docs" / "trainer.md").read_text(encoding="utf-8")
+    assert all(f"transformers {row.transformers}" in trainer_doc for row in rows)
+
+
 def test_requires_python_floor_is_a_tested_python() -> None:
     pyproject = (REPO / "pyproject.toml").read_text(encoding="utf-8")
     (floor,) = re.findall(r'^requires-python = ">=(\d+\.\d+)"$', pyproject, flags=re.MULTILINE)

@@ -270,15 +270,20 @@ def latest_checkpoint(output_dir: str | Path, rules: CandidateRules | None = Non
 
 
 def retention_victims(checkpoints: list[Path], limit: int, newest: Path | None = None,
-                      keep: Iterable[Path] = ()) -> list[Path]:
+                      keep: Iterable[Path] = (), keep_newest: bool = True) -> list[Path]:
     """The checkpoints retention deletes: ``checkpoints`` are the complete, intact checkpoints of one run, oldest
     first, as listed under the lock; the oldest go until ``limit`` remain, but never the newest of them (the last) nor
     ``newest`` (the one a save just published), so a caller's stale idea of "newest" can never cost the real one.
     ``keep``: checkpoints the caller must keep too (the Trainer's best model): they count toward ``limit`` and are
-    never deleted, so more than ``limit`` remain when the kept ones alone exceed it."""
+    never deleted, so more than ``limit`` remain when the kept ones alone exceed it. ``keep_newest=False`` (the end of
+    a Trainer run with ``save_total_limit=1``: only the best model stays) lets the last listed go too, when ``keep``
+    names one of ``checkpoints``; otherwise the newest stays."""
     if not checkpoints:
         return []
-    protected = {Path(checkpoints[-1]).resolve(), *(Path(path).resolve() for path in keep)}
+    kept = {Path(path).resolve() for path in keep}
+    listed = {Path(path).resolve() for path in checkpoints}
+    newest_stays = keep_newest or not (kept & listed)  # never leave a run without a complete checkpoint
+    protected = {*kept, *([Path(checkpoints[-1]).resolve()] if newest_stays else [])}
     if newest is not None:
         protected.add(Path(newest).resolve())
     excess = max(0, len(checkpoints) - limit)
@@ -286,14 +291,15 @@ def retention_victims(checkpoints: list[Path], limit: int, newest: Path | None =
 
 
 def prune(root: Path, run_id: str, limit: int, newest: Path | None = None, *, store: Store,
-          keep: Iterable[Path] = ()) -> list[Path]:
+          keep: Iterable[Path] = (), keep_newest: bool = True) -> list[Path]:
     """Delete the oldest complete checkpoints of ``run_id`` beyond ``limit`` (counting ``newest``).
 
     Decides from what it lists itself (call while holding the parent's ``DirectoryLock``: no save publishes
     meanwhile, and a save in progress holds it). Never deletes the newest complete, intact checkpoint of the run it
     lists, ``newest`` (the one a save just published), an incomplete directory (a save may be in progress, or it is
     evidence), another run's checkpoint, anything through a symlink, or one of ``keep`` (see
-    :func:`retention_victims`). Returns the deleted paths.
+    :func:`retention_victims`; ``keep_newest=False``: the newest may go when one of ``keep`` stays). Returns the
+    deleted paths.
 
     Each checkpoint is first renamed aside to a hidden ``.checkpoint_N.deleting-<run>-<txid>`` (parent fsynced),
     then deleted: a crash mid-delete leaves a retired leftover that the next save's cleanup removes, never a
@@ -302,7 +308,7 @@ def prune(root: Path, run_id: str, limit: int, newest: Path | None = None, *, st
     ours = [path for _number, path in numbered_checkpoints(root)
             if not path.is_symlink() and complete_run_id(path) == run_id and _intact(path)]
     deleted = []
-    for path in retention_victims(ours, limit, newest, keep):
+    for path in retention_victims(ours, limit, newest, keep, keep_newest):
         logger.info("Retention (total_limit=%d): deleting %s", limit, path)
         aside = store.retire(path, run_id)
         faults.point("save:during-retention")

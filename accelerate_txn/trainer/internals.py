@@ -8,6 +8,12 @@ The front end wraps the fewest, most stable points of ``transformers.Trainer``:
   scheduler, scaler, RNG, ``trainer_state.json``, Trainer's own rotation) runs inside it;
 * ``Trainer._get_output_dir(trial)`` (private), the run directory ``_save_checkpoint`` joins ``checkpoint-N`` to: for
   the duration of one save it names a hidden staging directory, so the native save writes there;
+* the method that ends a training run with Trainer's own removal of every checkpoint but the best
+  (``save_total_limit=1`` with a best model: ``shutil.rmtree``, unsynchronised, of whatever ``checkpoint-*`` it
+  globs): ``_finalize_training(trial, ...)`` in 5.24, ``_inner_training_loop(..., trial, ...)`` in 4.57 (the removal
+  is inline there). Its only call of ``_get_output_dir`` outside ``_save_checkpoint`` is that removal's listing: while
+  it runs, :func:`redirected_output_dir` names a directory that does not exist, so the listing is empty, and the
+  library removes the checkpoints itself (``save.end_of_training_removal``);
 * ``transformers.trainer.load_fsdp_optimizer`` (a private binding: the module's import of Accelerate's
   ``accelerate.utils.load_fsdp_optimizer``, which ``Trainer._load_optimizer_and_scheduler`` calls on resume). It is
   not the binding the Accelerate front end wraps (``accelerate.accelerator``'s), so the Trainer front end wraps this
@@ -16,8 +22,10 @@ The front end wraps the fewest, most stable points of ``transformers.Trainer``:
 :data:`POINTS` records, per transformers minor series, the private names and signatures this module relies on;
 :func:`missing_points` checks them on the installed Trainer class, so a release that moved them runs native Trainer
 with a warning instead of failing inside a save. Between 4.46 and 5.24 ``_save_checkpoint`` lost its ``metrics``
-argument (5.0); ``_get_output_dir`` kept its signature. :data:`MODULE_POINTS` records the same for the module-level
-bindings of ``transformers.trainer``.
+argument (4.47); ``_get_output_dir`` kept its signature. The validated series, 4.57 (the newest 4.x) and 5.24, have
+the same points: 4.57 rotates with its own ``Trainer._rotate_checkpoints`` where 5.24 calls
+``trainer_utils.rotate_checkpoints``, neither of which the front end touches (both run inside the staging directory).
+:data:`MODULE_POINTS` records the same for the module-level bindings of ``transformers.trainer``.
 """
 
 from __future__ import annotations
@@ -30,11 +38,18 @@ from typing import Any
 
 #: transformers minor series -> the private points of the Trainer class, as ``{attribute: parameter names}``.
 POINTS: dict[str, dict[str, tuple[str, ...]]] = {
-    "5.24": {"_save_checkpoint": ("self", "model", "trial"), "_get_output_dir": ("self", "trial")},
+    "4.57": {"_save_checkpoint": ("self", "model", "trial"), "_get_output_dir": ("self", "trial"),
+             "_inner_training_loop": ("self", "batch_size", "args", "resume_from_checkpoint", "trial")},
+    "5.24": {"_save_checkpoint": ("self", "model", "trial"), "_get_output_dir": ("self", "trial"),
+             "_finalize_training": ("self", "trial")},
 }
+#: transformers minor series -> the Trainer method that runs the end-of-training removal (one of its POINTS).
+FINALIZE: dict[str, str] = {"4.57": "_inner_training_loop", "5.24": "_finalize_training"}
 #: transformers minor series -> the bindings of the ``transformers.trainer`` module used, as ``{name: parameter
 #: names}`` (the leading parameters of Accelerate's function, as Trainer calls it).
 MODULE_POINTS: dict[str, dict[str, tuple[str, ...]]] = {
+    "4.57": {"load_fsdp_optimizer": ("fsdp_plugin", "accelerator", "optimizer", "model", "input_dir",
+                                     "optimizer_index")},
     "5.24": {"load_fsdp_optimizer": ("fsdp_plugin", "accelerator", "optimizer", "model", "input_dir",
                                      "optimizer_index")},
 }
@@ -45,6 +60,19 @@ SAVE_CHECKPOINT = "Trainer._save_checkpoint"
 """The wrapt path of the save point, relative to ``transformers.trainer``."""
 LOAD_OPTIMIZER = "load_fsdp_optimizer"
 """The wrapt path of the optimizer-restore point (a module binding), relative to ``transformers.trainer``."""
+
+
+def finalize_target(series: str) -> str:
+    """The wrapt path (relative to ``transformers.trainer``) of the method that ends a run of ``series``."""
+    return f"Trainer.{FINALIZE.get(series, FINALIZE[DEFAULT_SERIES])}"
+
+
+def finalize_trial(series: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The ``trial`` of a call of :func:`finalize_target` (``_finalize_training(trial, ...)``;
+    ``_inner_training_loop(batch_size, args, resume_from_checkpoint, trial, ...)``)."""
+    parameters = points_for(series)[FINALIZE.get(series, FINALIZE[DEFAULT_SERIES])][1:]
+    position = parameters.index("trial")
+    return args[position] if len(args) > position else kwargs.get("trial")
 
 
 def points_for(series: str) -> dict[str, tuple[str, ...]]:
@@ -77,8 +105,9 @@ def missing_points(trainer_class: type, series: str) -> list[str]:
 
 def output_dir(trainer: Any, trial: Any) -> str:
     """The run directory a native save of ``trainer`` writes ``checkpoint-N`` into (``_get_output_dir``: the output
-    directory, or a hyperparameter-search trial's own run directory)."""
-    return str(trainer._get_output_dir(trial))
+    directory, or a hyperparameter-search trial's own run directory). The class's method, whatever
+    :func:`redirected_output_dir` shadows on the instance."""
+    return str(type(trainer)._get_output_dir(trainer, trial))
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """The Trainer patch (wrapt) and the dispatch decision: protected transaction or native Trainer.
 
-``install()`` wraps ``Trainer.train`` (the resume), ``Trainer._save_checkpoint`` (the save) and the module's
-``load_fsdp_optimizer`` binding (the optimizer restore) of ``transformers.trainer`` exactly once; ``uninstall()`` puts
+``install()`` wraps ``Trainer.train`` (the resume), ``Trainer._save_checkpoint`` (the save), the method that ends a
+run (its removal of every checkpoint but the best: ``internals.FINALIZE``) and the module's ``load_fsdp_optimizer``
+binding (the optimizer restore) of ``transformers.trainer`` exactly once; ``uninstall()`` puts
 the originals back. The wrappers only decide and hand off to :mod:`.resume`, :mod:`.save` and :mod:`.restore` (which
 acts only inside a protected resume: :func:`.restore.resuming`).
 
@@ -28,17 +29,16 @@ from weakref import WeakSet
 import wrapt
 
 from ..core.ranks import agree
-from .internals import LOAD_OPTIMIZER, SAVE_CHECKPOINT, missing_points
+from .internals import LOAD_OPTIMIZER, SAVE_CHECKPOINT, finalize_target, missing_points
 from .layout import backend
 from .restore import restore_optimizer, resuming
 from .resume import resolve_resume
-from .save import RUN_IDS, protected_save
+from .save import RUN_IDS, protected_finalize, protected_save
 from .versions import transformers_series, unsupported_message, versions_ok
 
 logger = logging.getLogger(__name__)
 MODULE = "transformers.trainer"
 PATCH_ENV = "VIDEOX_ACCELERATE_PATCHES"
-_TARGETS = (SAVE_CHECKPOINT, "Trainer.train", LOAD_OPTIMIZER)
 ORIGINALS: dict[str, Any] = {}
 _NOTED: WeakSet = WeakSet()
 _WARNED: set[str] = set()
@@ -98,7 +98,23 @@ def _train_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: d
         return wrapped(*bound.args, **bound.kwargs)
 
 
+def _finalize_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if instance is None or not _protected(instance):
+        return wrapped(*args, **kwargs)
+    return protected_finalize(wrapped, instance, transformers_series(), args, kwargs)
+
+
 _WRAPPERS = {SAVE_CHECKPOINT: _save_wrapper, "Trainer.train": _train_wrapper, LOAD_OPTIMIZER: restore_optimizer}
+
+
+def _targets(module: Any) -> dict[str, Any]:
+    """The wrapt paths to wrap and their wrappers: the fixed ones, and the end-of-training method of the installed
+    series when it has one (an unlisted release without it runs native anyway: ``missing_points``)."""
+    targets = dict(_WRAPPERS)
+    finalize = finalize_target(transformers_series())
+    if callable(getattr(module.Trainer, finalize.split(".", 1)[1], None)):
+        targets[finalize] = _finalize_wrapper
+    return targets
 
 
 def _current(module: Any, target: str) -> Any:
@@ -108,15 +124,15 @@ def _current(module: Any, target: str) -> Any:
 
 
 def install() -> None:
-    """Wrap ``Trainer.train``, ``Trainer._save_checkpoint`` and ``transformers.trainer.load_fsdp_optimizer``
-    (idempotent)."""
+    """Wrap ``Trainer.train``, ``Trainer._save_checkpoint``, the end-of-training method and
+    ``transformers.trainer.load_fsdp_optimizer`` (idempotent)."""
     import transformers.trainer as module
 
-    for target in _TARGETS:
+    for target, wrapper in _targets(module).items():
         if isinstance(_current(module, target), wrapt.FunctionWrapper):
             continue
         ORIGINALS[target] = _current(module, target)
-        wrapt.wrap_function_wrapper(module, target, _WRAPPERS[target])
+        wrapt.wrap_function_wrapper(module, target, wrapper)
 
 
 def uninstall() -> None:
@@ -132,4 +148,4 @@ def uninstall() -> None:
 def installed() -> bool:
     import transformers.trainer as module
 
-    return all(isinstance(_current(module, target), wrapt.FunctionWrapper) for target in _TARGETS)
+    return all(isinstance(_current(module, target), wrapt.FunctionWrapper) for target in _targets(module))

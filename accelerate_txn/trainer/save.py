@@ -19,6 +19,10 @@ each step a rank phase (a failure anywhere raises the same error everywhere):
 6. retention: with ``save_total_limit``, rank 0 deletes the oldest complete checkpoints of the same run beyond it,
    never the newest nor ``best_model_checkpoint`` (renamed aside first, then deleted: ``core.select.prune``).
 
+At the end of a run with ``save_total_limit=1`` and a best model, Trainer removes every checkpoint but the best;
+:func:`end_of_training_removal` does it instead, with the same retention (complete checkpoints of the same run only,
+under the directory lock, each renamed aside before it is deleted).
+
 On failure before the publish the staging directory is removed and nothing is published; the Trainer's state is
 what the native save left (as after a native failure). ``core.faults.point`` marks the instants the crash tests kill
 a rank at.
@@ -51,7 +55,7 @@ from ..store.posix import (
     staging_leftovers,
     walk_tree,
 )
-from .internals import output_dir, redirected_output_dir, save_arguments
+from .internals import finalize_trial, output_dir, redirected_output_dir, save_arguments
 from .layout import FRONTEND, RANK_TEMPLATES, TRAINER_STATE, check_files, required_files, training_record
 from .versions import trainer_versions
 
@@ -247,4 +251,53 @@ def protected_save(wrapped: Any, trainer: Any, args: tuple[Any, ...], kwargs: di
     finally:
         if reservation is not None:
             reservation.close()
+    return result
+
+
+#: Where Trainer's own end-of-training listing looks while :func:`protected_finalize` runs: a name that never exists
+#: in the run directory, so Trainer globs no ``checkpoint-*`` and removes nothing itself.
+NO_LISTING = ".accelerate-txn-no-listing"
+
+
+def end_of_training_removal(trainer: Any, trial: Any) -> list[str]:
+    """Trainer's end-of-training removal, through the library's retention: with ``save_total_limit=1`` and a best
+    model, rank 0 deletes every complete checkpoint of this Trainer's run but ``best_model_checkpoint`` (Trainer's own
+    condition; the newest stays if the best is not a complete checkpoint of the run), under the directory lock, each
+    renamed aside before it is deleted (``core.select.prune``). Another run's checkpoints, native or incomplete
+    directories are left alone. Collective (every rank calls it); a failure is logged, not raised: training is done
+    and every remaining checkpoint is complete. Returns the deleted paths (rank 0)."""
+    best = trainer.state.best_model_checkpoint
+    run_id = RUN_IDS.get(trainer)
+    if best is None or trainer.args.save_total_limit != 1 or run_id is None:
+        return []
+    run_dir = Path(output_dir(trainer, trial)).expanduser().absolute()
+
+    def remove() -> list[str]:
+        lock = DirectoryLock(run_dir, LOCK_TIMEOUT)
+        lock.acquire()
+        try:
+            return [str(path) for path in prune(run_dir, run_id, 1, None, store=POSIX, keep=[Path(best)],
+                                                keep_newest=False)]
+        finally:
+            lock.release()
+
+    try:
+        return on_main(remove, "End-of-training removal (save_total_limit=1)") or []
+    except CheckpointError as exc:
+        if rank() == 0:
+            logger.warning("The end-of-training removal of %s failed (every checkpoint left is complete): %s",
+                           run_dir, exc)
+        return []
+
+
+def protected_finalize(wrapped: Any, trainer: Any, series: str, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> Any:
+    """Run ``wrapped`` (the method that ends a training run, ``internals.FINALIZE``) with Trainer's end-of-training
+    listing pointed at :data:`NO_LISTING`, then :func:`end_of_training_removal`. Saves inside it (4.57's
+    ``_inner_training_loop``) redirect again, to their staging directory, and put this back."""
+    trial = finalize_trial(series, args, kwargs)
+    run_dir = Path(output_dir(trainer, trial))
+    with redirected_output_dir(trainer, str(run_dir / NO_LISTING)):
+        result = wrapped(*args, **kwargs)
+    end_of_training_removal(trainer, trial)
     return result
