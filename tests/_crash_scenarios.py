@@ -119,12 +119,12 @@ def _read_ref(root: Path, number: int) -> dict[str, Any]:
 
 # --- the checkpoint directory, file level (also used by the parent after a kill) -------------------------------
 
-def directory_report(checkpoints: Path) -> dict[str, Any]:
-    """Every ``checkpoint_N`` fully verified (every recorded hash), the automatic choice, and leftovers."""
-    checkpoints = Path(checkpoints)
+def fully_verified(root: Path) -> tuple[list[int], dict[str, str]]:
+    """The numbers of the ``checkpoint_N``/``checkpoint-N`` under ``root`` that verify completely (every recorded
+    hash), and why each other one does not."""
     complete: list[int] = []
     broken: dict[str, str] = {}
-    for number, path in numbered_checkpoints(checkpoints):
+    for number, path in numbered_checkpoints(root):
         try:
             manifest = read_manifest(path)
             if manifest is None:
@@ -133,6 +133,13 @@ def directory_report(checkpoints: Path) -> dict[str, Any]:
             complete.append(number)
         except CheckpointIntegrityError as exc:
             broken[path.name] = str(exc)
+    return complete, broken
+
+
+def directory_report(checkpoints: Path) -> dict[str, Any]:
+    """Every ``checkpoint_N`` fully verified (every recorded hash), the automatic choice, and leftovers."""
+    checkpoints = Path(checkpoints)
+    complete, broken = fully_verified(checkpoints)
     candidates, _reasons = checkpoint_candidates(checkpoints)
     names = sorted(p.name for p in checkpoints.iterdir()) if checkpoints.is_dir() else []
     leftovers = [n for n in names if ".staging-" in n or ".deleting-" in n]

@@ -49,21 +49,29 @@ def _trainer_class() -> type:
     return KillPointTrainer
 
 
-def build(output_dir: str, max_steps: int, fsdp_version: int = 2, save_total_limit: int | None = None) -> Any:
-    """This rank's Trainer (FSDP forced on, saving every 2 steps), its model and data the same on every run."""
+def tiny_llama(samples: int) -> tuple[Any, list[dict[str, Any]]]:
+    """A tiny Llama built from a config (no download) and ``samples`` token sequences: the same on every run."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    import accelerate_txn  # noqa: F401  (the import protects Trainer checkpoints)
-    from accelerate_txn.testing import force_fsdp_trainer
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
     model = LlamaForCausalLM(config)
     generator = torch.Generator().manual_seed(1)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (64, 16), generator=generator)]
+    return model, [{"input_ids": ids, "labels": ids}
+                   for ids in torch.randint(0, 128, (samples, 16), generator=generator)]
+
+
+def build(output_dir: str, max_steps: int, fsdp_version: int = 2, save_total_limit: int | None = None) -> Any:
+    """This rank's Trainer (FSDP forced on, saving every 2 steps), its model and data the same on every run."""
+    from transformers import TrainingArguments
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    import accelerate_txn  # noqa: F401  (the import protects Trainer checkpoints)
+    from accelerate_txn.testing import force_fsdp_trainer
+
+    model, data = tiny_llama(64)
     args = TrainingArguments(output_dir=output_dir, use_cpu=True, per_device_train_batch_size=4, max_steps=max_steps,
                              save_strategy="steps", save_steps=2, save_total_limit=save_total_limit, logging_steps=1,
                              report_to=[], seed=0, dataloader_num_workers=0, disable_tqdm=True)

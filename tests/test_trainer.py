@@ -39,10 +39,9 @@ import torch
 
 from accelerate_txn.core.faults import KILL_ENV
 from accelerate_txn.core.manifest import MANIFEST, read_manifest, verify_manifest
-from accelerate_txn.core.select import numbered_checkpoints
-from accelerate_txn.errors import CheckpointIntegrityError
 from accelerate_txn.testing import LaunchError, launch
 from tests._crash_harness import KILLED, JobResult, run_to_completion, run_until_crash_point, run_until_killed_after
+from tests._crash_scenarios import fully_verified
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 TIMEOUT = 240  # per launch: a hung group fails instead of stalling
@@ -133,16 +132,7 @@ CHAIN_STEPS = 8
 
 def _trainer_report(root: Path) -> dict[str, Any]:
     """Every ``checkpoint-N`` of ``root`` fully verified (every hash), and the hidden leftovers."""
-    complete, broken = [], {}
-    for number, path in numbered_checkpoints(root):
-        try:
-            manifest = read_manifest(path)
-            if manifest is None:
-                raise CheckpointIntegrityError("no completion manifest")
-            verify_manifest(path, manifest, full=True)
-            complete.append(number)
-        except CheckpointIntegrityError as exc:
-            broken[path.name] = str(exc)
+    complete, broken = fully_verified(root)
     leftovers = sorted(p.name for p in root.iterdir() if ".staging-" in p.name or ".deleting-" in p.name)
     return {"complete": complete, "broken": broken, "leftovers": leftovers}
 

@@ -14,19 +14,15 @@ import torch
 import accelerate_txn  # noqa: F401  (the import protects Trainer checkpoints)
 from accelerate_txn import MANIFEST
 from accelerate_txn.errors import CheckpointIntegrityError
+from tests._trainer_scenarios import tiny_llama
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def _trainer(output_dir: Path, max_steps: int) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
-    model = LlamaForCausalLM(config)
-    generator = torch.Generator().manual_seed(1)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (32, 16), generator=generator)]
+    model, data = tiny_llama(32)
     args = TrainingArguments(output_dir=str(output_dir), use_cpu=True, per_device_train_batch_size=4,
                              max_steps=max_steps, save_strategy="steps", save_steps=2, save_total_limit=2,
                              lr_scheduler_type="constant",  # a shorter run is then an interrupted one
