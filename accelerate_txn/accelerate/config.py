@@ -16,6 +16,7 @@ from weakref import WeakKeyDictionary, ref
 
 import torch
 
+from ..core.remote import SCHEMES, is_url
 from ..errors import CheckpointConfigurationError, RestoreFailedError
 from ..fsdp.optimizer_state import raw_optimizer
 from .internals import prepared_optimizers
@@ -346,8 +347,6 @@ def configure_checkpointing(
 
 
 def _valid_mirror(value: Any) -> str | None:
-    from ..core.remote import SCHEMES, is_url
-
     if value == "":
         return None
     if not is_url(value) or not value.partition("://")[2].strip("/"):

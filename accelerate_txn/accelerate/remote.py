@@ -25,11 +25,18 @@ from typing import Any
 from ..core import faults
 from ..core import remote as objects
 from ..core.manifest import MANIFEST, read_manifest, write_manifest
-from ..core.ranks import any_rank, on_main, rank, run_phase, world_size
+from ..core.ranks import any_rank, background_group, on_main, rank, run_phase, world_size
 from ..core.select import CHECKPOINT_NAME, numbered_checkpoints
-from ..errors import CheckpointConfigurationError, CheckpointError, CheckpointIntegrityError
+from ..errors import (
+    CheckpointConfigurationError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointIntegrityError,
+    NoCheckpointError,
+)
 from ..store.base import ObjectStore
 from ..store.posix import POSIX, new_id, remove_tree
+from . import async_save
 from .config import checkpoint_config
 
 logger = logging.getLogger(__name__)
@@ -83,8 +90,6 @@ def refuse_existing(url: str, *, automatic: bool, overwrite: str) -> None:
     if objects.read_manifest(object_store(url), url) is not None:
         fix = ("with automatic naming, set accelerator.project_configuration.iteration past it" if automatic
                else "or let it be replaced: configure_checkpointing(accelerator, overwrite='replace')")
-        from ..errors import CheckpointExistsError
-
         raise CheckpointExistsError(f"Refusing to overwrite {url}: it already exists. Resume from it, or save to a new "
                                     f"name ({fix}).")
 
@@ -137,9 +142,6 @@ def keep_newest_copy(path: Path) -> None:
 def start_mirror(owners: list[Any], published: Path, run_id: str, limit: int | None) -> None:
     """Upload the just-published ``published`` to its mirror in the background (on the background process group);
     its error is raised on every rank at the next save, ``wait_for_checkpoint`` or load."""
-    from ..core.ranks import background_group
-    from . import async_save
-
     url = mirror_url(owners[0], published)
     if url is None:
         return
@@ -168,8 +170,6 @@ def fetch(url: str, root: Path, group: Any = None, *, reuse: bool = True) -> tup
     def inspect() -> dict[str, Any]:
         manifest = objects.read_manifest(store, url)
         if manifest is None:
-            from ..errors import NoCheckpointError
-
             raise NoCheckpointError(f"{url} holds no committed checkpoint (no {MANIFEST}): a save that did not finish, "
                                     "or a wrong URL. `accelerate-txn list` on its parent shows the checkpoints there.")
         objects.check_listing(store, url, manifest)
@@ -179,8 +179,7 @@ def fetch(url: str, root: Path, group: Any = None, *, reuse: bool = True) -> tup
     final = objects.cache_path(root, url)
     txid = manifest["transaction_id"]
     staging = final.parent / f".{final.name}.download-{txid}"
-    marker = f".peer-{new_id()}-" if rank(group) == 0 else ""
-    marker = on_main(lambda: marker, "Naming the download", group)
+    marker = on_main(lambda: f".peer-{new_id()}-", "Naming the download", group)  # the same on every rank
 
     # A copy whose every file is hashed is verified byte for byte by the restore: it is not fsynced as it is
     # downloaded, and one already in the cache is reused. Otherwise (checksum="metadata") it is fsynced and never
@@ -243,7 +242,3 @@ def remote_candidates(mirror: str) -> list[tuple[int, str]]:
 def number_of(name: str) -> int | None:
     match = CHECKPOINT_NAME.fullmatch(name)
     return int(match.group(1)) if match else None
-
-
-__all__ = ["POINTS", "cache_root", "fetch", "keep_newest_copy", "local_copy", "mirror_url", "number_of",
-           "object_store", "refuse_existing", "remote_candidates", "replicate", "start_mirror"]

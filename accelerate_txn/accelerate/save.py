@@ -28,27 +28,24 @@ from __future__ import annotations
 
 import functools
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
-
-import torch.distributed as dist
 
 from ..core import faults as _faults
 from ..core.manifest import (
     HASH,
     MANIFEST,
     PROTOCOL,
-    add_schemas,
     check_dcp_inventory,
     check_rank_coverage,
+    complete_rows,
     hash_rows,
     list_tree,
     with_metadata_cache,
     write_manifest,
     writer_rank,
 )
-from ..core.ranks import agree, background_group, distributed, on_main, rank, run_phase, world_size
+from ..core.ranks import agree, background_group, gather_rows, on_main, rank, run_phase, world_size
 from ..core.remote import is_url
 from ..core.remote import split as split_url
 from ..core.select import CHECKPOINT_NAME, complete_run_id, numbered_checkpoints, prune, replace_refusal
@@ -56,8 +53,6 @@ from ..errors import (
     CheckpointConfigurationError,
     CheckpointError,
     CheckpointExistsError,
-    CheckpointIntegrityError,
-    CheckpointRankError,
 )
 from ..fsdp.host_memory import StagingPool
 from ..fsdp.optimizer_state import raw_optimizer
@@ -65,12 +60,11 @@ from ..store.posix import (
     POSIX,
     DirectoryLock,
     StagedDirectory,
-    fsync_path,
+    fsync_directories,
     new_id,
     recover_replaced,
     remove_leftovers,
     staging_leftovers,
-    walk_tree,
 )
 from . import async_save as _async
 from . import remote as _remote
@@ -220,44 +214,6 @@ def _staging_pool(owner: Any) -> StagingPool | None:
     return config.staging_pool if config.reuse_staging_memory else None
 
 
-def _gather_rows(rows: dict[str, dict[str, Any]], world: int, group: Any = None) -> dict[str, dict[str, Any]]:
-    """Rank 0 receives every rank's rows (the other ranks get ``{}``), and proves that each of the ``world`` ranks
-    of the saving world contributed: a rank that lost its process group must never publish alone."""
-    if not distributed():
-        if world != 1:
-            raise CheckpointRankError(
-                f"The checkpoint was started on {world} ranks, but this process no longer belongs to a process group "
-                "(destroy_process_group() was called during the save): nothing was published.")
-        return rows
-    gathered: list[Any] = [None] * world_size(group) if rank(group) == 0 else []
-    dist.gather_object((rank(), rows), gathered if rank(group) == 0 else None, dst=dist.get_global_rank(group, 0)
-                       if group is not None else 0, group=group)
-    merged: dict[str, dict[str, Any]] = {}
-    if rank(group) == 0:
-        contributed = sorted(part[0] for part in gathered)
-        if contributed != list(range(world)):
-            raise CheckpointRankError(
-                f"The checkpoint was started on ranks 0..{world - 1}, but ranks {contributed} contributed their "
-                "files: nothing was published.")
-        for _rank, part in gathered:
-            merged.update(part)
-    return merged
-
-
-def _fsync_directories(root: Path) -> None:
-    """fsync every directory of ``root`` (``store.posix.walk_tree``: iterative, never follows a symbolic link,
-    raises a listing error instead of skipping it), concurrently: the file system can commit them together (one
-    journal commit rather than one per directory). Every one has completed, or raised, when this returns: before
-    the manifest is written."""
-    directories = [directory for directory, _entries in reversed(list(walk_tree(root)))]
-    if len(directories) < 2:
-        for directory in directories:
-            fsync_path(directory)
-        return
-    with ThreadPoolExecutor(max_workers=min(8, len(directories)), thread_name_prefix="accelerate-txn-fsync") as pool:
-        list(pool.map(fsync_path, directories))
-
-
 class _Reservation:
     """Rank 0's side of the transaction: the lock and the staged directory (constructed inside a phase)."""
 
@@ -325,23 +281,13 @@ class _Reservation:
         rank_templates = sorted({t for owner in owners.values() for t in rank_files(owner)})
         for name, owner in owners.items():
             check_required_files(owner, staging / name, range(owner.num_processes), read_custom=False)
-        present = list_tree(staging)
-        vanished = sorted(set(rows) - set(present))
-        changed = sorted(name for name in set(rows) & set(present) if rows[name]["size"] != present[name])
-        if vanished or changed:
-            raise CheckpointIntegrityError(
-                f"Staged file {staging / (vanished or changed)[0]} {'vanished' if vanished else 'changed size'} after "
-                "it was hashed: something else writes into the staging directory. Nothing was published."
-            )
-        unclaimed = sorted(set(present) - set(rows))  # written after the ranks listed the tree: rank 0 takes them
-        rows.update(hash_rows(staging, unclaimed, algorithm=HASH, integrity=integrity, flush=True))
-        add_schemas(staging, rows)
+        complete_rows(staging, rows, integrity=integrity)
         # The publish proof, from the files themselves (what every verification re-checks): each rank of the saving
         # world wrote its per-rank files and its DCP payloads, and every tensor of every DCP .metadata is covered
         # completely by chunks stored in listed files.
         check_rank_coverage(staging, rows, descriptors, rank_templates)
         check_dcp_inventory(staging, {"files": rows})
-        _fsync_directories(staging)
+        fsync_directories(staging)
         manifest: dict[str, Any] = {
             "protocol": PROTOCOL,
             "status": "complete",
@@ -431,7 +377,7 @@ def _finish(group: Any, owners: dict[str, Any], staging: Path, templates: list[s
             owner, target, (owner.process_index,), read_custom=False, shared=False),
             "Checking this rank's staged files", group)
     # Every rank hashes and flushes what it wrote (on a shared filesystem only the writer's fsync is reliable).
-    rows = _gather_rows(run_phase(lambda: _own_rows(staging, templates, integrity, written),
+    rows = gather_rows(run_phase(lambda: _own_rows(staging, templates, integrity, written),
                                   "Hashing and flushing the staged checkpoint", group), world, group)
     published: str = on_main(lambda: reservation.publish(owners, descriptors, run_id, integrity,  # type: ignore[union-attr]
                                                           rows, steps, lineage, progress), f"Publishing {path}",

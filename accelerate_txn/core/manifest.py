@@ -194,6 +194,23 @@ def add_schemas(directory: Path, rows: dict[str, dict[str, Any]]) -> None:
             row["schema"] = dcp_schema((Path(directory) / name).parent)
 
 
+def complete_rows(directory: Path, rows: dict[str, dict[str, Any]], *, integrity: str) -> None:
+    """Rank 0, before a publish: complete the inventory ``rows`` that the ranks hashed (each its own files) from
+    the staged ``directory`` itself. A hashed file that vanished or changed size is refused (something else writes
+    into the staging directory; nothing is published); files no rank claimed (written after the ranks listed the
+    tree) are hashed and fsynced here; DCP schemas are added."""
+    present = list_tree(directory)
+    vanished = sorted(set(rows) - set(present))
+    changed = sorted(name for name in set(rows) & set(present) if rows[name]["size"] != present[name])
+    if vanished or changed:
+        raise CheckpointIntegrityError(
+            f"Staged file {Path(directory) / (vanished or changed)[0]} {'vanished' if vanished else 'changed size'} "
+            "after it was hashed: something else writes into the staging directory. Nothing was published.")
+    rows.update(hash_rows(directory, sorted(set(present) - set(rows)), algorithm=HASH, integrity=integrity,
+                          flush=True))
+    add_schemas(directory, rows)
+
+
 def build_inventory(directory: Path, checksum: str = "full", algorithm: str = HASH) -> dict[str, dict[str, Any]]:
     """Size and hash (per the integrity mode ``checksum``) of every file under ``directory``, and the schema of
     every DCP ``.metadata`` (single-process form of what a protected save assembles across ranks)."""

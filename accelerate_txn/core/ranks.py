@@ -151,6 +151,30 @@ def run_phase(function: Callable[[], T], context: str = "Checkpoint phase", grou
     raise_gathered(failures, context, caught, group)
 
 
+def gather_rows(rows: dict[str, dict[str, Any]], world: int, group: Any = None) -> dict[str, dict[str, Any]]:
+    """Rank 0 receives every rank's rows (the other ranks get ``{}``), and proves that each of the ``world`` ranks
+    of the saving world contributed: a rank that lost its process group must never publish alone."""
+    if not distributed():
+        if world != 1:
+            raise CheckpointRankError(
+                f"The checkpoint was started on {world} ranks, but this process no longer belongs to a process group "
+                "(destroy_process_group() was called during the save): nothing was published.")
+        return rows
+    gathered: list[Any] = [None] * world_size(group) if rank(group) == 0 else []
+    dist.gather_object((rank(), rows), gathered if rank(group) == 0 else None, dst=dist.get_global_rank(group, 0)
+                       if group is not None else 0, group=group)
+    merged: dict[str, dict[str, Any]] = {}
+    if rank(group) == 0:
+        contributed = sorted(part[0] for part in gathered)
+        if contributed != list(range(world)):
+            raise CheckpointRankError(
+                f"The checkpoint was started on ranks 0..{world - 1}, but ranks {contributed} contributed their "
+                "files: nothing was published.")
+        for _rank, part in gathered:
+            merged.update(part)
+    return merged
+
+
 def any_rank(flag: bool, group: Any = None) -> bool:
     """True on every rank if ``flag`` is true on any rank (one fixed-size all-reduce)."""
     if not distributed():

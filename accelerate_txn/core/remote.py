@@ -213,16 +213,23 @@ def checkpoints(store: ObjectStore, parent: str) -> list[tuple[int, str]]:
                   for name, entry in layout(store, parent).items() if entry["manifest"])
 
 
-def complete_run_id(store: ObjectStore, url: str) -> str | None:
-    """The run id of the committed checkpoint at ``url``, else ``None`` (never raises for a damaged one)."""
+def _complete(store: ObjectStore, url: str) -> dict[str, Any] | None:
+    """The manifest of the committed checkpoint at ``url`` if it is a readable, complete one naming its
+    transaction, else ``None`` (never raises for a damaged one)."""
     try:
         manifest = read_manifest(store, url)
+        if not manifest or manifest.get("protocol") not in READABLE_PROTOCOLS or manifest.get("status") != "complete":
+            return None
+        data_dir(manifest, url)
     except (CheckpointIntegrityError, OSError):
         return None
-    if not manifest or manifest.get("protocol") not in READABLE_PROTOCOLS or manifest.get("status") != "complete":
-        return None
-    run = manifest.get("run_id")
-    return run if isinstance(run, str) else None
+    return manifest
+
+
+def complete_run_id(store: ObjectStore, url: str) -> str | None:
+    """The run id of the committed checkpoint at ``url``, else ``None`` (never raises for a damaged one)."""
+    manifest = _complete(store, url)
+    return None if manifest is None else manifest["run_id"]
 
 
 def prune(store: ObjectStore, parent: str, run_id: str, limit: int, newest: str,
@@ -230,17 +237,18 @@ def prune(store: ObjectStore, parent: str, run_id: str, limit: int, newest: str,
     """Delete the oldest committed checkpoints of ``run_id`` under ``parent`` beyond ``limit`` (counting
     ``newest``, never deleted), each manifest first (``between()`` is called after each manifest's deletion).
     Another run's checkpoints are never touched."""
-    ours = [url for _number, url in checkpoints(store, parent)
-            if url.rstrip("/") != newest.rstrip("/") and complete_run_id(store, url) == run_id]
+    ours = []  # (URL, its transaction's prefix), oldest first: each manifest read once
+    for _number, url in checkpoints(store, parent):
+        manifest = _complete(store, url)
+        if url.rstrip("/") != newest.rstrip("/") and manifest is not None and manifest.get("run_id") == run_id:
+            ours.append((url, data_dir(manifest, url)))
     doomed = ours[: max(0, len(ours) - (limit - 1))]
-    for url in doomed:
-        manifest = read_manifest(store, url)
+    for url, objects in doomed:
         store.delete(join(url, MANIFEST))  # acknowledged: from here the checkpoint does not exist
         if between is not None:
             between()
-        if manifest is not None:  # its own transaction's objects only: another writer's upload there is not ours
-            store.delete_prefix(join(url, data_dir(manifest, url)))
-    return doomed
+        store.delete_prefix(join(url, objects))  # its own transaction only: another writer's upload is not ours
+    return [url for url, _objects in doomed]
 
 
 def remove_leftovers(store: ObjectStore, parent: str, run_id: str) -> list[str]:
@@ -347,4 +355,4 @@ def default_cache_root() -> Path:
 def fully_hashed(manifest: Mapping[str, Any]) -> bool:
     """Whether every file of ``manifest`` has its content hash (``checksum="full"``): a local copy of it is verified
     byte for byte by every restore, so it need not be made durable when downloaded."""
-    return manifest.get("hash", HASH) == HASH and all(HASH in row for row in manifest["files"].values())
+    return all(_expected_hash(manifest, name) is not None for name in manifest["files"])

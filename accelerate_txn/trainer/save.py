@@ -36,24 +36,31 @@ from pathlib import Path
 from typing import Any
 from weakref import WeakKeyDictionary
 
-import torch.distributed as dist
-
 from ..core import faults
-from ..core.manifest import HASH, PROTOCOL, add_schemas, check_dcp_inventory, hash_rows, list_tree, write_manifest, writer_rank
-from ..core.ranks import agree, distributed, on_main, rank, run_phase, world_size
+from ..core.manifest import (
+    HASH,
+    PROTOCOL,
+    check_dcp_inventory,
+    complete_rows,
+    hash_rows,
+    list_tree,
+    write_manifest,
+    writer_rank,
+)
+from ..core.ranks import agree, gather_rows, on_main, rank, run_phase, world_size
 from ..core.select import complete_run_id, numbered_checkpoints, prune, replace_refusal
-from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError, CheckpointRankError
+from ..errors import CheckpointError, CheckpointExistsError
 from ..store.posix import (
     POSIX,
     DirectoryLock,
     StagedDirectory,
+    fsync_directories,
     fsync_path,
     new_id,
     recover_replaced,
     remove_leftovers,
     replace_directory,
     staging_leftovers,
-    walk_tree,
 )
 from .internals import finalize_trial, output_dir, redirected_output_dir, save_arguments
 from .layout import FRONTEND, RANK_TEMPLATES, TRAINER_STATE, check_files, required_files, training_record
@@ -112,20 +119,11 @@ class Reservation:
     def publish(self, record: dict[str, Any], rows: dict[str, dict[str, Any]]) -> str:
         """Check the staged tree against the ranks' rows, write the manifest last and rename the tree into place."""
         tree = self.tree
-        present = list_tree(tree)
-        vanished = sorted(set(rows) - set(present))
-        changed = sorted(name for name in set(rows) & set(present) if rows[name]["size"] != present[name])
-        if vanished or changed:
-            raise CheckpointIntegrityError(
-                f"Staged file {tree / (vanished or changed)[0]} {'vanished' if vanished else 'changed size'} after it "
-                "was hashed: something else writes into the staging directory. Nothing was published.")
-        rows.update(hash_rows(tree, sorted(set(present) - set(rows)), algorithm=HASH, integrity=INTEGRITY, flush=True))
-        add_schemas(tree, rows)
+        complete_rows(tree, rows, integrity=INTEGRITY)
         record["required"] = required_files(record, set(rows))
         check_files(tree, set(rows), record, record["required"])
         check_dcp_inventory(tree, {"files": rows})
-        for directory, _entries in reversed(list(walk_tree(tree))):
-            fsync_path(directory)
+        fsync_directories(tree)
         manifest = {
             "protocol": PROTOCOL,
             "status": "complete",
@@ -194,23 +192,6 @@ def _own_rows(tree: Path) -> dict[str, dict[str, Any]]:
                      after_first=lambda: faults.point("save:during-flush"))
 
 
-def _gather_rows(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Rank 0 receives every rank's rows (the others get ``{}``) and checks that every rank contributed."""
-    if not distributed():
-        return rows
-    gathered: list[Any] = [None] * world_size() if rank() == 0 else []
-    dist.gather_object((rank(), rows), gathered if rank() == 0 else None, dst=0)
-    merged: dict[str, dict[str, Any]] = {}
-    if rank() == 0:
-        contributed = sorted(part[0] for part in gathered)
-        if contributed != list(range(world_size())):
-            raise CheckpointRankError(f"Ranks {contributed} of {world_size()} contributed their files: nothing was "
-                                      "published.")
-        for _rank, part in gathered:
-            merged.update(part)
-    return merged
-
-
 def protected_save(wrapped: Any, trainer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``wrapped(*args, **kwargs)`` (native ``_save_checkpoint``) as a transaction; see the module docstring."""
     trial = save_arguments(args, kwargs)
@@ -234,7 +215,8 @@ def protected_save(wrapped: Any, trainer: Any, args: tuple[Any, ...], kwargs: di
         run_phase(lambda: _map_recorded_paths(trainer, staging, run_dir, tree), "Recording the published paths")
         faults.point("save:after-native-save")
         record = {**training_record(trainer), "versions": trainer_versions()}
-        rows = _gather_rows(run_phase(lambda: _own_rows(tree), "Hashing and flushing the staged checkpoint"))
+        rows = gather_rows(run_phase(lambda: _own_rows(tree), "Hashing and flushing the staged checkpoint"),
+                           world_size())
         published = on_main(lambda: reservation.publish(record, rows), f"Publishing {final}")  # type: ignore[union-attr]
         RUN_IDS[trainer] = run_id
         faults.point("save:after-rename")
