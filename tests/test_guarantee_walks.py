@@ -210,13 +210,13 @@ def test_remove_leftovers_removes_a_tree_deeper_than_path_max(tmp_path: Path) ->
 
 
 def test_fsync_of_a_deep_staged_tree(tmp_path: Path) -> None:
-    from accelerate_txn.accelerate.save import _fsync_directories
+    from accelerate_txn.store.posix import fsync_directories
 
     root = tmp_path / "tree"
     root.mkdir()
     nest(root, DEEP, files=4)
     fsync_tree(root)
-    _fsync_directories(root)
+    fsync_directories(root)
     assert (root / MANIFEST).exists() is False  # untouched: nothing written, nothing removed
     assert len(list(os.scandir(root / "d"))) == 2  # notes.txt and the next level
 
