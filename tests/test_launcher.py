@@ -256,6 +256,49 @@ def test_argv_main_and_sys_path_are_exactly_those_of_python_script_args(tmp_path
     assert _probe(native.stdout)["argv"] == ["sub/probe.py", *args]  # the comparison sees what it compares
 
 
+ENDING = '''\
+import atexit, os, sys, threading
+
+class AbortsInTeardown:
+    def __del__(self):  # runs only if the interpreter is torn down (module globals cleared)
+        os.abort()
+
+keep = AbortsInTeardown()
+release = threading.Event()
+atexit.register(lambda: print("atexit handler ran", flush=True))
+
+def late():
+    release.wait()
+    print("non-daemon thread ended", flush=True)
+
+threading.Thread(target=late).start()
+print("unflushed line", end="")  # left in the buffer: the worker flushes it
+release.set()
+if len(sys.argv) > 1:
+    sys.exit(int(sys.argv[1]))
+'''
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("code", [None, 0, 4])
+def test_a_script_ends_as_under_python_up_to_the_interpreter_teardown(tmp_path: Path, code: int | None) -> None:
+    # Success: every exit step python takes runs (non-daemon threads joined, atexit handlers, buffers flushed) and the
+    # worker exits 0 without the interpreter's teardown, where PyTorch's gloo threads can abort a finished process
+    # (here a __del__ that would abort stands in for it). A failing exit status ends exactly as under python.
+    (tmp_path / "ending.py").write_text(ENDING)
+    args = [] if code is None else [str(code)]
+    native = subprocess.run([sys.executable, "ending.py", *args], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
+    launched = run_script("ending.py", args, cwd=tmp_path, num_processes=1, timeout=JOB_TIMEOUT)
+    for line in ("unflushed line", "non-daemon thread ended", "atexit handler ran"):
+        assert line in launched.output[0] and line in native.stdout, (line, launched.describe(), native.stdout)
+    assert native.returncode == -signal.SIGABRT  # python tears the interpreter down: the stand-in aborts
+    if code:
+        assert launched.returncodes == [128 + signal.SIGABRT], launched.describe()  # the same teardown as python
+    else:
+        assert launched.returncodes == [0], launched.describe()
+
+
 @pytest.mark.timeout(600)
 def test_the_command_line_runs_a_module_exactly_as_python_dash_m(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:

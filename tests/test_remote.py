@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from accelerate_txn import MANIFEST
 from accelerate_txn.testing import launch
 from tests._s3_server import BUCKET, Server
 
@@ -203,6 +204,27 @@ def test_kill_9_during_an_upload_never_leaves_a_selectable_incomplete_checkpoint
         # Killed before its first commit, the run is not resumed: a new run never deletes another run's uploads
         # (an object store has no lock: they could be a live writer's); they stay until removed by hand.
         assert len(after["prefixes"]) == len(after["names"]) + 1, after
+
+
+def test_kill_9_during_a_download_leaves_no_usable_copy_and_the_next_load_downloads_again(
+        reference: list[dict[str, Any]], tmp_path: Any) -> None:
+    import shutil
+
+    from accelerate_txn.testing import LaunchError
+
+    mirror = _parent("fetch-killed")
+    _mirrored(tmp_path / "run", mirror, tmp_path / "cache", 3)
+    shutil.rmtree(tmp_path / "run")  # a replaced node: the restore downloads from the mirror into its cache
+    cache = tmp_path / "cache-new-node"
+    with pytest.raises(LaunchError, match=r"died with exit codes \[-9"):  # SIGKILL after a rank's second file
+        _mirrored(tmp_path / "run", mirror, cache, 5, resume=True, env={"ACCELERATE_TXN_KILL_AT": "fetch:during#2"})
+    cut_short = [path for path in cache.rglob("*") if path.is_dir() and ".download-" in path.name]
+    assert cut_short and all(path.name.startswith(".") for path in cut_short), cut_short  # hidden, never a copy
+    assert not [path for path in cache.rglob(MANIFEST)], "a download cut short left a complete-looking copy"
+    resumed = _mirrored(tmp_path / "run", mirror, cache, 5, resume=True)
+    assert [obs["resumed"] for obs in resumed] == [3, 3]
+    assert [obs["state"] for obs in resumed] == [obs["state"] for obs in reference]
+    assert not [path for path in cache.rglob("*") if ".download-" in path.name]  # the next download removed it
 
 
 # -- one process: the native path is told, protect="all" stores in the bucket ----------------------------------

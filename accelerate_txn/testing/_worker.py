@@ -16,12 +16,19 @@ ARGS...``), with torchrun's environment. It
 
 What it must not do: import the ``accelerate_txn`` package. Its ``__init__`` installs the checkpoint patch, and only
 the script's own ``import accelerate_txn`` may do that (so a script runs native without the import, protected with
-it). So it loads ``_cpu_fsdp.py`` by path, and imports nothing of the package. The only other addition is a
-``faulthandler`` on ``SIGUSR1``: the launcher asks for every thread's stack before killing a job that timed out.
+it). So it loads ``_cpu_fsdp.py`` by path, and imports nothing of the package. The other additions: a
+``faulthandler`` on ``SIGUSR1`` (the launcher asks for every thread's stack before killing a job that timed out),
+and the end of a script that succeeded (:func:`end_after_exit_handlers`): the interpreter's exit steps run as
+``python`` runs them (non-daemon threads joined, ``threading`` exit hooks, ``atexit`` handlers, streams flushed),
+then the worker exits with status 0 without tearing the interpreter down. That teardown is where PyTorch's gloo
+worker threads can abort a process that finished ("terminate called without an active exception", SIGABRT, rank
+by rank and at random: pytorch/pytorch#179291), which would fail a run that did everything it had to. A script
+that fails (an exception, a non-zero ``sys.exit``) ends exactly as under ``python``.
 """
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import faulthandler
 import importlib
@@ -32,6 +39,7 @@ import os
 import runpy
 import signal
 import sys
+import threading
 import types
 from pathlib import Path
 from typing import Any
@@ -114,6 +122,22 @@ def run_file(path: str, args: list[str]) -> None:
     exec(code, script.__dict__)
 
 
+def end_after_exit_handlers() -> None:
+    """End a worker whose script succeeded: what ``python`` does at exit up to the interpreter's teardown (join the
+    non-daemon threads and run ``threading``'s exit hooks, then the ``atexit`` handlers; an exception in one is
+    printed and the others still run, as there), flush the streams, and exit 0 (see the module docstring)."""
+    shutdown = getattr(threading, "_shutdown", None)  # CPython's own first exit step (3.8-3.13)
+    if shutdown is not None:
+        shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: python would ignore it at exit too
+            pass
+    os._exit(0)
+
+
 def main() -> None:
     settings = json.loads(sys.argv[1])
     target = sys.argv[2:]
@@ -136,4 +160,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as exit_request:
+        if exit_request.code not in (None, 0):
+            raise
+    end_after_exit_handlers()
