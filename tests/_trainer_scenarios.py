@@ -5,7 +5,8 @@ download) training with FSDP on CPU (gloo) through ``accelerate_txn.testing.forc
 * :func:`main` is the entry of a crash-harness job (``tests._crash_harness.Job``: separate interpreters the test
   kills), which writes what it observed under the job's ``obs`` directory;
 * :func:`refuse_each` damages one file class at a time and checks that the explicit resume refuses it on every rank
-  before anything is loaded, in one process group.
+  before anything is loaded, in one process group; :func:`refuse_other_optimizer` resumes with an optimizer that
+  does not match the checkpoint's.
 
 Kill points inside Trainer's own save (:data:`NATIVE_POINTS`). The library wraps ``Trainer._save_checkpoint`` as one
 unit, so none of its code runs between Trainer's own writes; to kill a rank there, the Trainer of these scenarios
@@ -169,6 +170,26 @@ def refuse_each(output_dir: str, cases: dict[str, str]) -> dict[str, Any]:
         untouched[name] = (trainer.state.global_step == 0 and trainer.optimizer is None
                            and all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters())))
     return {"errors": errors, "untouched": untouched}
+
+
+def refuse_other_optimizer(output_dir: str, checkpoint: str) -> dict[str, Any]:
+    """An FSDP2 Trainer whose optimizer trains fewer parameters than the one that saved ``checkpoint`` (the embedding
+    frozen) resumes from it; returns this rank's error (``type: message``, or ``"loaded"``) and whether the model is
+    untouched afterwards (every parameter, gathered whole, equal to the freshly built model's)."""
+    import torch
+
+    trainer = build(output_dir, 6)
+    trainer.model.model.embed_tokens.weight.requires_grad_(False)
+    try:
+        trainer.train(resume_from_checkpoint=checkpoint)
+        error = "loaded"
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    fresh = dict(tiny_llama(0)[0].named_parameters())
+    whole = {name: p.full_tensor() if hasattr(p, "full_tensor") else p for name, p in trainer.model.named_parameters()}
+    untouched = set(whole) == set(fresh) and all(torch.equal(whole[name].detach(), fresh[name].detach())
+                                                 for name in fresh)
+    return {"error": error, "untouched": untouched}
 
 
 def main(spec_path: str) -> None:

@@ -11,6 +11,11 @@ those of tests/_crash_fsdp2.py (Accelerate's FSDP2: ``fully_shard``, DTensor par
 each rank's local shards). ``--async`` (FSDP1 or FSDP2): every save is asynchronous (``async_save=True``), so kills land
 in the background write, hash, publish and retention as well; a returned save then proves only the previous one
 published. ``--seed S`` and ``--dir D`` (keep the run directories) as usual.
+
+``--trainer``: the transformers Trainer front end instead (tests/_trainer_kills.py, FSDP1, ``save_total_limit=2``, a
+save every 2 steps): one uninterrupted reference run, then per trial the whole job SIGKILLed at an instant drawn
+from ``(seed, trial)``, the directory checked, and ``resume_from_checkpoint=True`` compared with the reference
+(newest complete checkpoint taken, its optimizer state restored bitwise, final weights and optimizer bitwise).
 """
 
 from __future__ import annotations
@@ -38,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="1: FSDP1 (FullyShardedDataParallel); 2: FSDP2 (fully_shard, DTensor parameters)")
     parser.add_argument("--async", dest="asynchronous", action="store_true",
                         help="every save asynchronous (async_save=True): kills land in background writes")
+    parser.add_argument("--trainer", action="store_true",
+                        help="the transformers Trainer front end (FSDP1) instead of Accelerator.save_state")
     args = parser.parse_args(argv)
+    if args.trainer:
+        return trainer_sweep(args.trials, args.seed, args.dir)
     if args.asynchronous:
         os.environ[ASYNC_ENV] = "1"  # read by the ranks (inherited) and by this process's crash invariants
     started = time.monotonic()
@@ -53,6 +62,27 @@ def main(argv: list[str] | None = None) -> int:
     print(summary(trials))
     print(f"wall time {time.monotonic() - started:.0f}s")
     return 1 if any(t.problems for t in trials) else 0
+
+
+def trainer_sweep(trials: int, seed: int, keep: Path | None) -> int:
+    """``--trainer``: a reference run, then ``trials`` random-instant kills, each followed by a checked restart."""
+    from tests._trainer_kills import random_kill_trial, reference_run
+
+    started = time.monotonic()
+    failed: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="crash-sweep-trainer-") as scratch:
+        directory = keep or Path(scratch)
+        directory.mkdir(parents=True, exist_ok=True)
+        print(f"crash sweep: Trainer FSDP1, {trials} trials, seed {seed}, in {directory}", flush=True)
+        reference = reference_run(directory / "reference" / "run")
+        for trial in range(trials):
+            where, problems = random_kill_trial(directory / f"trial{trial}", reference, seed * 1000 + trial)
+            print(f"trial {trial}: {where}: {'OK' if not problems else '; '.join(problems)}", flush=True)
+            if problems:
+                failed.append(f"  trial {trial} ({where}): " + "; ".join(problems))
+    print(f"crash sweep: Trainer, {trials} trials, {len(failed)} failed", *failed, sep="\n")
+    print(f"wall time {time.monotonic() - started:.0f}s")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -40,8 +40,9 @@ import torch
 from accelerate_txn.core.faults import KILL_ENV
 from accelerate_txn.core.manifest import MANIFEST, read_manifest, verify_manifest
 from accelerate_txn.testing import LaunchError, launch
-from tests._crash_harness import KILLED, JobResult, run_to_completion, run_until_crash_point, run_until_killed_after
-from tests._crash_scenarios import fully_verified
+from tests._crash_harness import KILLED, JobResult, run_to_completion, run_until_crash_point
+from tests._trainer_kills import STEPS as CHAIN_STEPS
+from tests._trainer_kills import equal, observed, random_kill_trial, reference_run, same_weights, trainer_report
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 TIMEOUT = 240  # per launch: a hung group fails instead of stalling
@@ -52,18 +53,6 @@ ENTRY = "tests._trainer_scenarios"
 def _run(output: Path, resume: Any, max_steps: int, **kwargs: Any) -> list[dict[str, Any]]:
     return launch(TRAIN, 2, args=(str(output), resume, max_steps, kwargs.pop("fsdp_version", 2),
                                   kwargs.pop("save_total_limit", None)), timeout=TIMEOUT, env=kwargs.pop("env", None))
-
-
-def _equal(one: Any, other: Any) -> bool:
-    if isinstance(one, torch.Tensor) or isinstance(other, torch.Tensor):
-        return isinstance(one, torch.Tensor) and isinstance(other, torch.Tensor) and torch.equal(one, other)
-    if isinstance(one, (list, tuple)) and isinstance(other, (list, tuple)):
-        return len(one) == len(other) and all(_equal(a, b) for a, b in zip(one, other))
-    return bool(one == other)
-
-
-def _same_weights(one: list[dict[str, Any]], other: list[dict[str, Any]]) -> bool:
-    return all(_equal(a["weights"], b["weights"]) for a, b in zip(one, other))
 
 
 def _copy_run(source: Path, destination: Path) -> Path:
@@ -83,7 +72,7 @@ def fsdp2_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, lis
 def fsdp1_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     """An uninterrupted FSDP1 run to step 8 with ``save_total_limit=2`` (checkpoint-6 and -8 remain)."""
     root = tmp_path_factory.mktemp("fsdp1_reference") / "run"
-    return root, _run(root, None, 8, fsdp_version=1, save_total_limit=2)
+    return root, reference_run(root)
 
 
 def test_a_protected_trainer_save_publishes_a_checkpoint_with_a_manifest_and_no_staging_leftovers(
@@ -127,19 +116,6 @@ CHAIN = (
     ("save:after-rename", True, [2, 4]),
     ("save:during-retention@0", False, [4, 6]),
 )
-CHAIN_STEPS = 8
-
-
-def _trainer_report(root: Path) -> dict[str, Any]:
-    """Every ``checkpoint-N`` of ``root`` fully verified (every hash), and the hidden leftovers."""
-    complete, broken = fully_verified(root)
-    leftovers = sorted(p.name for p in root.iterdir() if ".staging-" in p.name or ".deleting-" in p.name)
-    return {"complete": complete, "broken": broken, "leftovers": leftovers}
-
-
-def _obs(job: JobResult, directory: Path, name: str, kind: str) -> list[dict[str, Any] | None]:
-    paths = [directory / "obs" / name / f"rank{rank}.{kind}.pt" for rank in range(2)]
-    return [torch.load(path, weights_only=False) if path.exists() else None for path in paths]
 
 
 @pytest.fixture(scope="module")
@@ -153,10 +129,10 @@ def fsdp1_chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for index, (kill, whole_job, _complete) in enumerate(CHAIN):
         job_spec = {**spec, "kill": kill, "resume": None if index == 0 else True}
         killed = run_until_crash_point(job_spec, directory, f"link{index}", whole_job, entry=ENTRY)
-        links.append({"kill": killed, "report": _trainer_report(root), "began": _obs(killed, directory,
-                                                                                      f"link{index}", "began")})
+        links.append({"kill": killed, "report": trainer_report(root),
+                      "began": observed(directory, f"link{index}", "began")})
     final = run_to_completion({**spec, "resume": True}, directory, "final", entry=ENTRY)
-    return {"links": links, "final": final, "final_obs": _obs(final, directory, "final", "began"),
+    return {"links": links, "final": final, "final_obs": observed(directory, "final", "began"),
             "final_results": [torch.load(directory / "obs" / "final" / f"rank{r}.pt", weights_only=False)
                               for r in range(2)], "root": root}
 
@@ -193,7 +169,7 @@ def test_kill_9_at_each_phase_of_a_trainer_save_then_resume_true_takes_the_newes
         assert began[rank]["step"] == complete[-1]
         restored, saved = began[rank]["optimizer"], reference[rank]["optimizer_at_save"][complete[-1]]
         assert restored and len(restored) == len(saved), "the FSDP1 optimizer was not restored"
-        assert _equal(restored, saved), f"rank {rank}: the restored optimizer state differs from the saved one"
+        assert equal(restored, saved), f"rank {rank}: the restored optimizer state differs from the saved one"
 
 
 def test_fsdp1_resume_restores_the_optimizer_and_ends_exactly_as_an_uninterrupted_run(
@@ -203,71 +179,31 @@ def test_fsdp1_resume_restores_the_optimizer_and_ends_exactly_as_an_uninterrupte
     _root, reference = fsdp1_reference
     final = fsdp1_chain["final_results"]
     assert [result["step"] for result in final] == [CHAIN_STEPS] * 2
-    assert _same_weights(final, reference), "the resumed FSDP1 run's final weights differ from the uninterrupted run's"
+    assert same_weights(final, reference), "the resumed FSDP1 run's final weights differ from the uninterrupted run's"
     for rank in range(2):
-        assert final[rank]["optimizer"] and _equal(final[rank]["optimizer"], reference[rank]["optimizer"])
-    report = _trainer_report(fsdp1_chain["root"])
+        assert final[rank]["optimizer"] and equal(final[rank]["optimizer"], reference[rank]["optimizer"])
+    report = trainer_report(fsdp1_chain["root"])
     assert report == {"complete": [6, 8], "broken": {}, "leftovers": []}, report  # every leftover removed
 
 
 # --- a kill at a random instant -------------------------------------------------------------------------------
 
 #: The seed of the random-instant kill (``ACCELERATE_TXN_TRAINER_KILL_SEED`` overrides it: the failure message names
-#: the seed and the instant, so a failing draw can be replayed).
+#: the seed and the instant, so a failing draw can be replayed; ``python -m tests.crash_sweep --trainer`` draws many).
 RANDOM_KILL_SEED = 18
-#: The kill instant is uniform over this many of the run's :data:`CHAIN_STEPS` train+save steps from the start of the
-#: training loop (fewer than all: a job killed later than the reference's step time predicts still trains).
-RANDOM_WINDOW_STEPS = 5
 
 
 def test_kill_9_of_the_whole_job_at_a_random_instant_then_resume_true_ends_exactly_as_an_uninterrupted_run(
         tmp_path: Path, fsdp1_reference: tuple[Path, list[dict[str, Any]]]) -> None:
-    """The whole FSDP1 job SIGKILLed at a seeded instant, uniform over :data:`RANDOM_WINDOW_STEPS` train+save steps
-    (the step time measured on the uninterrupted reference run): wherever it lands (training, Trainer's own writes,
-    hashing, the rename, retention) every ``checkpoint-N`` present is complete, every save that returned is kept, and
+    """The whole FSDP1 job SIGKILLed at a seeded instant, uniform over 5 of the 8 train+save steps (the step time
+    measured on the uninterrupted reference run): wherever it lands (training, Trainer's own writes, hashing, the
+    rename, retention) every ``checkpoint-N`` present is complete, every save that returned is kept, and
     ``resume_from_checkpoint=True`` takes the newest complete one, restores its optimizer state bitwise and ends with
-    the uninterrupted run's weights and optimizer state, bitwise."""
-    import random
-
+    the uninterrupted run's weights and optimizer state, bitwise (tests/_trainer_kills.py)."""
     _root, reference = fsdp1_reference
     seed = int(os.environ.get("ACCELERATE_TXN_TRAINER_KILL_SEED", RANDOM_KILL_SEED))
-    window = RANDOM_WINDOW_STEPS / CHAIN_STEPS * max(result["loop_seconds"] for result in reference)
-    delay = random.Random(f"trainer-kill:{seed}").uniform(0.0, window)
-    where = f"seed {seed}: the job was killed {delay:.2f}s into a {window:.2f}s window"
-    root = tmp_path / "run"
-    spec = {"output_dir": str(root), "max_steps": CHAIN_STEPS, "fsdp_version": 1, "save_total_limit": 2,
-            "resume": None}
-    killed, early = run_until_killed_after(spec, tmp_path, "killed", "rank0.began.pt", delay, entry=ENTRY)
-    assert not early, f"{where}, but rank(s) {early} had ended before it\n{killed.describe()}"
-    assert killed.returncodes == [KILLED, KILLED], f"{where}\n{killed.describe()}"
-
-    report = _trainer_report(root)
-    complete = report["complete"]
-    assert not report["broken"], (where, report)  # nothing half-written is ever a checkpoint-N
-    saved = tmp_path / "obs" / "killed" / "rank0.saved.json"
-    returned = json.loads(saved.read_text())["returned"] if saved.exists() else None
-    # Every save that returned is published and kept (retention keeps two); at most one newer was published (killed
-    # between its publish and its return); a kill during retention may leave the one it was about to delete.
-    if complete:
-        assert complete == list(range(complete[0], complete[-1] + 1, 2)), (where, report)
-    if returned is None:
-        assert complete in ([], [2]), (where, report)
-    else:
-        assert returned in complete and complete[-1] in (returned, returned + 2), (where, returned, report)
-
-    # The restart: resume_from_checkpoint=True (nothing complete yet: a fresh start, as a script would do).
-    restart = run_to_completion({**spec, "resume": True if complete else None}, tmp_path, "restart", entry=ENTRY)
-    began = _obs(restart, tmp_path, "restart", "began")
-    final = [torch.load(tmp_path / "obs" / "restart" / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
-    for rank in range(2):
-        assert began[rank] is not None and began[rank]["step"] == (complete[-1] if complete else 0), (where, report)
-        if complete:  # the newest complete checkpoint's optimizer state, bitwise
-            saved_state = reference[rank]["optimizer_at_save"][complete[-1]]
-            assert _equal(began[rank]["optimizer"], saved_state), f"{where}: rank {rank} optimizer not restored"
-        assert final[rank]["optimizer"] and _equal(final[rank]["optimizer"], reference[rank]["optimizer"]), where
-    assert [result["step"] for result in final] == [CHAIN_STEPS] * 2
-    assert _same_weights(final, reference), f"{where}: the final weights differ from the uninterrupted run's"
-    assert _trainer_report(root) == {"complete": [6, 8], "broken": {}, "leftovers": []}, where
+    where, problems = random_kill_trial(tmp_path, reference, seed)
+    assert problems == [], where
 
 
 # --- the end-of-training removal -------------------------------------------------------------------------------
@@ -281,7 +217,7 @@ def test_the_end_of_training_removal_keeps_only_the_best_through_retention_and_s
     done = launch("tests._trainer_scenarios:train_keeping_best", 2, args=(str(tmp_path / "done"), 6), timeout=TIMEOUT)
     assert done[0]["step"] == 6 and done[0]["best"] == str(tmp_path / "done" / "checkpoint-2")
     assert done[0]["entries"] == [".accelerate-txn.lock", "checkpoint-2"], done[0]["entries"]
-    assert _trainer_report(tmp_path / "done") == {"complete": [2], "broken": {}, "leftovers": []}
+    assert trainer_report(tmp_path / "done") == {"complete": [2], "broken": {}, "leftovers": []}
 
     # Retention reaches save:during-retention once in the save of checkpoint-6 (checkpoint-4 goes: neither the newest
     # nor the best), then at the end of training (checkpoint-6 goes).
@@ -289,7 +225,7 @@ def test_the_end_of_training_removal_keeps_only_the_best_through_retention_and_s
     with pytest.raises(LaunchError, match="died with exit codes"):
         launch("tests._trainer_scenarios:train_keeping_best", 2, args=(str(killed), 6), timeout=TIMEOUT,
                env={KILL_ENV: "save:during-retention@0#2"})
-    report = _trainer_report(killed)
+    report = trainer_report(killed)
     assert report["complete"] == [2] and not report["broken"], report
     assert [name.split(".deleting-")[0] for name in report["leftovers"]] == [".checkpoint-6"], report
 
@@ -308,9 +244,9 @@ def test_kill_9_of_the_whole_job_mid_save_resumes_from_the_previous_complete_che
     assert any(name.startswith(".checkpoint-4.staging-") for name in entries), entries  # the dead writer's leftover
     resumed = _run(killed, True, 6)
     assert resumed[0]["step"] == 6
-    assert _same_weights(resumed, reference), "the resumed run's final weights differ from the uninterrupted run's"
+    assert same_weights(resumed, reference), "the resumed run's final weights differ from the uninterrupted run's"
     for rank in range(2):  # the library's FSDP2 restore put back what the reference had saved at step 2
-        assert _equal(resumed[rank]["began"]["optimizer"], reference[rank]["optimizer_at_save"][2])
+        assert equal(resumed[rank]["began"]["optimizer"], reference[rank]["optimizer_at_save"][2])
     assert not [name for name in resumed[0]["entries"] if ".staging-" in name]  # the next save removed the leftover
     for name in ("checkpoint-2", "checkpoint-4", "checkpoint-6"):
         verify_manifest(killed / name, read_manifest(killed / name), full=True)
@@ -339,7 +275,7 @@ def test_a_corrupt_newest_checkpoint_is_skipped_by_resume_true_and_refused_when_
         assert "_load_from_checkpoint" not in part and "_prepare_for_training" not in part
     resumed = _run(run, True, 6)  # skips checkpoint-6 (logged), resumes from checkpoint-4
     assert resumed[0]["step"] == 6 and resumed[0]["began"]["step"] == 4
-    assert _same_weights(resumed, reference)
+    assert same_weights(resumed, reference)
     # checkpoint-6 was saved again by the resumed run: replaced atomically by a complete, verified one.
     verify_manifest(newest, read_manifest(newest), full=True)
     assert (newest / MANIFEST).is_file()
@@ -396,6 +332,22 @@ def test_each_damaged_file_class_is_refused_on_every_rank_before_anything_is_loa
 
 
 # --- the command line on a Trainer output directory -----------------------------------------------------------
+
+def test_a_checkpoint_whose_optimizer_does_not_match_is_refused_before_the_model_is_loaded(
+        tmp_path: Path, fsdp2_reference: tuple[Path, list[dict[str, Any]]]) -> None:
+    """Trainer loads the model before the optimizer: a checkpoint whose optimizer state does not match the live
+    optimizer (here the resumed run freezes the embedding, so its optimizer trains fewer parameters) is refused with
+    the same error on every rank by the optimizer restore's own checks, run before the model load; the model keeps
+    its fresh weights (natively they would be replaced, then the optimizer restore would fail)."""
+    root, _results = fsdp2_reference
+    run = _copy_run(root, tmp_path / "run")
+    results = launch("tests._trainer_scenarios:refuse_other_optimizer", 2,
+                     args=(str(tmp_path / "out"), str(run / "checkpoint-4")), timeout=TIMEOUT)
+    errors = [result["error"] for result in results]
+    assert errors[0] == errors[1], errors  # the same error on every rank
+    assert "before the model is loaded" in errors[0] and "embed_tokens" in errors[0], errors[0]
+    assert [result["untouched"] for result in results] == [True, True], errors
+
 
 def _cli(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, str, str]:
     from accelerate_txn.cli import main

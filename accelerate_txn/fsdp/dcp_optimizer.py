@@ -39,7 +39,9 @@ def align_groups(state: dict[str, Any], expected: list[list[str]], optimizer: to
         raise CheckpointConfigurationError(
             f"The optimizer checkpoint has {len(saved)} parameter groups; the live optimizer has {len(expected)}"
         )
-    if not allow_reorder and [list(group["params"]) for group in saved] != expected:
+    memberships = sorted(sorted(map(str, group["params"])) for group in saved)
+    same_members = memberships == sorted(sorted(map(str, names)) for names in expected)
+    if not allow_reorder and same_members and [list(group["params"]) for group in saved] != expected:
         raise CheckpointConfigurationError(
             "Optimizer parameter groups are ordered differently from the checkpoint, and an LR scheduler depends on "
             "group order: build the optimizer's groups in the order they were saved"
@@ -50,7 +52,9 @@ def align_groups(state: dict[str, Any], expected: list[list[str]], optimizer: to
         if match is None:
             raise CheckpointConfigurationError(
                 f"Live optimizer group {index} ({len(names)} parameters) matches no parameter group in the checkpoint: "
-                "group membership changed"
+                f"group membership changed ({_membership_change(saved, expected)}). Build the optimizer over the "
+                "parameters it trained when the checkpoint was saved (the same requires_grad and groups), or start "
+                "a new run from the model weights alone"
             )
         group = dict(remaining.pop(match), params=list(names))
         missing = set(optimizer.defaults) - set(group)
@@ -69,6 +73,20 @@ def align_groups(state: dict[str, Any], expected: list[list[str]], optimizer: to
                     group[key] = value.to(current["params"][0].device)
         aligned.append(group)
     state["param_groups"] = aligned
+
+
+def _membership_change(saved: list[dict[str, Any]], expected: list[list[str]], shown: int = 5) -> str:
+    """Which parameters the checkpoint's groups and the live optimizer's do not share, a few of each."""
+    before = {str(name) for group in saved for name in group["params"]}
+    now = {str(name) for names in expected for name in names}
+
+    def some(names: set[str]) -> str:
+        ordered = sorted(names)
+        return ", ".join(ordered[:shown]) + (f" and {len(ordered) - shown} more" if len(ordered) > shown else "")
+
+    parts = [f"trained when saved, not now: {some(before - now)}" if before - now else "",
+             f"trained now, not when saved: {some(now - before)}" if now - before else ""]
+    return "; ".join(part for part in parts if part) or "the same parameters, grouped differently"
 
 
 def saved_state_names(directory: Path) -> set[str]:

@@ -14,6 +14,9 @@ The front end wraps the fewest, most stable points of ``transformers.Trainer``:
   is inline there). Its only call of ``_get_output_dir`` outside ``_save_checkpoint`` is that removal's listing: while
   it runs, :func:`redirected_output_dir` names a directory that does not exist, so the listing is empty, and the
   library removes the checkpoints itself (``save.end_of_training_removal``);
+* ``transformers.trainer.load_fsdp_model``, the same kind of binding, which ``Trainer._load_from_checkpoint`` calls
+  on an FSDP resume once the optimizer exists and before the optimizer restore: the checkpoint's optimizer state is
+  checked against the live optimizer there, before the model is loaded;
 * ``transformers.trainer.load_fsdp_optimizer`` (a private binding: the module's import of Accelerate's
   ``accelerate.utils.load_fsdp_optimizer``, which ``Trainer._load_optimizer_and_scheduler`` calls on resume). It is
   not the binding the Accelerate front end wraps (``accelerate.accelerator``'s), so the Trainer front end wraps this
@@ -49,9 +52,11 @@ FINALIZE: dict[str, str] = {"4.57": "_inner_training_loop", "5.24": "_finalize_t
 #: names}`` (the leading parameters of Accelerate's function, as Trainer calls it).
 MODULE_POINTS: dict[str, dict[str, tuple[str, ...]]] = {
     "4.57": {"load_fsdp_optimizer": ("fsdp_plugin", "accelerator", "optimizer", "model", "input_dir",
-                                     "optimizer_index")},
+                                     "optimizer_index"),
+             "load_fsdp_model": ("fsdp_plugin", "accelerator", "model", "input_dir", "model_index")},
     "5.24": {"load_fsdp_optimizer": ("fsdp_plugin", "accelerator", "optimizer", "model", "input_dir",
-                                     "optimizer_index")},
+                                     "optimizer_index"),
+             "load_fsdp_model": ("fsdp_plugin", "accelerator", "model", "input_dir", "model_index")},
 }
 #: The points of the newest series listed: what an unlisted release is checked against (it runs native anyway
 #: unless the user set the override).
@@ -60,6 +65,8 @@ SAVE_CHECKPOINT = "Trainer._save_checkpoint"
 """The wrapt path of the save point, relative to ``transformers.trainer``."""
 LOAD_OPTIMIZER = "load_fsdp_optimizer"
 """The wrapt path of the optimizer-restore point (a module binding), relative to ``transformers.trainer``."""
+LOAD_MODEL = "load_fsdp_model"
+"""The wrapt path of the model-restore point (a module binding), relative to ``transformers.trainer``."""
 
 
 def finalize_target(series: str) -> str:
@@ -137,6 +144,16 @@ def optimizer_load_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> d
     names = ("fsdp_plugin", "accelerator", "optimizer", "model", "input_dir", "optimizer_index", "adapter_only",
              "use_dcp")
     bound: dict[str, Any] = {"optimizer_index": 0, "adapter_only": False, "use_dcp": True}
+    bound.update(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+def model_load_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of a ``load_fsdp_model(fsdp_plugin, accelerator, model, input_dir, model_index=0,
+    adapter_only=False)`` call (Accelerate 1.15, as Trainer makes it) by name, with the defaults filled in."""
+    names = ("fsdp_plugin", "accelerator", "model", "input_dir", "model_index", "adapter_only")
+    bound: dict[str, Any] = {"model_index": 0, "adapter_only": False}
     bound.update(zip(names, args))
     bound.update(kwargs)
     return bound

@@ -29,9 +29,9 @@ from weakref import WeakSet
 import wrapt
 
 from ..core.ranks import agree
-from .internals import LOAD_OPTIMIZER, SAVE_CHECKPOINT, finalize_target, missing_points
+from .internals import LOAD_MODEL, LOAD_OPTIMIZER, SAVE_CHECKPOINT, finalize_target, missing_points
 from .layout import backend
-from .restore import restore_optimizer, resuming
+from .restore import check_before_model_load, restore_optimizer, resuming
 from .resume import resolve_resume
 from .save import RUN_IDS, protected_finalize, protected_save
 from .versions import transformers_series, unsupported_message, versions_ok
@@ -104,7 +104,8 @@ def _finalize_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs
     return protected_finalize(wrapped, instance, transformers_series(), args, kwargs)
 
 
-_WRAPPERS = {SAVE_CHECKPOINT: _save_wrapper, "Trainer.train": _train_wrapper, LOAD_OPTIMIZER: restore_optimizer}
+_WRAPPERS = {SAVE_CHECKPOINT: _save_wrapper, "Trainer.train": _train_wrapper, LOAD_OPTIMIZER: restore_optimizer,
+             LOAD_MODEL: check_before_model_load}
 
 
 def _targets(module: Any) -> dict[str, Any]:
@@ -125,7 +126,7 @@ def _current(module: Any, target: str) -> Any:
 
 def install() -> None:
     """Wrap ``Trainer.train``, ``Trainer._save_checkpoint``, the end-of-training method and
-    ``transformers.trainer.load_fsdp_optimizer`` (idempotent)."""
+    ``transformers.trainer.load_fsdp_optimizer`` and ``load_fsdp_model`` (idempotent)."""
     import transformers.trainer as module
 
     for target, wrapper in _targets(module).items():

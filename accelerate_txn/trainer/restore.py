@@ -15,9 +15,11 @@ Anything else (no protected resume running, another Trainer's Accelerator, ``FUL
 calls Accelerate's function unchanged. Parameter groups are never reordered: Trainer always has an LR scheduler,
 whose state is indexed by group.
 
-Limit: Trainer loads the model before the optimizer, so a checkpoint whose optimizer does not match the live model
-(another model, other parameter groups) is refused after the model was loaded (a configuration error, not
-corruption: every file was verified against its hash before anything was loaded).
+Trainer loads the model before the optimizer, so a checkpoint whose optimizer does not match the live model and
+optimizer (another model, other parameter groups, other trained parameters) would be refused by the optimizer
+restore after the model was loaded. :func:`check_before_model_load` wraps Trainer's ``load_fsdp_model`` binding: on a
+routed resume it first runs the optimizer restore's own checks (from the checkpoint's metadata and group entries; no
+collective inside, one agreement phase) so that such a checkpoint is refused, on every rank, before the model loads.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 
 from ..core.ranks import run_phase
 from ..fsdp import fsdp1, fsdp2
-from .internals import optimizer_load_arguments
+from .internals import model_load_arguments, optimizer_load_arguments
 from .layout import backend, state_dict_type
 
 logger = logging.getLogger(__name__)
@@ -79,3 +81,24 @@ def restore_optimizer(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs
                   "Checking the restored optimizer state")
     logger.info("Restored the %s optimizer state from %s (each rank its own shard)", kind, directory)
     return None  # as Accelerate's load_fsdp_optimizer
+
+
+def check_before_model_load(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The wrapper of Trainer's ``load_fsdp_model`` binding: when the optimizer restore that follows will be routed
+    (:func:`routed_backend`) and the checkpoint has ``optimizer_0``, check it against the live model and optimizer
+    first (the same error on every rank; nothing loaded yet), then load the model natively. Collective when routed."""
+    bound = model_load_arguments(args, kwargs)
+    trainer = _RESUMING.get()
+    kind = routed_backend(trainer, bound)
+    optimizer = getattr(trainer, "optimizer", None)
+    directory = Path(bound["input_dir"]) / "optimizer_0"
+    if kind is not None and optimizer is not None:  # (Trainer passes adapter_only=True whatever the model)
+        validate = fsdp1.validate_fsdp1_optimizer if kind == "FSDP1" else fsdp2.validate_fsdp2_optimizer
+
+        def check() -> None:
+            if directory.is_dir():  # none (a model-only checkpoint): Trainer restores no optimizer, nothing to check
+                validate(bound["model"], optimizer, directory, False)
+
+        run_phase(check, "Checking the checkpoint's optimizer state against the live optimizer, before the model "
+                  "is loaded")
+    return wrapped(*args, **kwargs)
