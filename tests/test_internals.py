@@ -567,6 +567,14 @@ def _own_private_names() -> set[str]:
     return {name for name in names - reached if name.startswith("_") and not name.startswith("__")}
 
 
+#: Underscore names that are documented public API of the standard library (the underscore means "no cleanup").
+DOCUMENTED_PUBLIC = {"os._exit"}
+
+
+def _dotted(node: ast.Attribute) -> str:
+    return f"{node.value.id}.{node.attr}" if isinstance(node.value, ast.Name) else f"?.{node.attr}"
+
+
 def _private_accesses(path: Path, own: set[str]) -> set[str]:
     """What one module reaches of other packages' privates: ``x._name`` (x not self/cls; names accelerate-txn
     defines excluded), getattr/hasattr/setattr with such a name, absolute imports of a private module or name,
@@ -577,7 +585,8 @@ def _private_accesses(path: Path, own: set[str]) -> set[str]:
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
-            private = node.attr.startswith("_") and not node.attr.startswith("__") and node.attr not in own
+            private = (node.attr.startswith("_") and not node.attr.startswith("__") and node.attr not in own
+                       and _dotted(node) not in DOCUMENTED_PUBLIC)
             if private and not (isinstance(node.value, ast.Name) and node.value.id in {"self", "cls"}):
                 found.add(f".{node.attr}")
             if (isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name)

@@ -225,6 +225,12 @@ def test_kill_9_during_a_download_leaves_no_usable_copy_and_the_next_load_downlo
     assert [obs["resumed"] for obs in resumed] == [3, 3]
     assert [obs["state"] for obs in resumed] == [obs["state"] for obs in reference]
     assert not [path for path in cache.rglob("*") if ".download-" in path.name]  # the next download removed it
+    from accelerate_txn.core.manifest import read_manifest
+
+    for manifest in cache.rglob(MANIFEST):  # the copy holds its manifest's files, nothing the killed download left
+        copy = manifest.parent
+        held = {path.relative_to(copy).as_posix() for path in copy.rglob("*") if path.is_file()} - {MANIFEST}
+        assert held == set(read_manifest(copy)["files"]), (copy, held)
 
 
 # -- one process: the native path is told, protect="all" stores in the bucket ----------------------------------

@@ -178,8 +178,11 @@ def fetch(url: str, root: Path, group: Any = None, *, reuse: bool = True) -> tup
     manifest = on_main(inspect, f"Reading the manifest and listing of {url}", group)
     final = objects.cache_path(root, url)
     txid = manifest["transaction_id"]
-    staging = final.parent / f".{final.name}.download-{txid}"
-    marker = on_main(lambda: f".peer-{new_id()}-", "Naming the download", group)  # the same on every rank
+    # A directory of this download alone (the same name on every rank): one that a killed download left (with its
+    # partial files) is never written into again, only removed once this download is published.
+    download = on_main(new_id, "Naming the download", group)
+    staging = final.parent / f".{final.name}.download-{download}"
+    marker = f".peer-{download}-"
 
     # A copy whose every file is hashed is verified byte for byte by the restore: it is not fsynced as it is
     # downloaded, and one already in the cache is reused. Otherwise (checksum="metadata") it is fsynced and never

@@ -19,8 +19,8 @@ the script's own ``import accelerate_txn`` may do that (so a script runs native 
 it). So it loads ``_cpu_fsdp.py`` by path, and imports nothing of the package. The other additions: a
 ``faulthandler`` on ``SIGUSR1`` (the launcher asks for every thread's stack before killing a job that timed out),
 and the end of a script that succeeded (:func:`end_after_exit_handlers`): the interpreter's exit steps run as
-``python`` runs them (non-daemon threads joined, ``threading`` exit hooks, ``atexit`` handlers, streams flushed),
-then the worker exits with status 0 without tearing the interpreter down. That teardown is where PyTorch's gloo
+``python`` runs them (non-daemon threads joined, ``threading`` exit hooks, ``atexit`` handlers), then the streams are
+flushed and the worker exits with status 0 without tearing the interpreter down. That teardown is where PyTorch's gloo
 worker threads can abort a process that finished ("terminate called without an active exception", SIGABRT, rank
 by rank and at random: pytorch/pytorch#179291), which would fail a run that did everything it had to. A script
 that fails (an exception, a non-zero ``sys.exit``) ends exactly as under ``python``.
@@ -39,7 +39,6 @@ import os
 import runpy
 import signal
 import sys
-import threading
 import types
 from pathlib import Path
 from typing import Any
@@ -122,14 +121,17 @@ def run_file(path: str, args: list[str]) -> None:
     exec(code, script.__dict__)
 
 
+#: Set once the script has returned (or exited 0): :func:`end_after_exit_handlers` then skips the teardown.
+_SUCCEEDED: list[bool] = []
+
+
 def end_after_exit_handlers() -> None:
-    """End a worker whose script succeeded: what ``python`` does at exit up to the interpreter's teardown (join the
-    non-daemon threads and run ``threading``'s exit hooks, then the ``atexit`` handlers; an exception in one is
-    printed and the others still run, as there), flush the streams, and exit 0 (see the module docstring)."""
-    shutdown = getattr(threading, "_shutdown", None)  # CPython's own first exit step (3.8-3.13)
-    if shutdown is not None:
-        shutdown()
-    atexit._run_exitfuncs()
+    """The last ``atexit`` handler (registered before the script runs: handlers run newest first). By then ``python``
+    has joined the non-daemon threads, run ``threading``'s exit hooks and every other ``atexit`` handler, as at any
+    exit. If the script succeeded, flush the streams and exit 0 without the interpreter's teardown (see the module
+    docstring; ``os._exit`` is the documented way to end without it); otherwise return: ``python`` ends as usual."""
+    if not _SUCCEEDED:
+        return
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -160,9 +162,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    atexit.register(end_after_exit_handlers)  # before the script registers any: it runs after all of theirs
     try:
         main()
     except SystemExit as exit_request:
         if exit_request.code not in (None, 0):
             raise
-    end_after_exit_handlers()
+    _SUCCEEDED.append(True)
