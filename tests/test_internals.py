@@ -494,7 +494,7 @@ def test_trainer_private_points_exist_with_the_recorded_signatures() -> None:
     finalize = _internals.finalize_target(series).split(".", 1)[1]  # the method that ends a run (its removal)
     assert finalize in {"_finalize_training", "_inner_training_loop"}
     assert set(_internals.points_for(series)) == {"_save_checkpoint", "_get_output_dir", finalize}
-    assert set(_internals.module_points_for(series)) == {"load_fsdp_optimizer"}
+    assert set(_internals.module_points_for(series)) == {"load_fsdp_optimizer", "load_fsdp_model"}
     assert _internals.missing_points(Trainer, series) == []
     # The check can fail: a class without the points is reported, each point by name.
     missing = _internals.missing_points(object, series)
@@ -542,6 +542,12 @@ def test_trainer_call_arguments_bind_as_the_installed_functions_declare_them() -
     assert {name: bound[name] for name in list(declared)[5:]} == {
         name: parameter.default for name, parameter in list(declared.items())[5:]}
     assert _internals.optimizer_load_arguments((1, 2, 3, 4, 5), {"optimizer_index": 1})["optimizer_index"] == 1
+    declared = inspect.signature(module.load_fsdp_model).parameters
+    bound = _internals.model_load_arguments(("plugin", "accelerator", "model", "dir"), {"adapter_only": True})
+    assert set(bound) == set(declared)
+    assert [bound[name] for name in list(declared)[:4]] == ["plugin", "accelerator", "model", "dir"]
+    assert bound["adapter_only"] is True  # as Trainer passes it (get_fsdp_ckpt_kwargs), whatever the model
+    assert bound["model_index"] == declared["model_index"].default
 
 
 # --- (b) the rule cannot erode ----------------------------------------------------------------------------------

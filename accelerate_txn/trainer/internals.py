@@ -151,9 +151,10 @@ def optimizer_load_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> d
 
 def model_load_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The arguments of a ``load_fsdp_model(fsdp_plugin, accelerator, model, input_dir, model_index=0,
-    adapter_only=False)`` call (Accelerate 1.15, as Trainer makes it) by name, with the defaults filled in."""
-    names = ("fsdp_plugin", "accelerator", "model", "input_dir", "model_index", "adapter_only")
-    bound: dict[str, Any] = {"model_index": 0, "adapter_only": False}
+    adapter_only=False, use_dcp=True)`` call (Accelerate 1.15, as Trainer makes it) by name, with the defaults
+    filled in."""
+    names = ("fsdp_plugin", "accelerator", "model", "input_dir", "model_index", "adapter_only", "use_dcp")
+    bound: dict[str, Any] = {"model_index": 0, "adapter_only": False, "use_dcp": True}
     bound.update(zip(names, args))
     bound.update(kwargs)
     return bound
