@@ -228,8 +228,8 @@ def _complete(store: ObjectStore, url: str) -> dict[str, Any] | None:
 
 def complete_run_id(store: ObjectStore, url: str) -> str | None:
     """The run id of the committed checkpoint at ``url``, else ``None`` (never raises for a damaged one)."""
-    manifest = _complete(store, url)
-    return None if manifest is None else manifest["run_id"]
+    run = (_complete(store, url) or {}).get("run_id")
+    return run if isinstance(run, str) else None  # a manifest without a run id belongs to no run
 
 
 def prune(store: ObjectStore, parent: str, run_id: str, limit: int, newest: str,
