@@ -232,6 +232,69 @@ def test_prune_a_prefix_manifest_first_with_dry_run_and_refusal(cli: Any, saved:
     assert _fs().exists(f"{copy}/checkpoint_2/{MANIFEST}")
 
 
+def _commit_copy_of(saved: dict[str, Any], url: str) -> None:
+    """Commit the saved run's ``checkpoint_3`` (its local copy) at ``url`` through the library's own upload and
+    create-only commit (``core.remote``): a save of the same run committing a newer checkpoint."""
+    from accelerate_txn.core import remote as objects
+    from accelerate_txn.core.manifest import read_manifest
+
+    store = S3Store()
+    manifest = read_manifest(saved["local"])
+    objects.upload(store, saved["local"], url, manifest, sorted(manifest["files"]))
+    assert objects.commit(store, url, manifest, replace=False) is False
+
+
+def test_prune_of_a_prefix_never_deletes_a_checkpoint_committed_after_its_scan(
+        cli: Any, saved: dict[str, Any], copy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 34: the CLI scanned checkpoint_1..3, a save committed checkpoint_4 before retention listed; retention
+    protected only the scan's newest (checkpoint_3), counted checkpoint_4 as old and deleted it with --keep 1."""
+    from accelerate_txn.cli import _remote
+
+    real = _remote.prune
+    committed = []
+
+    def commit_then_prune(url: str, run_id: str, keep: int, newest: str) -> list[str]:
+        _commit_copy_of(saved, f"{copy}/checkpoint_4")  # after the CLI's scan and decision, before retention lists
+        committed.append(True)
+        return real(url, run_id, keep, newest)
+
+    monkeypatch.setattr(_remote, "prune", commit_then_prune)
+    done = cli("prune", copy, "--keep", "1", "--json")
+    assert done.code == 0, done.err
+    assert committed == [True]
+    assert done.json()["deleted"] == [f"{copy}/checkpoint_1", f"{copy}/checkpoint_2"]
+    assert _fs().exists(f"{copy}/checkpoint_4/{MANIFEST}")
+    monkeypatch.setattr(_remote, "prune", real)
+    assert cli("latest", copy).out.strip() == f"{copy}/checkpoint_4"  # the newest complete checkpoint survived
+    # The next prune, with nothing committed meanwhile, keeps exactly the newest.
+    again = cli("prune", copy, "--keep", "1", "--json")
+    assert again.code == 0 and again.json()["deleted"] == [f"{copy}/checkpoint_3"], again.out
+    assert cli("latest", copy).out.strip() == f"{copy}/checkpoint_4"
+
+
+def test_remote_retention_never_deletes_what_became_the_newest_complete_checkpoint_while_it_ran(
+        saved: dict[str, Any], copy: str) -> None:
+    """No lock on an object store: after its decision (delete checkpoint_1 and checkpoint_2, keep 1), checkpoint_3
+    is deleted by someone else. Retention lists again before each deletion, so checkpoint_2, now the run's newest
+    complete checkpoint, is kept; and a checkpoint committed after its listing is never a victim."""
+    from accelerate_txn.core import remote as objects
+
+    store = S3Store()
+    run = saved["manifests"][3]["run_id"]
+    events = []
+
+    def meanwhile() -> None:  # called after each victim's manifest was deleted
+        if not events:
+            store.delete_prefix(f"{copy}/checkpoint_3", first=[MANIFEST])  # another prune, or a user
+            _commit_copy_of(saved, f"{copy}/checkpoint_0")  # an older number, committed after the listing
+        events.append(True)
+
+    deleted = objects.prune(store, copy, run, 1, f"{copy}/checkpoint_3", between=meanwhile)
+    assert deleted == [f"{copy}/checkpoint_1"] and len(events) == 1
+    assert [url for _n, url in objects.checkpoints(store, copy)] == [f"{copy}/checkpoint_0", f"{copy}/checkpoint_2"]
+    assert objects.complete_run_id(store, f"{copy}/checkpoint_2") == run
+
+
 # --------------------------------------------------------------------------------------------- export
 
 

@@ -544,14 +544,15 @@ def prune_command(directory: Path | str, keep: int, run_id: str | None, dry_run:
     The rules of save-time retention: only complete checkpoints of that run are counted and deleted, never the
     newest; leftovers, corrupt, legacy and other runs' checkpoints are left alone. Takes the directory's lock first
     and decides from what it lists while holding it, so it never races a save (it fails at once if a save is in
-    progress). Under an s3:// prefix (no lock there) it decides again from a fresh listing when it deletes, each
-    manifest first.
+    progress). Under an s3:// prefix (no lock there) it decides again from its own listing when it deletes, never
+    deletes the newest complete checkpoint of the run nor one committed meanwhile, and lists again before each
+    deletion (each manifest first).
     """
     from ..core.select import prune
     from ..store.posix import POSIX, DirectoryLock
 
     root: Path | str
-    if remote.is_url(directory):  # no lock on an object store: core.remote.prune lists again and spares the newest
+    if remote.is_url(directory):  # no lock on an object store: core.remote.prune decides again from its own listing
         root = remote.run_prefix(str(directory), "prune")
         entries: list[Any] = remote.scan(root)
         run, doomed, kept = _prune_decision(root, entries, run_id, keep, remote.published_run)

@@ -314,7 +314,8 @@ def published_run(entry: Entry) -> str | None:
 
 def prune(url: str, run_id: str, keep: int, newest: str) -> list[str]:
     """Delete the oldest committed checkpoints of ``run_id`` under ``url`` beyond ``keep`` (``core.remote.prune``:
-    decides again from a fresh listing, each manifest first, never ``newest``)."""
+    decides again from its own listing, never deletes the newest complete checkpoint it lists nor ``newest``, nor
+    one committed after it listed; lists again before each deletion, each manifest first)."""
     return objects.prune(store(url), url, run_id, keep, newest)
 
 

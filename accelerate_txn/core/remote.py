@@ -232,23 +232,58 @@ def complete_run_id(store: ObjectStore, url: str) -> str | None:
     return run if isinstance(run, str) else None  # a manifest without a run id belongs to no run
 
 
-def prune(store: ObjectStore, parent: str, run_id: str, limit: int, newest: str,
-          between: Callable[[], None] | None = None) -> list[str]:
-    """Delete the oldest committed checkpoints of ``run_id`` under ``parent`` beyond ``limit`` (counting
-    ``newest``, never deleted), each manifest first (``between()`` is called after each manifest's deletion).
-    Another run's checkpoints are never touched."""
-    ours = []  # (URL, its transaction's prefix), oldest first: each manifest read once
-    for _number, url in checkpoints(store, parent):
+def _ours(store: ObjectStore, parent: str, run_id: str) -> list[tuple[int, str, dict[str, Any]]]:
+    """``(number, URL, manifest)`` of every committed, complete checkpoint of ``run_id`` under ``parent``, oldest
+    first, from one listing (each manifest read once)."""
+    found = []
+    for number, url in checkpoints(store, parent):
         manifest = _complete(store, url)
-        if url.rstrip("/") != newest.rstrip("/") and manifest is not None and manifest.get("run_id") == run_id:
-            ours.append((url, data_dir(manifest, url)))
-    doomed = ours[: max(0, len(ours) - (limit - 1))]
-    for url, objects in doomed:
+        if manifest is not None and manifest.get("run_id") == run_id:
+            found.append((number, url, manifest))
+    return found
+
+
+def _still_a_victim(store: ObjectStore, parent: str, run_id: str, number: int, url: str, txid: Any) -> bool:
+    """Whether the checkpoint ``url`` may still be deleted, from a listing taken now: it still holds the
+    transaction the decision saw (a checkpoint committed under that name since is not the one decided on), and a
+    newer complete checkpoint of ``run_id`` exists (the newest complete one of a run is never deleted, even when
+    something else deleted the newer ones meanwhile)."""
+    current = _complete(store, url)
+    if current is None or current.get("transaction_id") != txid or current.get("run_id") != run_id:
+        return False
+    return any(other > number and (_complete(store, where) or {}).get("run_id") == run_id
+               for other, where in reversed(checkpoints(store, parent)))
+
+
+def prune(store: ObjectStore, parent: str, run_id: str, limit: int, newest: str | None = None,
+          between: Callable[[], None] | None = None) -> list[str]:
+    """Delete the oldest committed checkpoints of ``run_id`` under ``parent`` beyond ``limit``, each manifest first
+    (``between()`` is called after each manifest's deletion). Returns the deleted URLs.
+
+    An object store has no lock, so a save may commit while this runs. The decision is taken from this call's own
+    listing (what a caller listed before is never trusted): the newest complete checkpoint of the run in that
+    listing and ``newest`` (the one a save just committed) are never deleted, nor anything that listing did not
+    show (a checkpoint committed after it is never a victim). Before each deletion the store is listed again: a
+    victim is deleted only if it still holds the transaction the decision saw (a name re-committed since is
+    another checkpoint) and a newer complete checkpoint of the run still exists (so the newest complete checkpoint
+    of a run is never deleted, whatever else deleted meanwhile). Another run's checkpoints are never touched."""
+    ours = _ours(store, parent, run_id)
+    if not ours:
+        return []
+    spared = {ours[-1][1].rstrip("/")} | ({newest.rstrip("/")} if newest else set())
+    excess = max(0, len(ours) - limit)
+    doomed = [(number, url, manifest) for number, url, manifest in ours if url.rstrip("/") not in spared][:excess]
+    deleted = []
+    for number, url, manifest in doomed:
+        if not _still_a_victim(store, parent, run_id, number, url, manifest.get("transaction_id")):
+            logger.info("Retention under %s: %s changed since it was listed; it is kept", parent, url)
+            continue
         store.delete(join(url, MANIFEST))  # acknowledged: from here the checkpoint does not exist
         if between is not None:
             between()
-        store.delete_prefix(join(url, objects))  # its own transaction only: another writer's upload is not ours
-    return [url for url, _objects in doomed]
+        store.delete_prefix(join(url, data_dir(manifest, url)))  # its own transaction only: not another writer's
+        deleted.append(url)
+    return deleted
 
 
 def remove_leftovers(store: ObjectStore, parent: str, run_id: str) -> list[str]:
