@@ -212,6 +212,29 @@ def test_missing_object_is_refused_naming_the_url(store: S3Store, prefix: S3Url,
         store.read_bytes(url, limit=1024)
 
 
+def test_a_local_file_not_found_during_a_download_names_the_local_side_not_the_object_store(
+        store: S3Store, prefix: S3Url, tmp_path: Path) -> None:
+    """Issue 34: a download whose local directory was removed meanwhile (another job sharing the cache) raised
+    "the object store has no such object. The checkpoint is incomplete" although the object was there."""
+    from accelerate_txn.errors import CheckpointError
+
+    source, data = _payload(tmp_path, 1000, "scheduler.bin")
+    url = prefix.child("scheduler.bin")
+    size, digest = store.upload_file(source, url)
+    gone = tmp_path / "cache" / "checkpoint_2"  # never created: as if removed under the download
+    for listed in (True, False):
+        with pytest.raises(CheckpointError) as raised:
+            store.download_file(url, gone / "scheduler.bin", size=size, digest=digest, listed=listed)
+        message = str(raised.value)
+        assert not isinstance(raised.value, CheckpointIntegrityError), message  # the checkpoint is not at fault
+        assert "on the local disk, not in the object store" in message and str(gone / "scheduler.bin") in message
+        assert "no such object" not in message and "incomplete" not in message
+    assert store.size(url) == len(data)  # the object is there, as the message says
+    # The object store's side is still named as such: a key that is not there.
+    with pytest.raises(CheckpointIntegrityError, match="the object store has no such object"):
+        store.download_file(prefix.child("missing.bin"), tmp_path / "missing.bin", size=10, digest=None, listed=True)
+
+
 def test_a_failed_upload_is_aborted_and_leaves_no_object(store: S3Store, prefix: S3Url, tmp_path: Path) -> None:
     path, _ = _payload(tmp_path, 3 * MIN_PART_SIZE)
     url = prefix.child("big.bin")

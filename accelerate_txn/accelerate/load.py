@@ -38,7 +38,7 @@ from ..core.select import CHECKPOINT_NAME, numbered_checkpoints, refuse_transien
 from ..errors import CheckpointConfigurationError, CheckpointIntegrityError, NoCheckpointError
 from ..fsdp.internals import uninitialise_grad_scaler
 from ..fsdp.optimizer_state import raw_optimizer
-from ..store.posix import new_id
+from ..store.posix import InUse, new_id
 from . import async_save as _async
 from . import remote as _remote
 from .arrival import check_arrival
@@ -114,11 +114,14 @@ def _across_tiers(found: list[Path], reasons: list[str], remote: list[tuple[int,
     return candidates
 
 
-def _fetch_and_verify(url: str, root: Path, group: dict[str, Any],
-                      templates: list[str]) -> tuple[dict[str, Any] | None, dict[str, Preflight], Path]:
+def _fetch_and_verify(url: str, root: Path, group: dict[str, Any], templates: list[str],
+                      holding: list[InUse]) -> tuple[dict[str, Any] | None, dict[str, Preflight], Path]:
     """The local copy of ``url`` in the cache ``root``, verified like a local checkpoint. A copy found already in the
-    cache (not fsynced when downloaded: the restore checks every byte) that fails is downloaded again, once."""
-    path, reused = _remote.fetch(url, root)
+    cache (not fsynced when downloaded: the restore checks every byte) that fails is downloaded again, once. The
+    hold on the copy (no other job sharing the cache removes it while held) is appended to ``holding``: the caller
+    releases it after the restore."""
+    path, reused, hold = _remote.fetch(url, root)
+    holding.append(hold)
     try:
         manifest, found = _verify(path, group, templates)
     except CheckpointIntegrityError as exc:
@@ -126,7 +129,9 @@ def _fetch_and_verify(url: str, root: Path, group: dict[str, Any],
             raise
         if rank() == 0:
             logger.warning("The cached copy %s of %s failed verification (%s): downloading it again", path, url, exc)
-        path, _ = _remote.fetch(url, root, reuse=False)
+        hold.release()  # every rank, before the new download may replace the copy
+        path, _, hold = _remote.fetch(url, root, reuse=False)
+        holding.append(hold)
         manifest, found = _verify(path, group, templates)
     return manifest, found, path
 
@@ -306,26 +311,48 @@ def load_training_checkpoint(owners: Any, input_dir: str | Path | None = None, *
     primary = next(iter(group.values()))
     candidates, automatic = on_main(lambda: _candidates(primary, group, input_dir), "Selecting the checkpoint")
     templates = _templates(group)
-    for index, candidate in enumerate(candidates):
-        path = Path(candidate)
-        try:
-            if is_url(candidate):  # downloaded into the cache (each file verified), then checked like a local one
-                manifest, found, path = _fetch_and_verify(candidate, _remote.cache_root(primary), group, templates)
-            else:
-                manifest, found = _verify(path, group, templates)
-        except (CheckpointIntegrityError, NoCheckpointError) as exc:  # NoCheckpointError: a mirror's went away
-            if not automatic or index == len(candidates) - 1:
-                raise
-            if rank() == 0:
-                logger.warning("Skipping checkpoint %s: %s", candidate, exc)
-            continue
-        break
-    if manifest is None:
-        run_phase(lambda: warnings.warn(
-            f"{path} has no completion manifest (legacy or native checkpoint): every file the restore reads was "
-            "checked and read safely, but that it was completely written cannot be proven. The next save writes a "
-            "manifest.", RuntimeWarning, stacklevel=4,
-        ) if rank() == 0 else None, "Legacy warning")
+    # The checkpoint being restored is held in use from before its verification to the end of the restore
+    # (store.posix.InUse): retention, prune and another job's cache clean-up leave it alone meanwhile, so every file
+    # the verification passed is still there when the restore reads it.
+    holding: list[InUse] = []
+    try:
+        for index, candidate in enumerate(candidates):
+            path = Path(candidate)
+            try:
+                if is_url(candidate):  # downloaded into the cache (each file verified), then checked like a local one
+                    manifest, found, path = _fetch_and_verify(candidate, _remote.cache_root(primary), group, templates,
+                                                              holding)
+                else:
+                    holding.append(InUse(path))
+                    run_phase(holding[-1].acquire, f"Holding {path} in use")
+                    manifest, found = _verify(path, group, templates)
+            except (CheckpointIntegrityError, NoCheckpointError) as exc:  # NoCheckpointError: a mirror's went away
+                _release(holding)
+                if not automatic or index == len(candidates) - 1:
+                    raise
+                if rank() == 0:
+                    logger.warning("Skipping checkpoint %s: %s", candidate, exc)
+                continue
+            break
+        if manifest is None:
+            run_phase(lambda: warnings.warn(
+                f"{path} has no completion manifest (legacy or native checkpoint): every file the restore reads was "
+                "checked and read safely, but that it was completely written cannot be proven. The next save writes "
+                "a manifest.", RuntimeWarning, stacklevel=4,
+            ) if rank() == 0 else None, "Legacy warning")
+        _restore_or_mark(path, group, found, kwargs)
+    finally:
+        _release(holding)
+    return _after_restore(primary, group, found, manifest, path, candidates, candidate, automatic)
+
+
+def _release(holding: list[InUse]) -> None:
+    while holding:
+        holding.pop().release()
+
+
+def _restore_or_mark(path: Path, group: dict[str, Any], found: dict[str, Preflight], kwargs: dict[str, Any]) -> None:
+    """The restore; a failure part-way marks every Accelerator failed (until a load succeeds)."""
     try:
         _restore(path, group, found, kwargs)
     except BaseException:
@@ -335,6 +362,10 @@ def load_training_checkpoint(owners: Any, input_dir: str | Path | None = None, *
     finally:
         for owner in group.values():
             checkpoint_config(owner).rank_plan = None
+
+
+def _after_restore(primary: Any, group: dict[str, Any], found: dict[str, Preflight], manifest: dict[str, Any] | None,
+                   path: Path, candidates: list[str], candidate: str, automatic: bool) -> Path:
     plans = {name: state.plan for name, state in found.items()}
     for name, owner in group.items():
         checkpoint_config(owner).resharded_from = (

@@ -19,6 +19,7 @@ place. The cache keeps the newest copy of each prefix only.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +33,11 @@ from ..errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointIntegrityError,
+    CheckpointLockedError,
     NoCheckpointError,
 )
 from ..store.base import ObjectStore
-from ..store.posix import POSIX, new_id, remove_tree
+from ..store.posix import IN_USE, POSIX, InUse, claim, held_in_use, in_use_file, new_id, remove_tree
 from . import async_save
 from .config import checkpoint_config
 
@@ -51,6 +53,8 @@ POINTS = (
 )
 
 _STORES: dict[str, ObjectStore] = {}
+#: Seconds a download waits to publish its copy while another job restores from the copy it replaces.
+COPY_WAIT = 600.0
 
 
 def object_store(url: str) -> ObjectStore:
@@ -132,11 +136,40 @@ def _published_manifest(published: Path) -> dict[str, Any]:
     return manifest
 
 
-def keep_newest_copy(path: Path) -> None:
-    """Bound the cache: remove the other checkpoint copies beside ``path`` (rank 0 of a cache directory)."""
-    for _number, other in numbered_checkpoints(path.parent):
-        if other != path and not other.is_symlink():
-            remove_tree(other)
+def _download_held(copy: Path) -> bool:
+    """Whether a download of ``copy``'s name into its cache directory is still owned by a live process (its in-use
+    lock is held): it will publish ``copy``, and its ranks may be about to use it."""
+    prefix = f"..{copy.name}.download-"
+    return any(held_in_use(entry) for entry in copy.parent.glob(f"{prefix}*{IN_USE}"))
+
+
+def keep_newest_copy(path: Path) -> list[Path]:
+    """Bound the cache: remove the other checkpoint copies beside ``path``, downloads cut short, and lock files of
+    directories that are gone (the lowest rank of a cache directory, after publishing ``path``). Only what no
+    process uses: a copy another job restores from (or is downloading) holds its in-use lock, and so does a
+    download in progress (``store.posix.InUse``); each is claimed without waiting and skipped when in use, so two
+    jobs sharing one cache never remove each other's copies. Returns what was removed."""
+    removed = []
+    parent = path.parent
+    for _number, other in numbered_checkpoints(parent):
+        if other == path or other.is_symlink() or _download_held(other):
+            continue
+        with claim(other) as free:
+            if free:
+                remove_tree(other)
+                removed.append(other)
+    for entry in sorted(parent.iterdir()):  # downloads into this cache that were cut short (their owner is gone)
+        if entry.name.startswith(".") and ".download-" in entry.name and entry.is_dir() and not entry.is_symlink():
+            with claim(entry) as free:
+                if free:
+                    remove_tree(entry)
+                    removed.append(entry)
+    for lock in sorted(parent.glob(f".*{IN_USE}")):  # lock files of directories that no longer exist
+        target = parent / lock.name[1:-len(IN_USE)]
+        if not target.exists() and not target.is_symlink():
+            with claim(target):
+                pass  # claimed: the lock file goes; held: someone is about to create and use it
+    return removed
 
 
 def start_mirror(owners: list[Any], published: Path, run_id: str, limit: int | None) -> None:
@@ -160,11 +193,18 @@ def start_mirror(owners: list[Any], published: Path, run_id: str, limit: int | N
     handle.start([], upload, lambda: None, comm)
 
 
-def fetch(url: str, root: Path, group: Any = None, *, reuse: bool = True) -> tuple[Path, bool]:
+def fetch(url: str, root: Path, group: Any = None, *, reuse: bool = True) -> tuple[Path, bool, InUse]:
     """Download the checkpoint at ``url`` into the cache ``root`` (collective); returns the local copy, complete
-    (manifest last) and verified file by file as downloaded, and whether a copy already there was reused
-    (``reuse``, only for a checkpoint whose every file is hashed: the restore verifies it byte for byte, and the
-    caller fetches again, ``reuse=False``, if that fails)."""
+    (manifest last) and verified file by file as downloaded, whether a copy already there was reused (``reuse``,
+    only for a checkpoint whose every file is hashed: the restore verifies it byte for byte, and the caller fetches
+    again, ``reuse=False``, if that fails), and this rank's hold on the copy (:class:`~..store.posix.InUse`): while
+    it is held no other job sharing the cache removes or replaces the copy. The caller releases it when the restore
+    is over (on every path: an exception here releases it already).
+
+    Another job may use the same cache at the same time: each download has a directory of its own, held in use by
+    its ranks from before it exists until they hold the published copy, and a copy is replaced only when no one
+    holds it (waiting for a job restoring from it), so clean-up (:func:`keep_newest_copy`) never removes what a live
+    job uses."""
     store = run_phase(lambda: object_store(url), f"Connecting to the object store of {url}", group)
 
     def inspect() -> dict[str, Any]:
@@ -183,58 +223,120 @@ def fetch(url: str, root: Path, group: Any = None, *, reuse: bool = True) -> tup
     download = on_main(new_id, "Naming the download", group)
     staging = final.parent / f".{final.name}.download-{download}"
     marker = f".peer-{download}-"
+    using = InUse(final)  # this rank's hold on the copy it restores from
+    owning = InUse(staging)  # this rank's hold on its download directory, from before it exists
 
     # A copy whose every file is hashed is verified byte for byte by the restore: it is not fsynced as it is
     # downloaded, and one already in the cache is reused. Otherwise (checksum="metadata") it is fsynced and never
     # reused: its large payloads are checked by size only.
     verified_again = objects.fully_hashed(manifest)
+    reusable = reuse and verified_again
 
     def prepare() -> list[int]:
-        current = read_manifest(final) if final.is_dir() else None
-        if reuse and verified_again and current is not None and current.get("transaction_id") == txid:
-            return []  # this exact checkpoint is already here (the load verifies it like any local checkpoint)
+        _cache_directory(final.parent)
+        if reusable:
+            using.acquire()  # before looking: a copy held in use is neither removed nor replaced by another job
+            if _holds(final, txid):
+                return []  # this exact checkpoint is already here (the load verifies it like any local checkpoint)
+            using.release()
+        owning.acquire()  # before the directory exists: no other job's clean-up takes it for abandoned
         staging.mkdir(parents=True, exist_ok=True)
         (staging / f"{marker}{rank(group)}").touch()
         return [rank(group)]
 
-    run_phase(prepare, f"Preparing the local copy of {url}", group)
+    try:
+        run_phase(prepare, f"Preparing the local copy of {url}", group)
 
-    def peers() -> list[int]:
-        if not staging.is_dir():
-            return []
-        return sorted(int(entry.name[len(marker):]) for entry in staging.iterdir() if entry.name.startswith(marker))
+        def peers() -> list[int]:
+            if not staging.is_dir():
+                return []
+            return sorted(int(entry.name[len(marker):]) for entry in staging.iterdir() if entry.name.startswith(marker))
 
-    sharing = run_phase(peers, "Finding the ranks that share a cache directory", group)
-    reused = any_rank(not sharing, group)  # some rank found the copy already there
-    # Every rank takes part in each phase (its context names no local path: caches may differ between ranks).
-    mine = objects.shares(manifest["files"], len(sharing))[sharing.index(rank(group))] if sharing else []
-    run_phase(lambda: objects.download(store, url, manifest, mine, staging,
-                                       after_each=lambda _name: faults.point("fetch:during"),
-                                       sync=not verified_again, listed=True),
-              f"Downloading {url} into the cache", group)
+        sharing = run_phase(peers, "Finding the ranks that share a cache directory", group)
+        reused = any_rank(not sharing, group)  # some rank found the copy already there
+        # Every rank takes part in each phase (its context names no local path: caches may differ between ranks).
+        mine = objects.shares(manifest["files"], len(sharing))[sharing.index(rank(group))] if sharing else []
+        run_phase(lambda: objects.download(store, url, manifest, mine, staging,
+                                           after_each=lambda _name: faults.point("fetch:during"),
+                                           sync=not verified_again, listed=True),
+                  f"Downloading {url} into the cache", group)
 
-    def finish() -> None:
-        if sharing and rank(group) == sharing[0]:  # the lowest rank of each cache directory publishes it
-            for entry in staging.iterdir():
-                if entry.name.startswith(marker):
-                    entry.unlink()
-            write_manifest(staging, manifest, store=POSIX)
-            if final.exists() or final.is_symlink():
-                remove_tree(final)
-            staging.rename(final)
-            keep_newest_copy(final)
-            for entry in final.parent.iterdir():  # downloads into this cache that were cut short
-                if entry.name.startswith(".") and ".download-" in entry.name and entry.is_dir():
-                    remove_tree(entry)
+        def finish() -> None:
+            if sharing and rank(group) == sharing[0]:  # the lowest rank of each cache directory publishes it
+                for entry in staging.iterdir():
+                    if entry.name.startswith(marker):
+                        entry.unlink()
+                write_manifest(staging, manifest, store=POSIX)
+                _publish_copy(staging, final, txid, reusable)
+                keep_newest_copy(final)
 
-    run_phase(finish, f"Publishing the local copy of {url}", group)
-    run_phase(lambda: None if (final / MANIFEST).is_file() else _missing_copy(final), f"Checking the local copy of {url}", group)
-    return final, reused
+        run_phase(finish, f"Publishing the local copy of {url}", group)
+
+        def hold() -> None:
+            if sharing:  # its own download holds the name meanwhile: no clean-up removed the copy since
+                using.acquire()
+            if not _holds(final, txid):
+                _missing_copy(final)
+            owning.release()
+
+        run_phase(hold, f"Checking the local copy of {url}", group)
+    except BaseException:
+        using.release()
+        owning.release()
+        raise
+    return final, reused, using
+
+
+def _cache_directory(directory: Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointConfigurationError(
+            f"Cannot create the local cache directory {directory} ({exc.strerror}): checkpoints from an object store "
+            "are downloaded there. Choose a writable one: configure_checkpointing(accelerator, cache_dir=...).") from None
+
+
+def _holds(copy: Path, txid: str) -> bool:
+    """Whether ``copy`` is a complete local copy (manifest present, written last) of transaction ``txid``."""
+    try:
+        current = read_manifest(copy) if copy.is_dir() else None
+    except CheckpointIntegrityError:
+        return False
+    return current is not None and current.get("transaction_id") == txid
+
+
+def _publish_copy(staging: Path, final: Path, txid: str, reusable: bool) -> None:
+    """Rename the complete download ``staging`` onto ``final``, only while no process uses ``final`` (another
+    job's restore holds it in use: wait for it, bounded). A copy of the same transaction held by someone (with
+    ``reusable``: a rank that reused it) is used as it is, and the download is removed."""
+    deadline = time.monotonic() + COPY_WAIT
+    warned = False
+    while True:
+        with claim(final) as free:
+            if free:
+                if final.exists() or final.is_symlink():
+                    remove_tree(final)
+                staging.rename(final)
+                return
+        if reusable and _holds(final, txid):  # in use, the same checkpoint: never replaced while anyone holds it
+            remove_tree(staging)
+            return
+        if time.monotonic() >= deadline:
+            raise CheckpointLockedError(
+                f"The local copy {final} is in use by another process (it holds {in_use_file(final)}) and it "
+                f"holds another checkpoint than the one to load; waited {COPY_WAIT:g} s for it. The object store is "
+                "not at fault. Load again when that job's restore is over, or give concurrent jobs separate cache "
+                "directories: configure_checkpointing(accelerator, cache_dir=...).")
+        if not warned:
+            logger.warning("Waiting up to %g s for %s: another process restores from the copy there", COPY_WAIT, final)
+            warned = True
+        time.sleep(0.1)  # a poll inside the deadline: the holder releases when its restore ends
 
 
 def _missing_copy(final: Path) -> None:
     raise CheckpointIntegrityError(f"The local copy {final} is not complete on this rank after the download: its cache "
-                                   "directory changed while it was written. Load again.")
+                                   "directory changed while it was written (another process removed or replaced it; "
+                                   "the object store is not at fault). Load again.")
 
 
 def remote_candidates(mirror: str) -> list[tuple[int, str]]:

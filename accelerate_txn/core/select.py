@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import CheckpointIntegrityError, NoCheckpointError
+from ..errors import CheckpointIntegrityError, CheckpointLockedError, NoCheckpointError
 from ..store.base import Store
 from . import faults
 from .manifest import MANIFEST, READABLE_PROTOCOLS, list_tree, loader_may_read, read_manifest, verify_manifest
@@ -303,14 +303,19 @@ def prune(root: Path, run_id: str, limit: int, newest: Path | None = None, *, st
 
     Each checkpoint is first renamed aside to a hidden ``.checkpoint_N.deleting-<run>-<txid>`` (parent fsynced),
     then deleted: a crash mid-delete leaves a retired leftover that the next save's cleanup removes, never a
-    manifest-less ``checkpoint_N`` that selection would skip and retention never prune.
+    manifest-less ``checkpoint_N`` that selection would skip and retention never prune. A checkpoint a restore holds
+    in use (the store's ``retire`` refuses it) is kept this time and deleted by a later retention.
     """
     ours = [path for _number, path in numbered_checkpoints(root)
             if not path.is_symlink() and complete_run_id(path) == run_id and _intact(path)]
     deleted = []
     for path in retention_victims(ours, limit, newest, keep, keep_newest):
+        try:
+            aside = store.retire(path, run_id)
+        except CheckpointLockedError as exc:  # a restore reads it now: it goes at the next retention
+            logger.info("Retention (total_limit=%d): keeping %s this time: %s", limit, path, exc)
+            continue
         logger.info("Retention (total_limit=%d): deleting %s", limit, path)
-        aside = store.retire(path, run_id)
         faults.point("save:during-retention")
         store.remove_tree(aside)
         deleted.append(path)

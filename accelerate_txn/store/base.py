@@ -108,7 +108,8 @@ class Store(Protocol):
 
     def retire(self, path: Path, run_id: str) -> Path:
         """Take the published directory ``path`` of run ``run_id`` out of service (durably); returns where its
-        content now is, for :meth:`remove_tree`."""
+        content now is, for :meth:`remove_tree`. Refuses with ``CheckpointLockedError``, changing nothing, while a
+        restore uses it (POSIX: ``store.posix.InUse``): retention keeps it for the next time."""
         ...
 
     def remove_tree(self, path: Path) -> None:

@@ -32,6 +32,7 @@ The library is POSIX-only anyway (it fsyncs directories).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
@@ -374,6 +375,168 @@ def _same_file(fd: int, path: Path) -> bool:
     return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 
 
+#: Suffix of the lock file that marks a directory in use: ``PARENT/.NAME.in-use`` (:class:`InUse`, :func:`claim`).
+IN_USE = ".in-use"
+#: Seconds :meth:`InUse.acquire` waits while a removal or a replacement holds the directory (each is brief).
+IN_USE_WAIT = 120.0
+
+
+def in_use_file(path: Path) -> Path:
+    """The lock file of the directory ``path``: ``PARENT/.NAME.in-use`` (beside it, never inside: a checkpoint's
+    file set is exactly its inventory)."""
+    path = Path(path)
+    return path.parent / f".{path.name}{IN_USE}"
+
+
+def _lock_nb(fd: int, operation: int) -> bool | None:
+    """``flock(fd, operation | LOCK_NB)``: True if taken, False if another open file holds it, None if this
+    filesystem cannot lock."""
+    try:
+        fcntl.flock(fd, operation | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in _BUSY:
+            return False
+        if exc.errno in _NO_FLOCK:
+            return None
+        raise
+    return True
+
+
+class InUse:
+    """A shared hold on the directory ``path`` (a checkpoint being restored, a cached copy, a download in progress):
+    BSD ``flock(LOCK_SH)`` on :func:`in_use_file`. While any process holds it, :func:`claim` (the only way this
+    library removes or replaces such a directory outside the writers' lock) refuses, so the directory is never
+    removed under its user; the kernel releases it when the holder dies (``kill -9`` included), so an abandoned
+    directory is never kept forever. Several holders (every rank of every job using it) share it.
+
+    :meth:`acquire` returns ``False`` without holding anything where the lock cannot be taken at all (a read-only
+    parent directory, a filesystem without ``flock``): the caller proceeds unprotected, as before this lock existed.
+    Not reentrant; one :meth:`release` frees it. The lock file is left in place (:func:`claim` removes it with the
+    directory)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self, timeout: float = IN_USE_WAIT) -> bool:
+        if self._fd is not None:
+            return True
+        if fcntl is None:
+            return False
+        lock = in_use_file(self.path)
+        deadline = time.monotonic() + timeout
+        poll = _FIRST_POLL
+        while True:
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0),
+                             0o666)
+            except OSError as exc:
+                logger.debug("Cannot open %s (%s): %s is used without an in-use lock", lock, exc.strerror, self.path)
+                return False
+            try:
+                taken = _lock_nb(fd, fcntl.LOCK_SH)
+                if taken is None:
+                    logger.debug("%s cannot be locked here: %s is used without an in-use lock", lock, self.path)
+                    return False
+                if taken and _same_file(fd, lock):
+                    self._fd, fd = fd, None
+                    return True
+                if taken:
+                    continue  # claimed and removed meanwhile: lock the file that is there now
+            finally:
+                if fd is not None:
+                    os.close(fd)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CheckpointLockedError(
+                    f"{self.path} is being removed or replaced by another process (it holds {lock} exclusively) and "
+                    f"did not finish within {timeout:g} s. If no other job uses this directory, remove {lock} and "
+                    "retry; give concurrent jobs separate cache directories "
+                    "(configure_checkpointing(accelerator, cache_dir=...)).")
+            time.sleep(min(poll, remaining))
+            poll = min(poll * 2, _LAST_POLL)
+
+    def release(self) -> None:
+        """Stop holding it; the lock file is removed too when no one else holds it (nothing is left beside a
+        directory no one uses)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        lock = in_use_file(self.path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            # Removed only while held exclusively: a process that opened it meanwhile finds it replaced and retries.
+            if _lock_nb(fd, fcntl.LOCK_EX) and _same_file(fd, lock):
+                lock.unlink(missing_ok=True)
+        except OSError as exc:
+            logger.warning("Unlocking %s failed (%s); closing it releases the lock", lock, exc)
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> InUse:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@contextlib.contextmanager
+def claim(path: Path) -> Iterator[bool]:
+    """Claim the directory ``path`` for removal or replacement, without waiting: yields ``True`` when no process
+    holds it in use (:class:`InUse`), holding it exclusively until the block ends (no one can start using it
+    meanwhile), and ``False`` when it is in use (the caller must leave it alone). On leaving a claimed block the
+    lock file is removed too when ``path`` no longer exists. Where the lock cannot be taken at all (read-only
+    directory, no ``flock``) it yields ``True``: nothing here could have marked it in use either."""
+    path = Path(path)
+    lock = in_use_file(path)
+    if fcntl is None:
+        yield True
+        return
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0),
+                         0o666)
+        except OSError:
+            yield True
+            return
+        try:
+            taken = _lock_nb(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        if taken and not _same_file(fd, lock):
+            os.close(fd)
+            continue  # removed and created again meanwhile: claim the file that is there now
+        break
+    try:
+        yield taken is not False
+    finally:
+        try:
+            if taken and not path.exists() and not path.is_symlink():
+                lock.unlink(missing_ok=True)  # while still held: a holder that opened it sees it replaced and retries
+        finally:
+            os.close(fd)
+
+
+def held_in_use(lock: Path) -> bool:
+    """Whether some process holds the in-use lock file ``lock`` (a probe: takes and drops it at once)."""
+    if fcntl is None:
+        return False
+    try:
+        fd = os.open(lock, os.O_RDWR | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False
+    try:
+        return _lock_nb(fd, fcntl.LOCK_EX) is False
+    finally:
+        os.close(fd)
+
+
 @dataclass
 class StagedDirectory:
     """One transaction: content is written into ``staging``, then published atomically onto ``final``."""
@@ -541,12 +704,17 @@ def retire(path: Path, run_id: str) -> Path:
 
     After this returns, ``NAME`` no longer exists (durably), so a crash while the caller deletes the returned
     directory leaves only a leftover that :func:`remove_leftovers` removes, never a half-deleted ``NAME``.
+    A directory a restore holds in use (:class:`InUse`) is refused with :class:`CheckpointLockedError`, unchanged.
     """
     aside = path.parent / f".{path.name}.deleting-{run_id}-{new_id()}"
     if not RETIRED_NAME.fullmatch(aside.name):
         raise CheckpointConfigurationError(f"Cannot retire {path}: run id {run_id!r} is not letters and digits")
-    os.rename(path, aside)
-    fsync_path(path.parent)
+    with claim(path) as free:  # a restore holding it in use (InUse) reads its files until it ends
+        if not free:
+            raise CheckpointLockedError(f"{path} is in use: a restore in another process holds "
+                                        f"{in_use_file(path)}. It was not retired; the next retention retires it.")
+        os.rename(path, aside)
+        fsync_path(path.parent)
     return aside
 
 

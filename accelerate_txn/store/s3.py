@@ -54,7 +54,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointConfigurationError, CheckpointExistsError, CheckpointIntegrityError
+from ..errors import CheckpointConfigurationError, CheckpointError, CheckpointExistsError, CheckpointIntegrityError
 from .base import HASH, hash_file, new_hasher
 
 logger = logging.getLogger(__name__)
@@ -424,15 +424,25 @@ class S3Store:
         try:
             try:
                 self.fs.get_file(str(url), str(temporary))
-            except FileNotFoundError:
+            except FileNotFoundError as exc:
+                if _local_side(exc, temporary):
+                    raise _local_failure(url, local, exc) from exc
                 raise CheckpointIntegrityError(missing) from None
-            received, found_digest = hash_file(temporary, HASH, flush=sync)
+            if not temporary.is_file():  # the local directory went away under the download
+                raise _local_failure(url, local, FileNotFoundError(2, "No such file or directory", str(temporary)))
+            try:
+                received, found_digest = hash_file(temporary, HASH, flush=sync)
+            except CheckpointIntegrityError as exc:  # the downloaded file itself vanished or was replaced
+                raise _local_failure(url, local, exc) from exc
             if received != size or (digest is not None and found_digest != digest):
                 raise CheckpointIntegrityError(
                     f"{url} does not hold the content the checkpoint lists: {received} bytes with XXH3-128 "
                     f"{found_digest}, expected {size} bytes with {digest}. It was altered or replaced; restore from "
                     f"another checkpoint.")
-            os.replace(temporary, local)
+            try:
+                os.replace(temporary, local)
+            except OSError as exc:
+                raise _local_failure(url, local, exc) from exc
         except BaseException:
             temporary.unlink(missing_ok=True)
             raise
@@ -497,6 +507,23 @@ class S3Store:
                 continue
             aborted.append(upload)
         return aborted
+
+
+def _local_side(exc: OSError, temporary: Path) -> bool:
+    """Whether a ``FileNotFoundError`` of a download is the local side's (the file or directory it writes into
+    is missing), not the object store's (no such key)."""
+    if exc.filename is not None and str(exc.filename) == str(temporary):
+        return True
+    return not temporary.parent.is_dir()
+
+
+def _local_failure(url: S3Url, local: Path, exc: BaseException) -> CheckpointError:
+    """The error of a download that failed on the local side: the object store is not at fault."""
+    return CheckpointError(
+        f"Downloading {url} failed on the local disk, not in the object store: writing {local} failed ({exc}). The "
+        f"local directory {local.parent} changed while it was written (another process removed it, e.g. a job "
+        "sharing this cache directory) or the disk failed. Check the local disk and load again; give concurrent "
+        "jobs separate cache directories (configure_checkpointing(accelerator, cache_dir=...)) if this repeats.")
 
 
 def _parts(stream: Any, head: list[bytes], part_size: int) -> Iterator[bytes]:
