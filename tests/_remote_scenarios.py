@@ -193,3 +193,68 @@ def mirror_failure(root: str, mirror: str, cache: str) -> dict[str, Any]:
     obs["wait"] = _error(lambda: wait_for_checkpoint(acc))  # the second save did not run: nothing in flight
     obs["local"] = sorted(p.name for p in Path(root, "checkpoints").iterdir() if p.name.startswith("checkpoint_"))
     return obs
+
+
+def saved_states(parent: str, cache: str) -> dict[str, Any]:
+    """``parent/checkpoint_1`` and ``checkpoint_2`` of one run, one training step apart; each one's state."""
+    acc, model, opt, sched = _build_for(1, 0)
+    configure_checkpointing(acc, cache_dir=cache)
+    states = {}
+    for number in (1, 2):
+        _train(acc, model, opt, sched, 1, seed=number)
+        acc.save_state(f"{parent}/checkpoint_{number}")
+        states[number] = _local_state(model, opt)
+    return states
+
+
+def _wait_for(path: Path, what: str) -> None:
+    """Block until ``path`` exists (the test creates it after the other job's step): a poll inside a deadline."""
+    deadline = time.monotonic() + 120
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared ({what})")
+        time.sleep(0.02)
+
+
+def load_pausing(url: str, cache: str, pause: str, ready: str, go: str) -> dict[str, Any]:
+    """Restore ``url`` from the cache ``cache`` (shared with another job). At ``pause`` this job stops until the
+    test says ``go``: ``"download"`` after its first downloaded file (its download directory live, the
+    ``fetch:during`` point), ``"restore"`` once its copy is published and held, before the restore reads it. It
+    creates ``ready`` when it stops there; meanwhile another job restores another checkpoint from the same cache."""
+    from accelerate_txn.accelerate import remote
+    from accelerate_txn.core import faults
+
+    def stop() -> None:
+        Path(ready).write_text("")
+        _wait_for(Path(go), "the other job's restore")
+
+    if pause == "download":
+        real_point = faults.point
+
+        def point(name: str) -> None:
+            if name == "fetch:during" and not Path(ready).exists():
+                stop()
+            real_point(name)
+
+        faults.point = point  # type: ignore[assignment]
+    else:
+        real_fetch = remote.fetch
+
+        def fetch(*args: Any, **kwargs: Any) -> Any:
+            fetched = real_fetch(*args, **kwargs)
+            stop()
+            return fetched
+
+        remote.fetch = fetch  # type: ignore[assignment]
+    acc, model, opt, _sched = _build_for(1, 7)
+    configure_checkpointing(acc, cache_dir=cache)
+    error = _error(lambda: acc.load_state(url))
+    return {"error": error, "state": _local_state(model, opt)}
+
+
+def load_into(url: str, cache: str) -> dict[str, Any]:
+    """Restore ``url`` from the cache ``cache``: the error, and the restored state."""
+    acc, model, opt, _sched = _build_for(1, 7)
+    configure_checkpointing(acc, cache_dir=cache)
+    error = _error(lambda: acc.load_state(url))
+    return {"error": error, "state": _local_state(model, opt)}

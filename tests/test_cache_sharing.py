@@ -1,0 +1,88 @@
+"""Two jobs of one user sharing one local cache of object-store checkpoints (the default ``~/.cache/accelerate-txn``):
+neither job's clean-up removes a copy the other restores from, nor the other's live download (issue 34).
+
+Real processes: each job is its own launch (one rank, gloo), both restore from the loopback S3 server
+(``tests._s3_server``) into one cache directory. The race is made deterministic by a hook in job B
+(``tests._remote_scenarios:load_pausing``): B stops at a chosen step and creates a file; the test then runs job A to
+completion (A restores another checkpoint of the same prefix, and publishing its copy cleans the cache); then it
+lets B go on. Before the fix, A's clean-up removed B's verified copy (B's restore failed, its model part-way
+restored) or B's live download directory (B's download failed, blamed on the object store).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from accelerate_txn.testing import launch
+from tests._s3_server import BUCKET, Server
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+TIMEOUT = 200
+
+
+@pytest.fixture(scope="module")
+def saved(s3_server: Server, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    parent = f"s3://{BUCKET}/shared-cache-{uuid.uuid4().hex[:8]}"
+    cache = tmp_path_factory.mktemp("shared_cache_save") / "cache"
+    [states] = launch("tests._remote_scenarios:saved_states", 1, args=(parent, str(cache)), timeout=TIMEOUT)
+    return {"parent": parent, "states": states}
+
+
+def _differences(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
+    from tests._scenarios import _same
+
+    return _same(expected, actual)
+
+
+@pytest.mark.parametrize("pause", ["download", "restore"])
+def test_another_jobs_cache_clean_up_never_removes_a_copy_or_a_download_in_use(
+        saved: dict[str, Any], tmp_path: Path, pause: str) -> None:
+    parent, states = saved["parent"], saved["states"]
+    cache = tmp_path / "shared-cache"
+    ready, go = tmp_path / "b-ready", tmp_path / "b-go"
+    results: dict[str, Any] = {}
+
+    def job_b() -> None:
+        try:
+            [results["b"]] = launch("tests._remote_scenarios:load_pausing", 1,
+                                    args=(f"{parent}/checkpoint_2", str(cache), pause, str(ready), str(go)),
+                                    timeout=TIMEOUT)
+        except BaseException as exc:  # reported by the assertions below
+            results["b"] = exc
+
+    b = threading.Thread(target=job_b)
+    b.start()
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not ready.exists() and "b" not in results:  # B reached its pause (or failed before it)
+            assert time.monotonic() < deadline, "job B never reached its pause"
+            time.sleep(0.05)
+        assert "b" not in results, results
+        name = "checkpoint_2"
+        held = [path.name for path in cache.rglob("*") if path.is_dir() and name in path.name]
+        assert held, "job B holds nothing in the cache at its pause"
+        [a] = launch("tests._remote_scenarios:load_into", 1, args=(f"{parent}/checkpoint_1", str(cache)),
+                     timeout=TIMEOUT)
+        # What B holds is still there after A's restore published its copy and cleaned the cache.
+        still = [path.name for path in cache.rglob("*") if path.is_dir() and name in path.name]
+        assert set(held) <= set(still), (held, still)
+    finally:
+        go.write_text("")
+        b.join(TIMEOUT)
+    assert not b.is_alive()
+    assert a["error"] is None and _differences(states[1], a["state"]) == []
+    assert not isinstance(results["b"], BaseException), results["b"]
+    assert results["b"]["error"] is None, results["b"]["error"]
+    assert _differences(states[2], results["b"]["state"]) == []  # B restored its checkpoint exactly
+    # Nothing left behind: no download directory, no lock file (each is removed by its last holder or by the clean-up).
+    leftovers = [path.name for path in cache.rglob(".*") if path.name != ".metadata"]  # DCP metadata is a file of a copy
+    assert leftovers == [], leftovers
+    copies = sorted(path.name for path in cache.rglob("checkpoint_*") if path.is_dir())
+    # B published last after a download: the cache keeps its copy only; A published last while B restored: both.
+    assert copies == (["checkpoint_2"] if pause == "download" else ["checkpoint_1", "checkpoint_2"]), copies
