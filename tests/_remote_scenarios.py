@@ -196,7 +196,8 @@ def mirror_failure(root: str, mirror: str, cache: str) -> dict[str, Any]:
 
 
 def saved_states(parent: str, cache: str) -> dict[str, Any]:
-    """``parent/checkpoint_1`` and ``checkpoint_2`` of one run, one training step apart; each one's state."""
+    """``parent/checkpoint_1`` and ``checkpoint_2`` of one run, one training step apart (``parent``: a URL or a
+    local directory); each one's state."""
     acc, model, opt, sched = _build_for(1, 0)
     configure_checkpointing(acc, cache_dir=cache)
     states = {}
@@ -228,7 +229,18 @@ def load_pausing(url: str, cache: str, pause: str, ready: str, go: str) -> dict[
         Path(ready).write_text("")
         _wait_for(Path(go), "the other job's restore")
 
-    if pause == "download":
+    if pause == "verified":  # a local checkpoint: every check passed, nothing restored yet
+        from accelerate_txn.accelerate import load
+
+        real_verify = load._verify
+
+        def verify(*args: Any, **kwargs: Any) -> Any:
+            verified = real_verify(*args, **kwargs)
+            stop()
+            return verified
+
+        load._verify = verify  # type: ignore[assignment]
+    elif pause == "download":
         real_point = faults.point
 
         def point(name: str) -> None:

@@ -20,7 +20,10 @@ from typing import Any
 import pytest
 
 from accelerate_txn.testing import launch
+from tests import test_cli
 from tests._s3_server import BUCKET, Server
+
+cli = test_cli.cli  # the in-process command-line fixture
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 TIMEOUT = 200
@@ -86,3 +89,43 @@ def test_another_jobs_cache_clean_up_never_removes_a_copy_or_a_download_in_use(
     copies = sorted(path.name for path in cache.rglob("checkpoint_*") if path.is_dir())
     # B published last after a download: the cache keeps its copy only; A published last while B restored: both.
     assert copies == (["checkpoint_2"] if pause == "download" else ["checkpoint_1", "checkpoint_2"]), copies
+
+
+def test_prune_of_a_local_checkpoint_being_restored_keeps_it_until_the_restore_ends(
+        tmp_path: Path, cli: Any) -> None:
+    """The posix side of the same class: ``accelerate-txn prune`` (retention, under the writers' lock) ran while a
+    restore of the oldest checkpoint had verified it and not yet read it; it deleted it under the restore."""
+    root = tmp_path / "run"
+    [states] = launch("tests._remote_scenarios:saved_states", 1, args=(str(root), str(tmp_path / "unused")),
+                      timeout=TIMEOUT)
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    results: dict[str, Any] = {}
+
+    def restore() -> None:
+        try:
+            [results["load"]] = launch("tests._remote_scenarios:load_pausing", 1,
+                                       args=(str(root / "checkpoint_1"), str(tmp_path / "unused"), "verified",
+                                             str(ready), str(go)), timeout=TIMEOUT)
+        except BaseException as exc:  # reported by the assertions below
+            results["load"] = exc
+
+    loader = threading.Thread(target=restore)
+    loader.start()
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not ready.exists() and "load" not in results:
+            assert time.monotonic() < deadline, "the restore never reached its pause"
+            time.sleep(0.05)
+        assert "load" not in results, results
+        pruned = cli("prune", root, "--keep", "1", "--json")
+        assert pruned.code == 0, pruned.err
+        assert pruned.json()["deleted"] == [] and (root / "checkpoint_1").is_dir()  # in use: kept this time
+    finally:
+        go.write_text("")
+        loader.join(TIMEOUT)
+    assert not loader.is_alive()
+    assert not isinstance(results["load"], BaseException), results["load"]
+    assert results["load"]["error"] is None and _differences(states[1], results["load"]["state"]) == []
+    again = cli("prune", root, "--keep", "1", "--json")  # the restore is over: the next prune deletes it
+    assert again.code == 0 and again.json()["deleted"] == [str(root / "checkpoint_1")], again.out
+    assert sorted(path.name for path in root.iterdir()) == [".accelerate-txn.lock", "checkpoint_2"]
