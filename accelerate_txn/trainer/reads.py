@@ -61,7 +61,7 @@ def _first_line(exc: BaseException) -> str:
     """The telling line of a ``torch.load`` failure (never torch's advice to retry with ``weights_only=False``)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     telling = [line for line in lines if "GLOBAL" in line.upper() and "weights_only" not in line]
-    text = telling[0] if telling else (lines[0] if lines else "")
+    text = (telling[0] if telling else (lines[0] if lines else "")).split(" This is an internal miniz error")[0]
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
@@ -83,6 +83,8 @@ def _torch_load(path: Path, what: str, allowed: list[Any] | None = None, mmap: b
         if "GLOBAL" in reason.upper() or "weights_only" in str(exc):
             reason += (" (accelerate-txn reads it with torch.load(weights_only=True) and never unpickles arbitrary "
                        "objects: a file that needs more was not written by Trainer, or was forged)")
+        else:
+            reason += " (the file is truncated or corrupt)"
         raise _refuse(path, what, reason) from exc
     if not isinstance(value, dict):
         raise _refuse(path, what, f"it holds a {type(value).__name__}, not the dict Trainer wrote")
