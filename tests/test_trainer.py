@@ -18,7 +18,8 @@ config), real 2-rank FSDP1 and FSDP2 on CPU (gloo) and real ``kill -9``:
 * FSDP2: a whole job killed mid-save resumes exactly; a corrupt newest checkpoint is skipped by ``True`` and refused
   on every rank when named; each file class damaged in turn (model and optimizer shards, ``scheduler.pt``, an RNG
   file, ``trainer_state.json``, a missing file, an extra loader-readable file) is refused with the same error on
-  every rank, before anything is loaded;
+  every rank, before anything is loaded; so is a file a resume reads that cannot be read on one rank (a truncated or
+  forged ``rng_state_1.pth``, native or under a manifest rewritten to match, and more), in the same launch;
 * an unvalidated transformers runs native Trainer with one warning.
 
 Cost on 2 shared CPU cores: two reference runs (module fixtures, reused), a kill chain of 8 jobs, a random-instant
