@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -346,6 +347,8 @@ def _unreadable(checkpoint: Path, case: str, marker: Path) -> None:
     elif kind == "trainer state not JSON":
         path = checkpoint / "trainer_state.json"
         path.write_text(path.read_text()[:-20])
+    elif kind == "forged model metadata":  # DCP itself unpickles .metadata with plain pickle
+        (checkpoint / "pytorch_model_fsdp_0" / ".metadata").write_bytes(pickle.dumps(Forged(f"touch {marker}")))
     elif kind == "truncated model shard of rank 1":
         path = checkpoint / "pytorch_model_fsdp_0" / "__1_0.distcp"
         os.truncate(path, path.stat().st_size // 2)
@@ -367,6 +370,7 @@ UNREADABLE = {
     "native: truncated scheduler": ("scheduler.pt", "[0, 1]"),
     "native: trainer state not JSON": ("trainer_state.json", "[0, 1]"),
     "native: truncated model shard of rank 1": ("pytorch_model_fsdp_0/__1_0.distcp", "[0, 1]"),
+    "native: forged model metadata": ("posix.system is not allowed", "[0, 1]"),
 }
 
 
