@@ -297,12 +297,13 @@ def _length(dataset: Any) -> int | None:
 
 
 def order_settings(loader: Any, num_processes: int) -> dict[str, Any]:
-    """What decides ``loader``'s order and the meaning of a position in it (``resume_changes.ORDER_SETTINGS``), as the user set
-    it up: the dataset's length (where it has one), the batch size and ``drop_last`` the user gave (not Accelerate's
-    per-process split), the sampler (and whether it shuffles) and batch sampler classes, Accelerate's
+    """What decides ``loader``'s order and the meaning of a position in it (``resume_changes.ORDER_SETTINGS``), as
+    the user set it up: the dataset's length (where it has one), the batch size and ``drop_last`` the user gave (not
+    Accelerate's per-process split), the sampler (and whether it shuffles) and batch sampler classes, Accelerate's
     ``split_batches`` / ``even_batches`` where a sharding wrapper applies them, whether batches are dispatched, and
     the number of processes the loader shards over (``num_processes``: the Accelerator's, unless a wrapper says
-    otherwise). The same on every rank for a loader every rank prepared alike. Reads only; draws nothing."""
+    otherwise). ``None``: does not apply, or unknown. The same on every rank for a loader every rank prepared alike
+    (the descriptor is compared across ranks). Reads only; draws nothing."""
     from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
     from torch.utils.data import RandomSampler
 
