@@ -56,6 +56,11 @@ per-worker generators seeded per iterator). After a world-size change (elastic r
 saved epoch, but the batches are sharded differently; a new rank's global RNG is derived, so it replays no saved epoch
 start.
 
+**What the records assume** (:func:`order_settings`, recorded in the descriptor): the same dataset length, batch size,
+``drop_last``, sampler, batch sampler and Accelerate sharding settings. The records hold no batches, only what decides
+them, so a resume with another of these settings would replay the saved generators and epoch over other batches; the
+resume comparison (``resume_changes``) refuses such a change before anything is restored unless it is accepted by name.
+
 Restore runs after every check passed (``accelerate.load``); a checkpoint without these records (native, or an earlier
 accelerate-txn) restores nothing here, as before. Only the CPU torch generator is replayed: a default device other than
 the CPU (``torch.set_default_device``) makes the iterator draw from that device's generator, which is not.
@@ -291,7 +296,7 @@ def _class(value: Any) -> str | None:
 def _length(dataset: Any) -> int | None:
     try:
         length = len(dataset)
-    except (TypeError, NotImplementedError, AttributeError):  # an iterable dataset without a length
+    except Exception:  # an iterable dataset without a length, or a __len__ that fails: unknown (never a failed save)
         return None
     return int(length) if isinstance(length, int) and not isinstance(length, bool) else None
 
