@@ -321,8 +321,11 @@ def _inspect_lines(name: str, summary: dict[str, Any]) -> list[str]:
         functions = f" ({', '.join(scheduler['functions'])})" if scheduler["functions"] else ""
         lines.append(f"  scheduler: {scheduler['class']} on optimizer {scheduler['optimizer']}{functions}")
     for loader in summary["dataloaders"]:
+        order = "".join(f", {label} {loader[key]}" for key, label in (("batch_size", "batch size"),
+                                                                      ("dataset_length", "dataset length"))
+                        if loader.get(key) is not None)  # recorded since the order settings are (else unknown)
         lines.append(f"  dataloader: {loader.get('class')} over {loader.get('dataset')}, {loader.get('workers')} "
-                     f"workers{', stateful' if loader.get('stateful') else ''}")
+                     f"workers{', stateful' if loader.get('stateful') else ''}{order}")
     if summary["custom_objects"]:
         lines.append(f"  custom objects: {', '.join(map(str, summary['custom_objects']))}")
     if summary["scaler"]:
