@@ -60,6 +60,7 @@ from ..store.posix import (
     POSIX,
     DirectoryLock,
     StagedDirectory,
+    create_directory,
     fsync_directories,
     new_id,
     recover_replaced,
@@ -229,7 +230,7 @@ class _Reservation:
 
     def open(self) -> str:
         path = self.staged.final
-        path.parent.mkdir(parents=True, exist_ok=True)
+        create_directory(path.parent)  # a parent that is a file: one library error, on every rank (a rank phase)
         self.lock.acquire()
         try:
             recover_replaced(path.parent)  # a replacement killed between its two renames: the old one goes back
@@ -316,8 +317,9 @@ class _Reservation:
                                        committed=lambda: _faults.point("save:replace-after-swap")))
 
     def close(self) -> None:
+        """Rank 0, outside any rank phase (after the ranks agreed on the outcome): never raises."""
         try:
-            self.staged.discard()
+            self.staged.discard_quietly()
         finally:
             self.lock.release()
 

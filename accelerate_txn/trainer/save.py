@@ -54,6 +54,7 @@ from ..store.posix import (
     POSIX,
     DirectoryLock,
     StagedDirectory,
+    create_directory,
     fsync_directories,
     fsync_path,
     new_id,
@@ -91,7 +92,7 @@ class Reservation:
     def open(self) -> str:
         """Lock, recover, clean, decide about an existing ``checkpoint-N``, create staging; returns its path."""
         parent, run_id = self.final.parent, self.staged.run_id
-        parent.mkdir(parents=True, exist_ok=True)
+        create_directory(parent)  # a parent that is a file: one library error, on every rank (a rank phase)
         self.lock.acquire()
         try:
             recover_replaced(parent)  # a replacement killed between its two renames: the old one goes back
@@ -156,8 +157,9 @@ class Reservation:
         return str(self.final)
 
     def close(self) -> None:
+        """Rank 0, outside any rank phase (after the ranks agreed on the outcome): never raises."""
         try:
-            self.staged.discard()
+            self.staged.discard_quietly()
         finally:
             self.lock.release()
 
