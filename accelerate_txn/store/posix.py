@@ -37,6 +37,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import stat
 import sys
 import time
@@ -535,6 +536,35 @@ def replace_directory(staging: Path, final: Path, txid: str, *, between: Callabl
         remove_tree(old)
     except OSError as exc:
         logger.warning("Published %s but could not remove the tree it replaced, %s: %s", final, old, exc)
+
+
+def carry_files(source: Path, target: Path, names: Iterable[str]) -> None:
+    """Put the regular files ``names`` (relative) of ``source`` into ``target`` at the same relative paths, durably:
+    each is hard-linked where the filesystem allows it (no copy; ``source`` keeps its own link, so the old tree stays
+    complete until it is deleted after the replacement commits), else copied; every carried file and every
+    directory created for one is fsynced. ``source`` is never changed. Call while holding the parent's lock, before
+    the manifest of ``target`` is written."""
+    source, target = Path(source), Path(target)
+    created: list[Path] = []
+    for name in names:
+        destination = target / name
+        for parent in reversed(destination.relative_to(target).parents[:-1]):
+            folder = target / parent
+            if not folder.is_dir():
+                folder.mkdir()
+                created.append(folder)
+        origin = source / name
+        if not stat.S_ISREG(os.lstat(origin).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (changed while the save ran)", str(origin))
+        try:
+            os.link(origin, destination, follow_symlinks=False)
+        except OSError:  # another filesystem, no hard links, or not allowed (protected_hardlinks): copy it
+            shutil.copy2(origin, destination, follow_symlinks=False)
+        fsync_path(destination)
+    for folder in reversed(created):
+        fsync_path(folder)
+    if created:
+        fsync_path(target)
 
 
 def replaced_leftovers(parent: Path, name: str | None = None) -> list[Path]:
