@@ -98,6 +98,7 @@ def replace_and_fall_back(root: str) -> dict[str, Any]:
     obs["refused"] = _error(lambda: resumed.save_state(str(output / "checkpoint-2")))
     obs["refused_untouched"] = _transaction(output / "checkpoint-2") == before
     obs["listing_after_refusal"] = _listing(output)
+    resumed.wait_for_everyone()  # every rank listed before the next save creates its directory
 
     # Issue 34 item 4: a native checkpoint (library off for this save) that the user added files to, then saved
     # again with the library to the same path: the user's files are carried into the new checkpoint, named.
