@@ -306,6 +306,7 @@ def test_a_user_files_entry_never_admits_a_file_a_checkpoint_loader_reads(tmp_pa
     manifest["user_files"] = {"custom_checkpoint_0.pkl": {"size": 7}}
     with pytest.raises(CheckpointIntegrityError, match=r"custom_checkpoint_0\.pkl is not in the inventory"):
         verify_manifest(target, manifest, full=False, dcp=False)
+    (target / "custom_checkpoint_0.pkl").unlink()
     manifest["user_files"] = {"random_states_0.pkl": {"size": 1}}  # an inventory file claimed as the user's
     with pytest.raises(CheckpointIntegrityError, match=r"malformed user_files entry for .random_states_0\.pkl."):
         verify_manifest(target, manifest, full=False, dcp=False)
