@@ -7,10 +7,11 @@ A job is one link of a chain run in one automatically named checkpoint directory
    restore; the selection and the restore must work), then one save must publish;
 2. ``fault``: rank 1 gets ``spec["signal"]`` at ``spec["instant"]`` of the next save (or of a restore when the
    instant is ``load:...``): a named point of ``accelerate_txn.core.faults`` (``ACCELERATE_TXN_KILL_AT`` with
-   ``ACCELERATE_TXN_KILL_SIGNAL``), or ``hook`` (a save pre-hook, so inside native ``save_state`` before its
-   collectives). ``handler`` ``"raise"`` installs a Python handler that raises ``SignalException`` (what a
-   worker with torch elastic's handler, or a training framework's, does); ``"default"`` keeps the default action
-   (SIGTERM ends the process at once). Every rank writes what its call raised to ``<obs>/rank<R>.json``.
+   ``ACCELERATE_TXN_KILL_SIGNAL``), ``hook`` (a save pre-hook, so inside native ``save_state`` before its
+   collectives), or ``before-save`` (right before the call: the other rank waits for it at the arrival check).
+   ``handler`` ``"raise"`` installs a Python handler that raises an exception (what a worker with torch elastic's
+   handler, or a training framework's, does); ``"default"`` keeps the default action (SIGTERM ends the process at
+   once). Every rank writes what its call raised to ``<obs>/rank<R>.json``.
 
 ``version`` 1 builds FSDP1, 2 FSDP2; ``async`` makes the armed save asynchronous (the signal reaches the background
 write; the error surfaces at ``wait_for_checkpoint``).
@@ -92,7 +93,9 @@ def run(spec: dict[str, Any]) -> None:
     instant, chosen = spec["instant"], spec["signal"]
     if spec["handler"] == "raise":
         signal.signal(getattr(signal, chosen), _raise_on_signal)
-    if instant == "hook":
+    if instant == "before-save":
+        pass
+    elif instant == "hook":
         def hook(models: Any, weights: Any, output_dir: str) -> None:
             if rank == 1:
                 os.kill(os.getpid(), getattr(signal, chosen))
@@ -110,6 +113,8 @@ def run(spec: dict[str, Any]) -> None:
         obs["fault"] = _outcome(lambda: (run.acc.save_state(), accelerate_txn.wait_for_checkpoint(run.acc)))
     else:
         _train(run)
+        if instant == "before-save" and rank == 1:  # gone before the call: the others wait for it at the arrival
+            os.kill(os.getpid(), getattr(signal, chosen))
         obs["fault"] = _outcome(lambda: run.acc.save_state())
     os.environ.pop(KILL_ENV, None)
     if rank == 0:
@@ -133,4 +138,9 @@ def main(spec_path: str) -> None:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Every outcome is recorded: end without the interpreter's teardown, where gloo's worker threads can abort a
+    # process that finished ("terminate called without an active exception": pytorch/pytorch#179291; see
+    # accelerate_txn/testing/_worker.py).
     sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

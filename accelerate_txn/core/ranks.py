@@ -190,10 +190,15 @@ def _peers(store: Any, refresh: bool = False) -> dict[int, tuple[int, str]]:
     return dict(peers)
 
 
+_NO_STORE = object()  # ended_peers: use only what this process already knows
+
+
 def ended_peers(store: Any = None) -> dict[int, str]:
-    """The other ranks on this host whose process has ended, each with how it was seen (a few ``/proc`` reads)."""
-    return {r: f"its process (pid {pid}, on this host) has ended" for r, (pid, start) in
-            _peers(store if store is not None else _world_store()).items() if _started(pid) != start}
+    """The other ranks on this host whose process has ended, each with how it was seen (a few ``/proc`` reads; the
+    store is asked for the ranks on this host only if they were never read, and never with ``_NO_STORE``)."""
+    known = _peers(None) if store is _NO_STORE else _peers(store if store is not None else _world_store())
+    return {r: f"its process (pid {pid}, on this host) has ended" for r, (pid, start) in known.items()
+            if _started(pid) != start}
 
 
 def _note_departure(exc: BaseException, group: Any) -> None:
@@ -470,6 +475,7 @@ def arrive(op: str, timeout: float, store: Any, *, advice: str = "", wait_hint: 
     _ARRIVALS["calls"] += 1
     number = _ARRIVALS["calls"]
     me, world = rank(), world_size()
+    _register()  # this process on its host: a rank that ends while the others wait here is seen at once
     try:
         keys = dist.PrefixStore(ARRIVAL_PREFIX, store)
         decision_key = f"{number}/decision"
@@ -490,11 +496,26 @@ def arrive(op: str, timeout: float, store: Any, *, advice: str = "", wait_hint: 
             _ARRIVALS["clean_from"] = number
             return
     except (RuntimeError, ValueError) as exc:  # the store itself failed (its host rank died, a timeout)
+        lost = ended_peers(_NO_STORE)
+        if lost:
+            raise _lost_before(op, lost) from exc
         raise CheckpointRankError(
             f"Could not check that every rank reached {op}(): the process group's store failed "
             f"({_describe(exc)}). A rank may have died; restart the job from the last complete checkpoint."
         ) from exc
+    if decision["kind"] == "lost":
+        raise _lost_before(op, {int(r): why for r, why in decision["lost"].items()})
     raise CheckpointArrivalError(_arrival_message(decision, me, world, op, advice, wait_hint))
+
+
+def _lost_before(op: str, lost: dict[int, str]) -> CheckpointRankError:
+    error = CheckpointRankError(
+        f"{op}() could not start: rank(s) {sorted(lost)} went away ("
+        + "; ".join(f"rank {r}: {why}" for r, why in sorted(lost.items()))
+        + f"). Check the log of rank(s) {sorted(lost)} for the signal or error that ended them, and restart the whole "
+        "job (every rank) from the last complete checkpoint. Nothing was written or restored.")
+    error.failures = lost
+    return error
 
 
 def _decide(keys: Any, key: str, decision: dict[str, Any]) -> dict[str, Any]:
@@ -503,9 +524,13 @@ def _decide(keys: Any, key: str, decision: dict[str, Any]) -> dict[str, Any]:
 
 
 def _await(keys: Any, key: str, deadline: float) -> dict[str, Any] | None:
-    """The decision at ``key`` once written, or None at ``deadline``."""
+    """The decision at ``key`` once written, or None at ``deadline``; a rank on this host whose process ended while
+    this rank waits decides "lost" (it will never arrive: waiting out the timeout would only delay the error)."""
     delay = _POLL_FIRST
     while not keys.check([key]):
+        ended = ended_peers(_NO_STORE)  # /proc reads of the ranks recorded on this host: no store traffic
+        if ended:
+            return _decide(keys, key, {"kind": "lost", "lost": {str(r): why for r, why in sorted(ended.items())}})
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return None
