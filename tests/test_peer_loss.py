@@ -75,18 +75,15 @@ def chains(tmp_path_factory: Any) -> dict[int, dict[str, Any]]:
     return {version: _chain(version, tmp_path_factory.mktemp(f"peer_loss_fsdp{version}")) for version in CHAINS}
 
 
-def _fault(version: int, name: str) -> dict[str, Any]:
-    return dict(CHAINS[version])[name]
-
-
 @pytest.mark.parametrize(("version", "name"), CASES)
-def test_a_rank_that_goes_away_mid_checkpoint_is_named_by_the_library_error_on_the_other_rank(
+def test_a_rank_that_goes_away_mid_checkpoint_is_named_on_the_other_rank_and_the_next_job_resumes(
         chains: dict[int, dict[str, Any]], version: int, name: str) -> None:
     outcome = chains[version][name]
     if isinstance(outcome, BaseException):
         pytest.fail(f"the FSDP{version} chain stopped before {name} was checked: {outcome}")
     job: JobResult = outcome[0]
-    fault = _fault(version, name)
+    fault = dict(CHAINS[version])[name]
+    index = [n for n, _ in CHAINS[version]].index(name)
     # Rank 1 got the signal where it was armed: ended by it (default action), or raised the handler's exception.
     if fault["handler"] == "default":
         assert job.returncodes[1] == -getattr(signal, fault["signal"]), job.describe()
@@ -101,23 +98,14 @@ def test_a_rank_that_goes_away_mid_checkpoint_is_named_by_the_library_error_on_t
     assert "restart the whole job" in error["message"], error["message"]
     # Nothing new was published; the only complete checkpoints are the earlier saves; rank 0 left no staging behind.
     report = job.obs[0]["report"]
-    index = [n for n, _ in CHAINS[version]].index(name)
     assert report["complete"] == list(range(index + 1)), report
     assert job.obs[0]["manifests"] == [f"checkpoint_{n}" for n in range(index + 1)], job.obs[0]
     assert report["leftovers"] == [], report
-
-
-@pytest.mark.parametrize(("version", "name"), CASES)
-def test_after_a_rank_went_away_the_next_job_restores_the_newest_complete_checkpoint_and_saves(
-        chains: dict[int, dict[str, Any]], version: int, name: str) -> None:
-    outcome = chains[version][name]
-    if isinstance(outcome, BaseException):
-        pytest.fail(f"the FSDP{version} chain stopped before {name} was restarted: {outcome}")
+    # The next job selects the newest complete checkpoint (the fault job's first save), restores it, and publishes.
     restart: JobResult = outcome[1]
-    index = [n for n, _ in CHAINS[version]].index(name)
     for rank in (0, 1):
         obs = restart.obs[rank]
         assert obs["resume"]["type"] is None, restart.describe()
-        assert obs["selected"] == index, obs  # the newest complete checkpoint: the fault job's first save
+        assert obs["selected"] == index, obs
         assert obs["save"]["type"] is None, obs
         assert obs["save"]["value"].endswith(f"checkpoint_{index + 1}"), obs
