@@ -229,12 +229,20 @@ def _departures(store: Any, group: Any) -> dict[int, str]:
     return found
 
 
+def _members(group: Any) -> list[int]:
+    """The global ranks of ``group`` (None: the default group); every rank of the default group if it is gone."""
+    try:
+        return list(dist.get_process_group_ranks(group)) if group is not None else list(range(world_size()))
+    except (RuntimeError, ValueError):  # destroyed meanwhile
+        return list(range(dist.get_world_size())) if distributed() else []
+
+
 def lost_ranks(group: Any = None, suspected: bool = True, wait: float = LOSS_WAIT) -> dict[int, str]:
     """The ranks of ``group`` that went away, each with the evidence: a departure it recorded, or (on this host) its
     ended process. With ``suspected`` (this rank's connection to a peer closed) and no evidence yet, a suspect on this
     host still running is given ``wait`` seconds to end (it may be exiting)."""
     store = _world_store()
-    members = set(dist.get_process_group_ranks(group)) if group is not None else set(range(world_size()))
+    members = set(_members(group))
     found = {r: why for r, why in _departures(store, group).items() if r in members}
     peers = _peers(store, refresh=_SELF["peers"] is None)
     deadline = time.monotonic() + (wait if suspected else 0.0)
@@ -251,8 +259,8 @@ def _peer_lost(context: str, group: Any, exc: BaseException, earlier: BaseExcept
     text = _describe(exc)
     suspected = any(word in text.lower() for word in _LOSS_WORDS)
     found = lost_ranks(group, suspected)
-    me, world = rank(), world_size(group)
-    others = [r for r in (dist.get_process_group_ranks(group) if group is not None else range(world)) if r != me]
+    me = rank()
+    others = [r for r in _members(group) if r != me]
     if not found and suspected and len(others) == 1:
         found = {others[0]: "the only other rank of the process group: its connection to this rank closed"}
     first = f" (this rank's own step had failed first: {_describe(earlier)})" if earlier is not None else ""
