@@ -409,7 +409,9 @@ def _finish(group: Any, owners: dict[str, Any], staging: Path, templates: list[s
         try:
             on_main(lambda: [str(p) for p in prune(path.parent, run_id, local_limit, path, store=POSIX)], "Retention",
                     group)
-        except CheckpointError as exc:  # the new checkpoint is published: report, don't fail the save
+        except CheckpointError as exc:  # the new checkpoint is published: report, don't fail the save ...
+            if getattr(exc, "out_of_step", False):
+                raise  # ... unless a rank went away (or fell out of step): the job cannot go on, say so on every rank
             if rank() == 0:
                 logger.warning("Checkpoint %s is published, but retention failed: %s", published, exc)
     if rank(group) == 0:  # once per save, not once per rank

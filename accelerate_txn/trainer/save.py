@@ -242,7 +242,9 @@ def protected_save(wrapped: Any, trainer: Any, args: tuple[Any, ...], kwargs: di
             try:
                 on_main(lambda: [str(p) for p in prune(run_dir, run_id, limit, final, store=POSIX, keep=keep)],
                         "Retention (save_total_limit)")
-            except CheckpointError as exc:  # the new checkpoint is published: report, don't fail the save
+            except CheckpointError as exc:  # the new checkpoint is published: report, don't fail the save ...
+                if getattr(exc, "out_of_step", False):
+                    raise  # ... unless a rank went away (or fell out of step): the job cannot go on
                 if rank() == 0:
                     logger.warning("Checkpoint %s is published, but retention failed: %s", published, exc)
         if rank() == 0:
