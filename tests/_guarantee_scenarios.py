@@ -291,3 +291,24 @@ def teardown_job(root: str) -> None:
     alive = [t.name for t in threading.enumerate() if t.name.startswith("accelerate-txn")]
     published = (Path(root) / "async_2" / accelerate_txn.MANIFEST).is_file()
     print(json.dumps({"rank": rank, "library_threads": alive, "published": published}), flush=True)
+
+
+def save_under_a_file(root: str, fsdp_version: int) -> dict[str, Any]:
+    """Every kind of save whose destination lies under a regular file (``ENOTDIR``): the patched ``save_state``,
+    an asynchronous save, and automatic naming under a project directory inside the file. Each must end with the
+    same library error on every rank (rank 0's reservation fails; no rank may touch the path outside a phase)."""
+    blocker = Path(root) / "file.txt"
+    errors: dict[str, Any] = {}
+    acc, model, opt, sched = _build(fsdp_version, seed=0)
+    if acc.is_main_process:
+        blocker.write_text("a regular file, not a directory")
+    acc.wait_for_everyone()
+    _train(acc, model, opt, sched, 1, seed=1)
+    errors["save_state"] = _error(lambda: acc.save_state(str(blocker / "ckpt")))
+    errors["async"] = _error(lambda: accelerate_txn.save_training_checkpoint(
+        acc, blocker / "async", async_save=True).wait())
+    auto, model2, opt2, sched2 = _build(fsdp_version, seed=0, root=str(blocker / "project"))
+    _train(auto, model2, opt2, sched2, 1, seed=1)
+    errors["automatic"] = _error(lambda: auto.save_state())
+    errors["listing"] = sorted(p.name for p in Path(root).iterdir())
+    return errors

@@ -19,6 +19,7 @@ from __future__ import annotations
 import faulthandler
 import io
 import json
+import logging
 import os
 import signal
 import sys
@@ -32,6 +33,7 @@ import accelerate_txn
 from accelerate_txn.core.faults import KILL_ENV
 from accelerate_txn.core.manifest import MANIFEST
 from tests._crash_scenarios import capture, differences, write_json
+from tests._log_records import WarningRecords
 from tests._scenarios import _build, _error, _train
 
 
@@ -96,10 +98,43 @@ def replace_and_fall_back(root: str) -> dict[str, Any]:
     obs["refused"] = _error(lambda: resumed.save_state(str(output / "checkpoint-2")))
     obs["refused_untouched"] = _transaction(output / "checkpoint-2") == before
     obs["listing_after_refusal"] = _listing(output)
+    resumed.wait_for_everyone()  # every rank listed before the next save creates its directory
+
+    # Issue 34 item 4: a native checkpoint (library off for this save) that the user added files to, then saved
+    # again with the library to the same path: the user's files are carried into the new checkpoint, named.
+    accelerate_txn.configure_checkpointing(resumed, overwrite="replace")
+    native = output / "checkpoint-3"
+    accelerate_txn.unpatch_accelerate_fsdp(resumed)
+    resumed.save_state(str(native))
+    resumed.wait_for_everyone()
+    obs["native_manifest"] = (native / MANIFEST).exists()
+    if rank == 0:
+        (native / "eval_samples").mkdir()
+        (native / "eval_samples" / "sample_0.txt").write_text("sample 0")
+        (native / "NOTES.md").write_text("my notes")
+    resumed.wait_for_everyone()
+    accelerate_txn.patch_accelerate_fsdp(resumed)
+    records = WarningRecords()
+    logging.getLogger("accelerate_txn").addHandler(records)
+    try:
+        obs["carry_error"] = _error(lambda: resumed.save_state(str(native)))
+    finally:
+        logging.getLogger("accelerate_txn").removeHandler(records)
+    resumed.wait_for_everyone()
+    obs["carry_warnings"] = [m for m in records.messages if m.startswith("Replacing")]
+    obs["carried"] = {name: (native / name).read_text() for name in ("NOTES.md", "eval_samples/sample_0.txt")
+                      if (native / name).is_file()}
+    manifest = json.loads((native / MANIFEST).read_text()) if (native / MANIFEST).is_file() else {}
+    obs["carried_listed"] = manifest.get("user_files")
+    obs["carried_in_inventory"] = sorted(set(manifest.get("files", {})) & {"NOTES.md", "eval_samples/sample_0.txt"})
     return obs
 
 
 # --- the kill chain ------------------------------------------------------------------------------------------
+
+#: Files rank 0 adds to a checkpoint directory before a save replaces it: each replacement carries them.
+USER_FILES = {"NOTES.md": "my notes", "eval_samples/sample_0.txt": "sample 0"}
+
 
 def _ref(root: Path, label: str, rank: int) -> Path:
     return root / "refs" / f"{label}.rank{rank}.pt"
@@ -135,6 +170,11 @@ def run(spec: dict[str, Any]) -> None:
         else:
             _train(accelerator, model, optimizer, scheduler, 1, seed=100 + index + 10 * len(obs["saves"]))
             _write_ref(root, label, rank, capture(*built))
+            if rank == 0 and (root / name).is_dir():  # the user's own files beside the checkpoint being replaced
+                for user_file, text in USER_FILES.items():
+                    if not (root / name / user_file).exists():
+                        (root / name / user_file).parent.mkdir(exist_ok=True)
+                        (root / name / user_file).write_text(text)
             if index == len(actions) - 1 and spec.get("kill"):
                 os.environ[KILL_ENV] = spec["kill"]
             accelerator.save_state(str(root / name))

@@ -154,11 +154,13 @@ def optimizer_state(optimizer: Any) -> list[tuple[int, str, Any]]:
 def refuse_each(output_dir: str, cases: dict[str, str]) -> dict[str, Any]:
     """One Trainer tries ``train(resume_from_checkpoint=path)`` for each damaged checkpoint of ``cases`` (name ->
     path) in turn; returns this rank's error per case (``type: message``, or ``"loaded"`` if none was raised) and
-    whether the live model, optimizer and Trainer state were untouched after every attempt."""
+    whether the live model, optimizer, Trainer state and this process's generators (Python, NumPy, torch) were
+    untouched after every attempt."""
     import torch
 
     trainer = build(output_dir, 6)
     before = [p.detach().clone() for p in trainer.model.parameters()]
+    generators = _generators()
     errors: dict[str, str] = {}
     untouched: dict[str, bool] = {}
     for name, path in cases.items():
@@ -168,8 +170,20 @@ def refuse_each(output_dir: str, cases: dict[str, str]) -> dict[str, Any]:
         except Exception as exc:
             errors[name] = f"{type(exc).__name__}: {exc}"
         untouched[name] = (trainer.state.global_step == 0 and trainer.optimizer is None
-                           and all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters())))
+                           and all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+                           and _generators() == generators)
     return {"errors": errors, "untouched": untouched}
+
+
+def _generators() -> tuple[Any, ...]:
+    """This process's Python, NumPy and torch CPU generator states, comparable with ``==``."""
+    import random
+
+    import numpy as np
+    import torch
+
+    kind, keys, position, has_gauss, gauss = np.random.get_state()
+    return (random.getstate(), (kind, keys.tolist(), position, has_gauss, gauss), torch.get_rng_state().tolist())
 
 
 def refuse_other_optimizer(output_dir: str, checkpoint: str) -> dict[str, Any]:

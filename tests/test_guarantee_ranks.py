@@ -267,3 +267,23 @@ def test_teardown_with_a_save_in_flight_leaves_no_library_thread_and_exits_clean
         assert "terminate called" not in stderr and "Traceback" not in stderr, stderr[-3000:]
         result = json.loads(output.strip().splitlines()[-1])
         assert result == {"rank": rank, "library_threads": [], "published": True}
+
+
+# --------------------------------------------------------------------------------- item: a destination under a file
+
+@pytest.mark.parametrize("fsdp_version", [1, 2])
+def test_a_destination_under_a_regular_file_raises_the_same_error_on_every_rank(tmp_path: Path,
+                                                                                fsdp_version: int) -> None:
+    # Regression (issue 34 item 6): rank 0's failed reservation was followed by its staging cleanup outside any rank
+    # phase, which raised a raw NotADirectoryError on rank 0 alone (rank 1: CheckpointRankError ... FileExistsError).
+    observed = launch("tests._guarantee_scenarios:save_under_a_file", 2, args=(str(tmp_path), fsdp_version),
+                      timeout=TIMEOUT)
+    blocker = tmp_path / "file.txt"
+    for case, leaf in (("save_state", "ckpt"), ("async", "async"), ("automatic", "project")):
+        errors = [obs[case] for obs in observed]
+        assert errors[0] == errors[1], (case, errors)  # the same exception, the same message, on both ranks
+        error = errors[0]
+        assert error is not None and error["type"] == "CheckpointConfigurationError", (case, error)
+        assert str(blocker / leaf) in error["message"], (case, error)  # names the destination
+        assert f"{blocker} is not a directory (it is a file)" in error["message"], (case, error)
+    assert observed[0]["listing"] == ["file.txt"] and blocker.read_text() == "a regular file, not a directory"

@@ -13,6 +13,7 @@ whose next save leaves no leftover.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -31,6 +32,7 @@ from accelerate_txn.store import posix
 from accelerate_txn.store.posix import DirectoryLock, recover_replaced, replace_directory
 from accelerate_txn.testing import launch
 from tests._crash_harness import KILLED, LAUNCH_TIMEOUT, SURVIVOR_TIMEOUT, WORLD, run_to_completion, run_until_crash_point
+from tests._overwrite_scenarios import USER_FILES
 from tests._single import stepped_accelerator
 
 # --------------------------------------------------------------------------------------------- the store
@@ -219,6 +221,97 @@ def test_what_is_not_a_checkpoint_is_never_replaced(tmp_path: Path, monkeypatch:
     assert (sorted(os.listdir(target)) if target.is_dir() else target.read_text()) == inside
 
 
+def test_replacing_a_native_checkpoint_carries_the_users_own_files_outside_the_inventory(
+        tmp_path: Path, caplog: Any, capsys: Any) -> None:
+    # Regression (issue 34 item 4): the replace deleted files the user had added to a native checkpoint, which native
+    # Accelerate (writing into the directory) keeps; the warning did not name them.
+    from accelerate_txn.cli import main
+    from accelerate_txn.core.manifest import read_manifest, verify_manifest
+
+    accelerator, model, optimizer = _accelerator()
+    target = tmp_path / "checkpoint-3"
+    accelerator.save_state(str(target))  # one process, no protect="all": native Accelerate, no manifest
+    assert not (target / MANIFEST).exists() and (target / "random_states_0.pkl").is_file()
+    (target / "eval_samples").mkdir()
+    (target / "eval_samples" / "sample_0.txt").write_text("old sample 0")  # the new save writes it again: it wins
+    (target / "eval_samples" / "predictions.pt").write_bytes(b"old payload")  # stale beside the new save's files
+    (target / "eval_samples" / "sample_1.txt").write_text("sample 1")
+    (target / "NOTES.md").write_text("my notes")
+    (target / "custom_checkpoint_4.pkl").write_bytes(b"stale")  # native layout: the old checkpoint's, never carried
+    (target / "pytorch_model_fsdp_0").mkdir()
+    (target / "pytorch_model_fsdp_0" / "__0_0.distcp").write_bytes(b"stale shard")  # native layout too
+
+    def hook(_models: Any, _weights: Any, output_dir: str) -> None:  # a save hook writing eval samples of its own
+        (Path(output_dir) / "eval_samples").mkdir()
+        (Path(output_dir) / "eval_samples" / "sample_0.txt").write_text("new sample 0")
+
+    accelerator.register_save_state_pre_hook(hook)
+    _step(accelerator, model, optimizer)
+    with caplog.at_level(logging.WARNING, logger="accelerate_txn"):
+        save_training_checkpoint(accelerator, target)
+    replacing = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Replacing")]
+    assert replacing == [
+        f"Replacing {target} (a checkpoint without a manifest (native Accelerate)): the new checkpoint is published "
+        "atomically in its place, and the old one is deleted only after that; 4 files in it are not part of the "
+        "checkpoint (NOTES.md, eval_samples/predictions.pt, eval_samples/sample_0.txt, eval_samples/sample_1.txt): "
+        "they are carried into the new one at the same paths, outside its inventory (its manifest lists them as "
+        "user_files), unless the new save writes the same path itself"]
+    assert (target / "NOTES.md").read_text() == "my notes"
+    assert (target / "eval_samples" / "sample_1.txt").read_text() == "sample 1"
+    assert (target / "eval_samples" / "sample_0.txt").read_text() == "new sample 0"  # the new save's own file wins
+    assert not (target / "eval_samples" / "predictions.pt").exists()
+    assert not (target / "custom_checkpoint_4.pkl").exists() and not (target / "pytorch_model_fsdp_0").exists()
+    manifest = read_manifest(target)
+    assert manifest["user_files"] == {"NOTES.md": {"size": 8}, "eval_samples/sample_1.txt": {"size": 8}}
+    assert "eval_samples/sample_0.txt" in manifest["files"] and "NOTES.md" not in manifest["files"]
+    report = verify_manifest(target, manifest, full=True, dcp=False)
+    assert report["user_files"] == ["NOTES.md", "eval_samples/sample_1.txt"] and report["extra"] == []
+    # Not checkpoint content: edited or deleted later, the checkpoint still verifies and loads.
+    (target / "NOTES.md").write_text("my notes, edited")
+    (target / "eval_samples" / "sample_1.txt").unlink()
+    verify_manifest(target, manifest, full=True, dcp=False)
+    accelerate_txn.load_training_checkpoint(_accelerator(seed=3)[0], target)
+    assert main(["inspect", str(target)]) == 0
+    shown = capsys.readouterr().out
+    assert "2 user files carried from the checkpoint this one replaced" in shown
+    assert "  NOTES.md (" in shown and "  eval_samples/sample_1.txt (" in shown
+    # Replaced again (now a protected checkpoint): what is outside its inventory is carried again.
+    (target / "eval_samples" / "sample_1.txt").write_text("sample 1 again")
+    save_training_checkpoint(accelerator, target)
+    assert sorted(read_manifest(target)["user_files"]) == ["NOTES.md", "eval_samples/sample_1.txt"]
+    assert (target / "NOTES.md").read_text() == "my notes, edited"
+
+
+def test_a_user_file_that_cannot_be_carried_keeps_the_checkpoint_from_being_replaced(tmp_path: Path) -> None:
+    accelerator, _, _ = _accelerator()
+    target = tmp_path / "checkpoint-1"
+    save_training_checkpoint(accelerator, target)
+    (target / "data").symlink_to(tmp_path)  # a checkpoint holds no symbolic link: carrying it is impossible
+    before = _transaction(target)
+    with pytest.raises(CheckpointExistsError, match=rf"Refusing to replace {target}: it holds data beside the "
+                       r"checkpoint: not a regular file \(a symbolic link, or nested too deep\)"):
+        save_training_checkpoint(accelerator, target)
+    assert _transaction(target) == before and (target / "data").is_symlink()
+
+
+def test_a_user_files_entry_never_admits_a_file_a_checkpoint_loader_reads(tmp_path: Path) -> None:
+    from accelerate_txn.core.manifest import read_manifest, verify_manifest
+    from accelerate_txn.errors import CheckpointIntegrityError
+
+    accelerator, _, _ = _accelerator()
+    target = tmp_path / "checkpoint-1"
+    save_training_checkpoint(accelerator, target)
+    manifest = read_manifest(target)
+    (target / "custom_checkpoint_0.pkl").write_bytes(b"planted")  # where load_state looks
+    manifest["user_files"] = {"custom_checkpoint_0.pkl": {"size": 7}}
+    with pytest.raises(CheckpointIntegrityError, match=r"custom_checkpoint_0\.pkl is not in the inventory"):
+        verify_manifest(target, manifest, full=False, dcp=False)
+    (target / "custom_checkpoint_0.pkl").unlink()
+    manifest["user_files"] = {"random_states_0.pkl": {"size": 1}}  # an inventory file claimed as the user's
+    with pytest.raises(CheckpointIntegrityError, match=r"malformed user_files entry for .random_states_0\.pkl."):
+        verify_manifest(target, manifest, full=False, dcp=False)
+
+
 def test_list_shows_a_set_aside_checkpoint_and_inspect_refuses_it(tmp_path: Path, capsys: Any) -> None:
     import json
 
@@ -310,6 +403,15 @@ def test_resumed_run_replaces_a_newer_checkpoint_and_a_foreign_directory_runs_na
         assert "Refusing to overwrite" in obs["refused"]["message"]
         assert obs["refused_untouched"]
         assert obs["listing_after_refusal"] == obs["listing_after_replace"], rank
+        # Issue 34 item 4: a native checkpoint with the user's files in it, saved again through the library: the
+        # files are carried into the new checkpoint, outside its inventory, and the warning names them.
+        assert obs["native_manifest"] is False and obs["carry_error"] is None, obs["carry_error"]
+        assert obs["carried"] == USER_FILES, obs["carried"]
+        assert obs["carried_listed"] == {name: {"size": len(text)} for name, text in USER_FILES.items()}
+        assert obs["carried_in_inventory"] == []
+    warning = results[0]["carry_warnings"]
+    assert len(warning) == 1 and ("2 files in it are not part of the checkpoint (NOTES.md, eval_samples/sample_0.txt): "
+                                  "they are carried into the new one at the same paths") in warning[0], warning
 
 
 # Each job restarts from the previous kill (loads what checkpoint-1 must hold, saves a new checkpoint, which also
@@ -322,6 +424,16 @@ KILLS = (
     ("save:replace-old-aside", True, "old"),
     ("save:replace-after-swap", True, "new"),
 )
+
+
+def _user_files(root: Path) -> dict[str, Any]:
+    """What the complete checkpoint-1 holds right after a kill (the old tree set aside between the fallback's two
+    renames, which the next writer puts back): the user's files and the transaction its manifest names them in."""
+    aside = sorted(root.glob(".checkpoint-1.replaced-*"))
+    where = root / "checkpoint-1" if (root / "checkpoint-1").is_dir() else aside[-1]
+    manifest = json.loads((where / MANIFEST).read_text())
+    return {"contents": {name: (where / name).read_text() for name in USER_FILES if (where / name).is_file()},
+            "listed": sorted(manifest.get("user_files", {})), "transaction": manifest["transaction_id"]}
 
 
 @pytest.fixture(scope="module")
@@ -340,7 +452,7 @@ def kill_chain(tmp_path_factory: Any) -> list[dict[str, Any]]:
                                      entry="tests._overwrite_scenarios")
         listing = sorted(p.name for p in root.iterdir())
         outcomes.append({"point": point, "fallback": fallback, "kill": kill, "listing": listing,
-                         "expected": label if after == "new" else holds})
+                         "expected": label if after == "new" else holds, "user_files": _user_files(root)})
         holds = outcomes[-1]["expected"]
         # The next job restarts: its first save (a new name) takes the lock and cleans up; then checkpoint-1 loads.
         actions = [["load", "checkpoint-0", "c0"], ["save", f"checkpoint-{10 + index}", f"c{10 + index}"],
@@ -371,6 +483,11 @@ def test_kill_9_while_replacing_then_restart_restores_exactly_and_leaves_nothing
         assert "checkpoint-1" not in listing and any(n.startswith(".checkpoint-1.replaced-") for n in listing), listing
     else:
         assert "checkpoint-1" in listing, listing
+    # Issue 34 item 4: whichever checkpoint-1 the kill left complete (the old one, or the new one that replaced it)
+    # holds the user's files added beside it before the save; the new one lists them in its manifest.
+    assert outcome["user_files"]["contents"] == USER_FILES, outcome["user_files"]
+    if outcome["point"] == "save:replace-after-swap":
+        assert outcome["user_files"]["listed"] == sorted(USER_FILES), outcome["user_files"]
     # The restart: checkpoint-0 and the checkpoint-1 it must hold (the old one unless the swap happened) restore
     # exactly on every rank; after its save, no staging, set-aside or retired directory is left.
     restart = outcome["restart"]

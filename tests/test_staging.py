@@ -396,3 +396,25 @@ def test_fsync_path_accepts_a_directory(tmp_path: Path) -> None:
     fsync_path(tmp_path)
     with pytest.raises(FileNotFoundError):
         fsync_path(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("frontend", ["accelerate", "trainer"])
+def test_a_reservation_under_a_regular_file_fails_with_one_library_error_and_closes_without_raising(
+        tmp_path: Path, frontend: str) -> None:
+    # Regression (issue 34 item 6): the reservation's mkdir raised a raw FileExistsError, and the cleanup that follows
+    # a failed reservation on rank 0 (outside any rank phase) raised NotADirectoryError from the staging path, so rank
+    # 0 ended with a different error than the other ranks.
+    from accelerate_txn.accelerate.save import _Reservation
+    from accelerate_txn.trainer.save import Reservation
+
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("a regular file")
+    final = blocker / "run" / "checkpoint-2"
+    reservation = _Reservation(final, "ab12", 0.0) if frontend == "accelerate" else Reservation(final, "ab12")
+    with pytest.raises(CheckpointConfigurationError) as caught:
+        reservation.open()
+    assert str(caught.value) == (
+        f"Cannot create the output directory {final.parent}: {blocker} is not a directory (it is a file). Choose an "
+        f"output directory whose parents are directories, or move {blocker} away.")
+    reservation.close()  # never raises: it runs outside any rank phase
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"] and blocker.read_text() == "a regular file"

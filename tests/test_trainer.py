@@ -18,7 +18,8 @@ config), real 2-rank FSDP1 and FSDP2 on CPU (gloo) and real ``kill -9``:
 * FSDP2: a whole job killed mid-save resumes exactly; a corrupt newest checkpoint is skipped by ``True`` and refused
   on every rank when named; each file class damaged in turn (model and optimizer shards, ``scheduler.pt``, an RNG
   file, ``trainer_state.json``, a missing file, an extra loader-readable file) is refused with the same error on
-  every rank, before anything is loaded;
+  every rank, before anything is loaded; so is a file a resume reads that cannot be read on one rank (a truncated or
+  forged ``rng_state_1.pth``, native or under a manifest rewritten to match, and more), in the same launch;
 * an unvalidated transformers runs native Trainer with one warning.
 
 Cost on 2 shared CPU cores: two reference runs (module fixtures, reused), a kill chain of 8 jobs, a random-instant
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -315,20 +317,112 @@ DAMAGE = {
 }
 
 
-def test_each_damaged_file_class_is_refused_on_every_rank_before_anything_is_loaded(
-        tmp_path: Path, fsdp2_reference: tuple[Path, list[dict[str, Any]]]) -> None:
+class Forged:
+    """Unpickling this runs ``os.system(command)``: a stand-in for arbitrary code in a forged checkpoint file."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return os.system, (self.command,)
+
+
+def _unreadable(checkpoint: Path, case: str, marker: Path) -> None:
+    """Damage ``checkpoint`` (a copy of checkpoint-6) so that a file Trainer's resume reads cannot be read on some
+    rank (``UNREADABLE``); the hashes of a manifest that stays are rewritten to match, so that only reading can
+    tell."""
+    from tests._corruption_scenarios import rewrite_rows
+
+    native, kind = case.split(": ", 1)[0] == "native", case.split(": ", 1)[1]
+    rng = checkpoint / "rng_state_1.pth"
+    if kind == "truncated rng of rank 1":
+        os.truncate(rng, rng.stat().st_size // 2)
+    elif kind == "forged rng of rank 1":
+        torch.save({"python": Forged(f"touch {marker}"), "numpy": 0, "cpu": torch.zeros(1)}, rng)
+    elif kind == "rng of rank 1 that cannot be applied":
+        state = torch.load(rng, weights_only=False)
+        torch.save({**state, "cpu": torch.zeros(8, dtype=torch.uint8)}, rng)  # not a generator state
+    elif kind == "truncated scheduler":
+        os.truncate(checkpoint / "scheduler.pt", 40)
+    elif kind == "trainer state not JSON":
+        path = checkpoint / "trainer_state.json"
+        path.write_text(path.read_text()[:-20])
+    elif kind == "forged model metadata":  # DCP itself unpickles .metadata with plain pickle
+        (checkpoint / "pytorch_model_fsdp_0" / ".metadata").write_bytes(pickle.dumps(Forged(f"touch {marker}")))
+    elif kind == "truncated model shard of rank 1":
+        path = checkpoint / "pytorch_model_fsdp_0" / "__1_0.distcp"
+        os.truncate(path, path.stat().st_size // 2)
+    else:
+        raise AssertionError(case)
+    if native:
+        (checkpoint / MANIFEST).unlink()  # as native Trainer saves it
+    else:
+        rewrite_rows(checkpoint, [rng.name])
+
+
+#: A file Trainer's resume reads that cannot be read on some rank, in a native (manifest-less) checkpoint or under a
+#: manifest rewritten to match: what the refusal names and the ranks it failed on (the same text on every rank).
+UNREADABLE = {
+    "native: truncated rng of rank 1": ("rng_state_1.pth", "[1]"),
+    "manifest: forged rng of rank 1": ("rng_state_1.pth", "[1]"),
+    "native: forged rng of rank 1": ("GLOBAL posix.system", "[1]"),
+    "manifest: rng of rank 1 that cannot be applied": ("rng_state_1.pth", "[1]"),
+    "native: truncated scheduler": ("scheduler.pt", "[0, 1]"),
+    "native: trainer state not JSON": ("trainer_state.json", "[0, 1]"),
+    "native: truncated model shard of rank 1": ("pytorch_model_fsdp_0/__1_0.distcp", "[0, 1]"),
+    "native: forged model metadata": ("posix.system is not allowed", "[0, 1]"),
+}
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory: pytest.TempPathFactory,
+             fsdp2_reference: tuple[Path, list[dict[str, Any]]]) -> dict[str, Any]:
+    """One 2-rank launch (``tests._trainer_scenarios.refuse_each``) tries every damaged copy of checkpoint-6 of
+    ``DAMAGE`` and ``UNREADABLE`` in turn; returns each rank's result and the markers a forged file would create."""
     source, _reference = fsdp2_reference
-    cases = {}
-    for case in DAMAGE:
-        checkpoint = _copy_run(source / "checkpoint-6", tmp_path / case.replace(" ", "-") / "checkpoint-6")
-        _damage(checkpoint, case)
+    directory = tmp_path_factory.mktemp("refusals")
+    cases, markers = {}, {}
+    for case in (*DAMAGE, *UNREADABLE):
+        checkpoint = _copy_run(source / "checkpoint-6", directory / case.replace(" ", "-").replace(":", "") /
+                               "checkpoint-6")
+        markers[case] = directory / f"marker-{len(markers)}"
+        if case in DAMAGE:
+            _damage(checkpoint, case)
+        else:
+            _unreadable(checkpoint, case, markers[case])
         cases[case] = str(checkpoint)
-    results = launch("tests._trainer_scenarios:refuse_each", 2, args=(str(tmp_path / "out"), cases), timeout=TIMEOUT)
+    results = launch("tests._trainer_scenarios:refuse_each", 2, args=(str(directory / "out"), cases), timeout=TIMEOUT)
+    return {"results": results, "markers": markers}
+
+
+def test_each_damaged_file_class_is_refused_on_every_rank_before_anything_is_loaded(
+        refusals: dict[str, Any]) -> None:
+    results = refusals["results"]
     for case, expected in DAMAGE.items():
         errors = [result["errors"][case] for result in results]
         assert errors[0] == errors[1], f"{case}: the ranks raised different errors: {errors}"
         assert errors[0].startswith("CheckpointIntegrityError: ") and expected in errors[0], (case, errors[0])
         assert all(result["untouched"][case] for result in results), f"{case}: something was loaded"
+
+
+def test_a_file_a_trainer_resume_reads_unreadable_on_one_rank_is_the_same_error_on_every_rank_before_anything_loads(
+        refusals: dict[str, Any]) -> None:
+    """A native checkpoint whose ``rng_state_1.pth`` is truncated, or a forged one (a pickle calling ``os.system``)
+    under a manifest rewritten to match: natively rank 1 raises ``PytorchStreamReader failed``/``UnpicklingError``
+    after the model and optimizer were restored, while rank 0 waits for it (gloo: "Connection closed by peer"). Every
+    file a Trainer resume reads is read safely, on every rank, before Trainer loads anything: the same
+    ``CheckpointIntegrityError`` on every rank naming the file and the rank(s); model, optimizer, Trainer state and
+    generators untouched; the forged pickle never ran."""
+    results = refusals["results"]
+    for case, (expected, ranks) in UNREADABLE.items():
+        errors = [result["errors"][case] for result in results]
+        assert errors[0] == errors[1], f"{case}: the ranks raised different errors: {errors}"
+        assert errors[0].startswith("CheckpointIntegrityError: Reading the files a Trainer resume reads"), errors[0]
+        assert expected in errors[0] and f"failed on rank(s) {ranks}" in errors[0], (case, errors[0])
+        assert "resume from another one" in errors[0], (case, errors[0])  # the fix
+        assert all(result["untouched"][case] for result in results), f"{case}: something was restored"
+        assert not refusals["markers"][case].exists(), f"{case}: the forged pickle ran"
+    assert "on rank 1" in results[0]["errors"]["native: truncated rng of rank 1"]
 
 
 # --- the command line on a Trainer output directory -----------------------------------------------------------

@@ -92,3 +92,27 @@ def test_a_ddp_trainer_checkpoint_is_a_transaction_and_resumes_exactly(tmp_path:
     resumed = launch("tests.test_trainer_single:ddp_run", 2, args=(str(tmp_path / "run"), 6, True), timeout=240)
     assert [obs["backend"] for obs in resumed] == ["MULTI_CPU", "MULTI_CPU"]
     assert [obs["weights"] for obs in resumed] == [obs["weights"] for obs in reference]
+
+
+def test_a_trainer_save_that_replaces_checkpoint_n_carries_the_users_own_files(tmp_path: Path) -> None:
+    # Regression (issue 34 item 4): Trainer's native save writes into an existing checkpoint-N and keeps what the user
+    # added there; the protected save replaced the directory as a whole and lost those files.
+    run = tmp_path / "run"
+    _trainer(run, 2).train()
+    checkpoint = run / "checkpoint-2"
+    (checkpoint / "NOTES.md").write_text("my notes")
+    (checkpoint / "eval_samples").mkdir()
+    (checkpoint / "eval_samples" / "sample_0.txt").write_text("sample 0")
+    (checkpoint / "rng_state_7.pth").write_bytes(b"stale")  # Trainer's layout: the old checkpoint's, never carried
+    before = json.loads((checkpoint / MANIFEST).read_text())["transaction_id"]
+    _trainer(run, 2).train()  # a new run into the same output_dir saves checkpoint-2 again: it is replaced
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    assert manifest["transaction_id"] != before
+    assert (checkpoint / "NOTES.md").read_text() == "my notes"
+    assert (checkpoint / "eval_samples" / "sample_0.txt").read_text() == "sample 0"
+    assert not (checkpoint / "rng_state_7.pth").exists()
+    assert manifest["user_files"] == {"NOTES.md": {"size": 8}, "eval_samples/sample_0.txt": {"size": 8}}
+    assert not {"NOTES.md", "eval_samples/sample_0.txt"} & set(manifest["files"])
+    resumed = _trainer(run, 4)
+    resumed.train(resume_from_checkpoint=str(checkpoint))  # the replaced checkpoint verifies and resumes
+    assert resumed.state.global_step == 4

@@ -56,6 +56,11 @@ per-worker generators seeded per iterator). After a world-size change (elastic r
 saved epoch, but the batches are sharded differently; a new rank's global RNG is derived, so it replays no saved epoch
 start.
 
+**What the records assume** (:func:`order_settings`, recorded in the descriptor): the same dataset length, batch size,
+``drop_last``, sampler, batch sampler and Accelerate sharding settings. The records hold no batches, only what decides
+them, so a resume with another of these settings would replay the saved generators and epoch over other batches; the
+resume comparison (``resume_changes``) refuses such a change before anything is restored unless it is accepted by name.
+
 Restore runs after every check passed (``accelerate.load``); a checkpoint without these records (native, or an earlier
 accelerate-txn) restores nothing here, as before. Only the CPU torch generator is replayed: a default device other than
 the CPU (``torch.set_default_device``) makes the iterator draw from that device's generator, which is not.
@@ -74,6 +79,7 @@ import torch
 
 from ..errors import CheckpointIntegrityError
 from .internals import prepared_dataloaders, stateful_shard_position_exact
+from .resume_changes import ORDER_SETTINGS
 from .rng import apply_rng, capture_rng
 
 logger = logging.getLogger(__name__)
@@ -263,6 +269,78 @@ def inexact_reason(loader: Any) -> str | None:
                 "iterators where the uninterrupted run did; give the generator to the sampler instead "
                 "(sampler=RandomSampler(dataset, generator=...))")
     return None
+
+
+# --- what a loader's order and position mean (the descriptor's record) -----------------------------------------
+
+def _shard(loader: Any) -> Any:
+    """Accelerate's sharding wrapper of ``loader``: its ``IterableDatasetShard`` or ``BatchSamplerShard`` (under any
+    ``SkipBatchSampler``), or None (one process, batches dispatched, or a dataset sharded by ``datasets``)."""
+    from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard, SkipBatchSampler
+    from torch.utils.data import BatchSampler
+
+    dataset = getattr(loader, "dataset", None)
+    if isinstance(dataset, IterableDatasetShard):
+        return dataset
+    sampler = getattr(loader, "sampler", None)
+    batch = sampler if isinstance(sampler, BatchSampler) else getattr(loader, "batch_sampler", None)
+    while isinstance(batch, SkipBatchSampler):
+        batch = batch.batch_sampler
+    return batch if isinstance(batch, BatchSamplerShard) else None
+
+
+def _class(value: Any) -> str | None:
+    return None if value is None else f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def _length(dataset: Any) -> int | None:
+    try:
+        length = len(dataset)
+    except Exception:  # an iterable dataset without a length, or a __len__ that fails: unknown (never a failed save)
+        return None
+    return int(length) if isinstance(length, int) and not isinstance(length, bool) else None
+
+
+def order_settings(loader: Any, num_processes: int) -> dict[str, Any]:
+    """What decides ``loader``'s order and the meaning of a position in it (``resume_changes.ORDER_SETTINGS``), as
+    the user set it up: the dataset's length (where it has one), the batch size and ``drop_last`` the user gave (not
+    Accelerate's per-process split), the sampler (and whether it shuffles) and batch sampler classes, Accelerate's
+    ``split_batches`` / ``even_batches`` where a sharding wrapper applies them, whether batches are dispatched, and
+    the number of processes the loader shards over (``num_processes``: the Accelerator's, unless a wrapper says
+    otherwise). ``None``: does not apply, or unknown. The same on every rank for a loader every rank prepared alike
+    (the descriptor is compared across ranks). Reads only; draws nothing."""
+    from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
+    from torch.utils.data import RandomSampler
+
+    dataset = getattr(loader, "dataset", None)
+    shard = _shard(loader)
+    dispatched = isinstance(loader, DataLoaderDispatcher)
+    if _iterable(loader):
+        source = shard if isinstance(shard, IterableDatasetShard) else loader
+        user_dataset = dataset.dataset if isinstance(dataset, IterableDatasetShard) else dataset
+        batch_size, drop_last = getattr(source, "batch_size", None), getattr(source, "drop_last", None)
+        sampler = batch = None
+        shuffle = None
+    else:
+        user_dataset = dataset
+        batch, sampler = _inner_batch_sampler(loader), _sampler(loader)
+        batch_size, drop_last = getattr(batch, "batch_size", None), getattr(batch, "drop_last", None)
+        shuffle = isinstance(sampler, RandomSampler) if sampler is not None else None
+    split = getattr(loader if dispatched else shard, "split_batches", None)
+    settings = {
+        "dataset_length": _length(user_dataset),
+        "batch_size": batch_size if type(batch_size) is int else None,
+        "drop_last": drop_last if type(drop_last) is bool else None,
+        "shuffle": shuffle,
+        "sampler": _class(sampler),
+        "batch_sampler": _class(batch),
+        "split_batches": split if type(split) is bool else None,
+        "even_batches": shard.even_batches if isinstance(shard, BatchSamplerShard) else None,
+        "dispatch_batches": dispatched,
+        "processes": int(getattr(shard, "num_processes", num_processes)),
+    }
+    assert tuple(settings) == ORDER_SETTINGS
+    return settings
 
 
 # --- the epoch hook --------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from ..fsdp.fsdp1 import parameter_layout
 from ..fsdp.internals import inter_node_group, uses_orig_params
 from ..fsdp.optimizer_state import raw_optimizer
 from .config import checkpoint_config, plain
+from .data_order import order_settings
 from .internals import custom_objects, prepared_dataloaders, prepared_models, prepared_optimizers, prepared_schedulers
 from .resume_changes import Change, accept_hint, builtin_settings, named_changes
 
@@ -263,6 +264,7 @@ def describe(accelerator: Any, *, require_model_ids: bool = True) -> dict[str, A
             "dataset": class_name(getattr(loader.dataset, "checkpoint_dataset", loader.dataset)),
             "workers": getattr(loader, "num_workers", 0),
             "stateful": bool(getattr(loader, "use_stateful_dataloader", False)),
+            **order_settings(loader, accelerator.num_processes),  # compared by resume_changes (absent: unknown)
         } for loader in prepared_dataloaders(accelerator)],
     }
 
@@ -403,7 +405,8 @@ def check_resume(
         training[key] = current["training"][key]
     accept = set(accept_changes)
     changes = named_changes(saved, current)
-    refused = [change for change in changes if not change.automatic and change.name not in accept]
+    refused = [change for change in changes
+               if not change.automatic and (change.name not in accept or not change.acceptable)]
     found = differences(saved, current, limit=limit)
     if found or refused:
         raise CheckpointConfigurationError(
@@ -422,7 +425,8 @@ def check_resume(
 
 
 def _accept_hint(refused: list[Change], others: bool) -> str:
-    """The part of a refusal that says how to resume with its named changes anyway."""
+    """The part of a refusal that says how to resume with its named changes anyway (those that can be accepted)."""
+    refused = [change for change in refused if change.acceptable]
     if not refused:
         return ""
     also = " (the other differences above must still match)" if others else ""
@@ -433,9 +437,13 @@ def _accept_hint(refused: list[Change], others: bool) -> str:
 
 def _without_world_size(saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Elastic resume: drop what only records the number of ranks (both sides normalised in place). The world
-    size itself; an FSDP2 1-D mesh's length (protected FSDP2 shards over one 1-D mesh of all ranks); and an FSDP1
-    unit's sharding strategy when either run has one rank (FSDP1 then runs every unit as NO_SHARD)."""
+    size itself; an FSDP2 1-D mesh's length (protected FSDP2 shards over one 1-D mesh of all ranks); an FSDP1
+    unit's sharding strategy when either run has one rank (FSDP1 then runs every unit as NO_SHARD); and the number of
+    processes each data loader shards over (the elastic data-order policy of docs/elastic.md applies)."""
     worlds = (saved.pop("world_size", None), current.pop("world_size", None))
+    for loader in [*saved.get("dataloaders", []), *current.get("dataloaders", [])]:
+        if isinstance(loader, dict):
+            loader.pop("processes", None)
     for old, new in zip(saved.get("models", []), current.get("models", [])):
         for old_unit, new_unit in zip(old.get("fsdp", []), new.get("fsdp", [])):
             if isinstance(old_unit.get("mesh"), list) and isinstance(new_unit.get("mesh"), list) \

@@ -271,8 +271,9 @@ def _restore(path: Path, group: dict[str, Any], found: dict[str, Preflight], kwa
         if skipped and rank() == 0:
             warnings.warn(
                 f"{directory}: the data order of data loader(s) {skipped} was not restored: their generators differ "
-                "from the ones the checkpoint records (the data-loader setup changed, e.g. use_seedable_sampler). "
-                "They continue as native Accelerate would.", RuntimeWarning, stacklevel=2)
+                "from the ones the checkpoint records (the data-loader setup changed, e.g. an accepted sampler "
+                "change, or a DataLoader generator= added or removed). They continue as native Accelerate would.",
+                RuntimeWarning, stacklevel=2)
         owner.step = found[name].rng[found[name].plan.source(owner.process_index)]["step"]  # shared by every rank
         if backend(owner) == "FSDP":
             run_phase(lambda owner=owner, directory=directory: [

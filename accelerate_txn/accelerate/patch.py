@@ -37,7 +37,7 @@ from weakref import WeakSet
 
 import wrapt
 
-from ..core.ranks import agree, any_rank, distributed, run_phase, world_size
+from ..core.ranks import agree, any_rank, collective, distributed, run_phase, world_size
 from ..core.remote import is_url
 from ..errors import CheckpointConfigurationError, UnsupportedVersionError
 from . import data_order
@@ -162,7 +162,8 @@ def _agreed_reason(accelerator: Any, input_dir: Any, loading: bool, output_dir: 
     if not any_rank(reason is not None) or not distributed() or world_size() == 1:
         return reason, per_call
     gathered: list[Any] = [None] * world_size()
-    dist.all_gather_object(gathered, (reason, per_call))
+    with collective("Gathering the reasons the protected path cannot take this call"):
+        dist.all_gather_object(gathered, (reason, per_call))
     return next(((f"rank {r}: {text}", call) for r, (text, call) in enumerate(gathered) if text), (None, False))
 
 

@@ -12,8 +12,19 @@ Before the generic comparison, this module recognises the differences it can nam
 * **refused unless named in** ``configure_checkpointing(accelerator, accept_changes=[...])``: any other value of a
   ``LambdaLR`` function (warmup, number of cycles, power, ...: the schedule's shape, not its extent); a torch
   built-in scheduler's setting (:data:`BUILTIN_SETTINGS`), which ``load_state_dict`` silently restores from the
-  checkpoint so the new value would be ignored; any other training-metadata value. The refusal prints the exact
-  name to pass (:attr:`Change.name`).
+  checkpoint so the new value would be ignored; any other training-metadata value; a data loader's order setting
+  (:data:`ORDER_SETTINGS`: dataset length, batch size, ``drop_last``, shuffle, sampler and batch sampler
+  classes, ``split_batches``, ``even_batches``, ``dispatch_batches``, processes sharded over), which changes the
+  batches and what a position counted in batches means, so the resumed run would silently train on other batches
+  than the uninterrupted one. The refusal prints the exact name to pass (:attr:`Change.name`).
+* **refused, even when named**: an order setting of a *stateful* data loader (``use_stateful_dataloader``): its
+  saved iterator position is replayed on the changed loader, which can fail part way through the restore (a
+  shorter epoch) or resume at another sample.
+
+A setting a checkpoint does not record (saved before it was recorded) is unknown, not a change; so is one that
+does not apply on one side (``None``: e.g. ``even_batches`` of a one-process loader, which Accelerate does not shard).
+A change of the number of processes alone is left to the world-size check (refused, or resharded with
+``allow_reshard``).
 
 Everything else (shapes, optimizer type and groups, world size, a scheduler's class or function, metadata keys
 added or removed, ...) is left to the generic comparison and refused as before. Pure functions on JSON values;
@@ -117,7 +128,8 @@ class Change:
     ``name`` is what ``configure_checkpointing(accept_changes=[...])`` takes; ``text`` says what changed and
     ``effect`` what resuming with the change does (``explain``: also in a refusal); ``automatic`` changes need no
     name; ``schedule`` is the index of a ``LambdaLR`` whose live functions continue with a new value (its learning
-    rate is re-evaluated at the restored step, :func:`continue_live_schedules`)."""
+    rate is re-evaluated at the restored step, :func:`continue_live_schedules`); a change that is not
+    ``acceptable`` is refused whatever ``accept_changes`` names."""
 
     name: str
     text: str
@@ -125,11 +137,14 @@ class Change:
     automatic: bool = False
     schedule: int | None = None
     explain: bool = True
+    acceptable: bool = True  # False: refused even when named (``effect`` then says why)
 
     def accepted_line(self) -> str:
         return f"{self.text}: {self.effect}"
 
     def refused_line(self) -> str:
+        if not self.acceptable:
+            return f"{self.text}: {self.effect}"
         return f"{self.text}: if accepted, {self.effect}" if self.explain else self.text
 
 
@@ -263,16 +278,74 @@ def _metadata_changes(saved: Any, live: Any, path: str, changes: list[Change]) -
         saved[key] = after
 
 
-def named_changes(saved: dict[str, Any], live: dict[str, Any]) -> list[Change]:
-    """The differences between two normalised descriptors that this module can name, in descriptor order
-    (schedulers, then training metadata). Mutates both: ``saved`` is aligned to ``live`` at each named difference
-    and names recorded only live are dropped, so the generic comparison reports only what is left."""
-    changes = _scheduler_changes(saved.get("schedulers"), live.get("schedulers"))
-    _metadata_changes(saved.get("training"), live.get("training"), "", changes)
+#: The settings of a prepared data loader that decide which samples its batches hold and what a count of batches (the
+#: position a resumed script skips to) means, as the descriptor records them (``data_order.order_settings``).
+ORDER_SETTINGS = ("dataset_length", "batch_size", "drop_last", "shuffle", "sampler", "batch_sampler",
+                  "split_batches", "even_batches", "dispatch_batches", "processes")
+#: How a data loader's order setting reads in a message.
+_LOADER_LABELS = {"dataset_length": "dataset length", "batch_size": "batch size", "batch_sampler": "batch sampler",
+                  "processes": "number of processes it shards over"}
+#: What resuming with a changed order setting does (the restore itself is unchanged: ``data_order``).
+LOADER_EFFECT = ("the data order is not reproduced: the loader continues from the saved epoch and generators, but its "
+                 "batches, and the batches a resumed position (counted in batches) skips, differ from the "
+                 "uninterrupted run's")
+STATEFUL_EFFECT = ("this cannot be accepted for a stateful data loader (use_stateful_dataloader): its saved iterator "
+                   "position would be replayed on the changed loader, which can fail part way through the restore or "
+                   "resume at another sample. Resume with the saved setting, or start a new run directory")
+
+
+def _loader_value(value: Any) -> str:
+    return str(value) if isinstance(value, (bool, str)) else _show(value)
+
+
+def _loader_changes(saved: Any, live: Any, same_world: bool) -> list[Change]:
+    """The changed order settings (:data:`ORDER_SETTINGS`) of each data loader, by its index. A setting the
+    checkpoint does not record, or that is ``None`` on either side, is not a change; the number of processes is not
+    one when the world size changed (that check decides). A shuffle change is named once (not again as a sampler
+    change); a ``dispatch_batches`` change covers the loader class it implies."""
+    if not (isinstance(saved, list) and isinstance(live, list) and len(saved) == len(live)):
+        return []
+    changes: list[Change] = []
+    for index, (old, new) in enumerate(zip(saved, live)):
+        if not (isinstance(old, dict) and isinstance(new, dict)):
+            continue
+        stateful = bool(old.get("stateful")) and bool(new.get("stateful"))
+        named: set[str] = set()
+        for key in ORDER_SETTINGS:
+            if key not in old:  # recorded before this setting was: unknown, compare as before
+                new.pop(key, None)
+                continue
+            if key not in new or old[key] == new[key]:
+                continue
+            before, after = old[key], new[key]
+            old[key] = after
+            if before is None or after is None or (key == "processes" and not same_world) \
+                    or (key == "sampler" and "shuffle" in named):
+                continue
+            if key == "dispatch_batches":
+                old["class"] = new.get("class")  # DataLoaderShard <-> DataLoaderDispatcher: this very change
+            named.add(key)
+            changes.append(Change(
+                f"dataloaders[{index}].{key}",
+                f"data loader {index}'s {_LOADER_LABELS.get(key, key)} changed from {_loader_value(before)} to "
+                f"{_loader_value(after)}",
+                STATEFUL_EFFECT if stateful else LOADER_EFFECT, acceptable=not stateful))
     return changes
 
 
-_ACCEPT_NAME = re.compile(r"schedulers\[\d+\]\.[A-Za-z_][A-Za-z0-9_]*|training\..+", re.DOTALL)
+def named_changes(saved: dict[str, Any], live: dict[str, Any]) -> list[Change]:
+    """The differences between two normalised descriptors that this module can name, in descriptor order
+    (schedulers, training metadata, then data loaders). Mutates both: ``saved`` is aligned to ``live`` at each named
+    difference and names recorded only live are dropped, so the generic comparison reports only what is left."""
+    changes = _scheduler_changes(saved.get("schedulers"), live.get("schedulers"))
+    _metadata_changes(saved.get("training"), live.get("training"), "", changes)
+    changes += _loader_changes(saved.get("dataloaders"), live.get("dataloaders"),
+                               saved.get("world_size") == live.get("world_size"))
+    return changes
+
+
+_ACCEPT_NAME = re.compile(
+    r"schedulers\[\d+\]\.[A-Za-z_][A-Za-z0-9_]*|dataloaders\[\d+\]\.[A-Za-z_][A-Za-z0-9_]*|training\..+", re.DOTALL)
 
 
 def check_accept_names(value: Any) -> tuple[str, ...]:
@@ -286,7 +359,8 @@ def check_accept_names(value: Any) -> tuple[str, ...]:
     if bad:
         raise CheckpointConfigurationError(
             f"configure_checkpointing(accept_changes=...): {bad!r} are not change names. A name is "
-            '"schedulers[N].<setting>" (a learning-rate scheduler\'s value) or "training.<key>" (a metadata key), '
+            '"schedulers[N].<setting>" (a learning-rate scheduler\'s value), "dataloaders[N].<setting>" (a data '
+            'loader\'s order setting, e.g. "dataloaders[0].batch_size") or "training.<key>" (a metadata key), '
             "exactly as a refused resume prints it; see docs/configuration.md, \"What may change on resume\".")
     return tuple(dict.fromkeys(names))
 

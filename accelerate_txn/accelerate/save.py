@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
 from ..core import faults as _faults
+from ..core.carry import carry_note, carry_user_files, find_user_files, user_file_rows
 from ..core.manifest import (
     HASH,
     MANIFEST,
@@ -41,6 +43,7 @@ from ..core.manifest import (
     complete_rows,
     hash_rows,
     list_tree,
+    rank_file_pattern,
     with_metadata_cache,
     write_manifest,
     writer_rank,
@@ -60,6 +63,8 @@ from ..store.posix import (
     POSIX,
     DirectoryLock,
     StagedDirectory,
+    carry_files,
+    create_directory,
     fsync_directories,
     new_id,
     recover_replaced,
@@ -218,7 +223,9 @@ class _Reservation:
     """Rank 0's side of the transaction: the lock and the staged directory (constructed inside a phase)."""
 
     def __init__(self, path: Path, run_id: str, lock_timeout: float, overwrite: str = "replace",
-                 automatic: bool = False, protected: dict[str, Path] | None = None, cache: bool = False) -> None:
+                 automatic: bool = False, protected: dict[str, Path] | None = None, cache: bool = False,
+                 private_patterns: list[re.Pattern[str]] | None = None) -> None:
+        self.private_patterns = private_patterns or []  # registered per-rank files: the old checkpoint's, never carried
         self.cache = cache  # the local copy of a save to an object store: replaced without a warning
         self.lock = DirectoryLock(path.parent, lock_timeout)
         self.staged = StagedDirectory(path, run_id)
@@ -229,7 +236,7 @@ class _Reservation:
 
     def open(self) -> str:
         path = self.staged.final
-        path.parent.mkdir(parents=True, exist_ok=True)
+        create_directory(path.parent)  # a parent that is a file: one library error, on every rank (a rank phase)
         self.lock.acquire()
         try:
             recover_replaced(path.parent)  # a replacement killed between its two renames: the old one goes back
@@ -249,9 +256,11 @@ class _Reservation:
                         "save to a new directory (a checkpoint directory of its own, e.g. OUTPUT/checkpoint-N)."
                     )
                 self.replacing = True
+                user = find_user_files(path, private_patterns=self.private_patterns).files
                 (logger.debug if self.cache else logger.warning)(
                     "Replacing %s (%s): the new checkpoint is published atomically in its place, and the "
-                    "old one is deleted only after that", path, _what_is_replaced(path, self.staged.run_id))
+                    "old one is deleted only after that%s", path, _what_is_replaced(path, self.staged.run_id),
+                    carry_note(list(user)))
             runs = {complete_run_id(p) for _, p in numbered_checkpoints(path.parent)} - {None}
             strangers = runs - {self.staged.run_id}
             if strangers and self.overwrite == "refuse":
@@ -287,6 +296,7 @@ class _Reservation:
         # completely by chunks stored in listed files.
         check_rank_coverage(staging, rows, descriptors, rank_templates)
         check_dcp_inventory(staging, {"files": rows})
+        carried = self._carry() if self.replacing else {}
         fsync_directories(staging)
         manifest: dict[str, Any] = {
             "protocol": PROTOCOL,
@@ -306,6 +316,8 @@ class _Reservation:
         }
         if lineage:
             manifest["resharded_from"] = lineage
+        if carried:  # the user's own files carried from the checkpoint this one replaces (not checkpoint content)
+            manifest["user_files"] = user_file_rows(carried)
         write_manifest(staging, manifest, store=POSIX)
         _faults.point("save:after-manifest")
         if self.replacing:
@@ -315,9 +327,16 @@ class _Reservation:
                                        between=lambda: _faults.point("save:replace-old-aside"),
                                        committed=lambda: _faults.point("save:replace-after-swap")))
 
+    def _carry(self) -> dict[str, int]:
+        """Carry the user's files of the checkpoint being replaced into staging (``core.carry``), fsynced; returns
+        ``{name: size}`` of those carried. The old tree is not touched: it stays complete until the swap."""
+        return carry_user_files(self.staged.final, self.staged.staging, carry_files,
+                                private_patterns=self.private_patterns)
+
     def close(self) -> None:
+        """Rank 0, outside any rank phase (after the ranks agreed on the outcome): never raises."""
         try:
-            self.staged.discard()
+            self.staged.discard_quietly()
         finally:
             self.lock.release()
 
@@ -390,7 +409,9 @@ def _finish(group: Any, owners: dict[str, Any], staging: Path, templates: list[s
         try:
             on_main(lambda: [str(p) for p in prune(path.parent, run_id, local_limit, path, store=POSIX)], "Retention",
                     group)
-        except CheckpointError as exc:  # the new checkpoint is published: report, don't fail the save
+        except CheckpointError as exc:  # the new checkpoint is published: report, don't fail the save ...
+            if getattr(exc, "out_of_step", False):
+                raise  # ... unless a rank went away (or fell out of step): the job cannot go on, say so on every rank
             if rank() == 0:
                 logger.warning("Checkpoint %s is published, but retention failed: %s", published, exc)
     if rank(group) == 0:  # once per save, not once per rank
@@ -460,7 +481,9 @@ def save_training_checkpoint(
         path, run_id, checkpoint_config(primary).lock_timeout,
         "replace" if remote is not None else checkpoint_config(primary).overwrite,
         automatic=automatic and remote is None, protected=protected_directories(primary),
-        cache=remote is not None) if rank() == 0 else None, "Preparing the directory lock")
+        cache=remote is not None,
+        private_patterns=[rank_file_pattern(t.rsplit("/", 1)[-1]) for t in templates]) if rank() == 0 else None,
+        "Preparing the directory lock")
     published: str | None = None
     handle: _async.AsyncCheckpoint | None = None
     done: dict[str, str] = {}  # the synchronous tail notes its publish here (before retention)

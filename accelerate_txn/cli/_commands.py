@@ -283,6 +283,11 @@ def verify_command(checkpoint: Path | str, full: bool, dcp: bool, as_json: bool)
         out.say("  no unlisted file that a loader would read" + (
             f"; {len(extra)} unlisted {plural(len(extra), 'file')} no loader reads: {', '.join(extra[:5])}{more}"
             if extra else ""))
+    carried = report.get("user_files")
+    if carried:
+        out.say(f"  {len(carried)} user {plural(len(carried), 'file')} carried from the checkpoint it replaced, outside "
+                "the inventory (not verified): " + ", ".join(carried[:5])
+                + (f" and {len(carried) - 5} more" if len(carried) > 5 else ""))
     if report.get("trainer_required"):
         count = report["trainer_required"]
         out.say(f"  the {count} {plural(count, 'file')} a Trainer resume reads (trainer_state.json, every saving rank's "
@@ -321,8 +326,11 @@ def _inspect_lines(name: str, summary: dict[str, Any]) -> list[str]:
         functions = f" ({', '.join(scheduler['functions'])})" if scheduler["functions"] else ""
         lines.append(f"  scheduler: {scheduler['class']} on optimizer {scheduler['optimizer']}{functions}")
     for loader in summary["dataloaders"]:
+        order = "".join(f", {label} {loader[key]}" for key, label in (("batch_size", "batch size"),
+                                                                      ("dataset_length", "dataset length"))
+                        if loader.get(key) is not None)  # recorded since the order settings are (else unknown)
         lines.append(f"  dataloader: {loader.get('class')} over {loader.get('dataset')}, {loader.get('workers')} "
-                     f"workers{', stateful' if loader.get('stateful') else ''}")
+                     f"workers{', stateful' if loader.get('stateful') else ''}{order}")
     if summary["custom_objects"]:
         lines.append(f"  custom objects: {', '.join(map(str, summary['custom_objects']))}")
     if summary["scaler"]:
@@ -352,7 +360,8 @@ def inspect_command(checkpoint: Path | str, as_json: bool) -> int:
                        "steps": component_steps(manifest), "checkpoint_number": checkpoint_number(manifest),
                        "frontend": manifest.get("frontend"), "trainer": manifest.get("trainer"),
                        "components": summaries,
-                       "rank_state": manifest.get("rank_state"), "resharded_from": manifest.get("resharded_from")})
+                       "rank_state": manifest.get("rank_state"), "resharded_from": manifest.get("resharded_from"),
+                       "user_files": _user_files(manifest)})
         return 0
     versions = manifest.get("versions") if isinstance(manifest.get("versions"), dict) else {}
     out.say(f"{checkpoint} (run {manifest.get('run_id')}, protocol {manifest.get('protocol')}, integrity "
@@ -370,7 +379,22 @@ def inspect_command(checkpoint: Path | str, as_json: bool) -> int:
             out.say(line)
     for line in _rank_lines(manifest):
         out.say(line)
+    user = _user_files(manifest)
+    if user:
+        out.say(f"{len(user)} user {plural(len(user), 'file')} carried from the checkpoint this one replaced (not "
+                "checkpoint content: not hashed, not verified):")
+        for name, size in user.items():
+            out.say(f"  {name} ({out.size_text(size)})")
     return 0
+
+
+def _user_files(manifest: dict[str, Any]) -> dict[str, int]:
+    """The manifest's ``user_files`` as ``{name: size}`` (an unreadable list: none; ``verify`` reports it)."""
+    rows = manifest.get("user_files")
+    if not isinstance(rows, dict):
+        return {}
+    return {str(name): row["size"] for name, row in sorted(rows.items())
+            if isinstance(row, dict) and isinstance(row.get("size"), int)}
 
 
 def _trainer_lines(record: dict[str, Any]) -> list[str]:

@@ -7,6 +7,11 @@ only setting outside tests) a point costs one dictionary lookup.
 
 ``ACCELERATE_TXN_KILL_AT=NAME`` kills every rank that reaches ``NAME``; ``NAME@R`` only rank ``R`` (the global
 rank from ``RANK``). ``NAME#K`` kills at the ``K``-th time (1-based) the point is reached in this process.
+
+``ACCELERATE_TXN_KILL_SIGNAL`` (``SIGTERM``, ``SIGINT``, ... or a number; default ``SIGKILL``) sends another signal
+instead: what an operator, a scheduler's preemption or ``torchrun`` sends. Its effect is the process's own: the
+default ``SIGTERM`` action ends the process at once (as ``SIGKILL`` does, with another exit status), a Python handler
+(``torchrun``'s raises ``SignalException``; ``SIGINT``'s raises ``KeyboardInterrupt``) raises at that instant.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import signal
 
 KILL_ENV = "ACCELERATE_TXN_KILL_AT"
+SIGNAL_ENV = "ACCELERATE_TXN_KILL_SIGNAL"
 
 #: Every named point, in the order a save (then a restore) reaches them.
 POINTS = (
@@ -38,7 +44,8 @@ _reached: dict[str, int] = {}
 
 
 def point(name: str) -> None:
-    """Crash here (``SIGKILL``) if ``ACCELERATE_TXN_KILL_AT`` asks for ``name`` on this rank."""
+    """Crash here (``SIGKILL``, or ``ACCELERATE_TXN_KILL_SIGNAL``) if ``ACCELERATE_TXN_KILL_AT`` asks for ``name`` on
+    this rank."""
     wanted = os.environ.get(KILL_ENV)
     if not wanted:
         return
@@ -49,4 +56,15 @@ def point(name: str) -> None:
     _reached[name] = _reached.get(name, 0) + 1
     if count and int(count) != _reached[name]:
         return
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), chosen_signal())
+
+
+def chosen_signal() -> int:
+    """The signal :func:`point` sends: ``ACCELERATE_TXN_KILL_SIGNAL`` (a name such as ``SIGTERM`` or ``TERM``, or a
+    number), ``SIGKILL`` when unset."""
+    wanted = os.environ.get(SIGNAL_ENV, "").strip().upper()
+    if not wanted:
+        return int(signal.SIGKILL)
+    if wanted.isdigit():
+        return int(wanted)
+    return int(getattr(signal, wanted if wanted.startswith("SIG") else f"SIG{wanted}"))

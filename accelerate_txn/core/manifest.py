@@ -50,6 +50,8 @@ _LOADER_NAME = re.compile(
     r"|\.metadata\Z|.*\.(?:distcp|pkl|pt|pth|bin|safetensors|npy|npz|ckpt)\Z|.*\.index\.json\Z"
 )
 _DCP_PAYLOAD = re.compile(r"__(\d+)_\d+\.distcp\Z")
+#: Directories of the native FSDP layout (sharded model and optimizer state), owned whole by the checkpoint.
+LAYOUT_DIRECTORIES = re.compile(r"(?:pytorch_model_fsdp|optimizer)_\d+\Z")
 LOADER_FILE = "dataloader_states_{rank}.pt"  # per-rank stateful data-loader state (``accelerate.loader_state``)
 RNG_TEMPLATE = "random_states_{rank}.pkl"  # Accelerate writes one per rank on every save_state
 RANK_FILES = (RNG_TEMPLATE, LOADER_FILE)  # per-rank files (plus registered private states)
@@ -430,6 +432,32 @@ def loader_may_read(name: str, private_patterns: Iterable[re.Pattern[str]] = ())
     return bool(_LOADER_NAME.fullmatch(base)) or any(pattern.fullmatch(base) for pattern in private_patterns)
 
 
+def layout_owns(name: str, roots: Iterable[str] = ("",), names: Iterable[str] = (),
+                private_patterns: Iterable[re.Pattern[str]] = (), *, directory: bool = False) -> bool:
+    """Whether ``name`` (relative, POSIX; ``directory``: it names a directory) is part of a checkpoint's native
+    layout under one of its component ``roots``; ``names``: the front end's own file names at a root (the Trainer's
+    ``trainer_state.json``)."""
+    own = {MANIFEST, MANIFEST + ".tmp", *names}
+    patterns = list(private_patterns)
+    for root in roots:
+        if root:
+            if not name.startswith(root + "/"):
+                continue
+            rest = name[len(root) + 1:]
+        else:
+            rest = name
+        first, _, below = rest.partition("/")
+        if directory and not below:
+            if LAYOUT_DIRECTORIES.fullmatch(first):
+                return True
+        elif below:
+            if LAYOUT_DIRECTORIES.fullmatch(first):
+                return True
+        elif first in own or loader_may_read(first, patterns):
+            return True
+    return False
+
+
 def rank_file_pattern(template: str) -> re.Pattern[str]:
     """The file names a per-rank template such as ``training_state_{rank}.pt`` produces, for any rank."""
     return re.compile(re.escape(template).replace(re.escape("{rank}"), r"\d+"))
@@ -493,8 +521,13 @@ def check_structure(directory: Path, manifest: dict[str, Any], *,
                 "changed after the checkpoint was published)"
             )
     patterns = list(private_patterns)
+    user = user_files(manifest, where)
     extra = sorted(set(present) - set(files))
-    read = [name for name in extra if loader_may_read(name, patterns)]
+    # The user's own files a replacement carried (``core.carry``) are listed, not hashed: present or not, edited or
+    # not, they change nothing; one a loader may read is accepted only outside the native layout (where no
+    # checkpoint loader looks).
+    read = [name for name in extra if loader_may_read(name, patterns)
+            and (name not in user or _in_native_layout(name, manifest, patterns))]
     if read:
         raise CheckpointIntegrityError(
             f"{Path(directory) / read[0]} is not in the inventory of {where}, but a loader would read it "
@@ -502,8 +535,32 @@ def check_structure(directory: Path, manifest: dict[str, Any], *,
             "restore an intact copy."
         )
     check_rank_coverage(directory, files, manifest.get("components"), templates)
-    return {"files": len(files), "extra": extra, "integrity": integrity,
+    return {"files": len(files), "extra": [name for name in extra if name not in user], "integrity": integrity,
+            "user_files": sorted(user),
             "algorithm": next((a for a in HASHES if any(a in row for row in files.values())), HASH)}
+
+
+def user_files(manifest: dict[str, Any], where: Path | str = MANIFEST) -> dict[str, int]:
+    """The manifest's ``user_files`` (``{name: size}``; absent: none): the user's files a replacement carried into
+    the checkpoint, outside its inventory. A malformed entry, or one that is also in the inventory, raises."""
+    rows = manifest.get("user_files", {})
+    if not isinstance(rows, dict):
+        raise CheckpointIntegrityError(f"{where} has a malformed user_files list")
+    found: dict[str, int] = {}
+    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
+    for name, row in rows.items():
+        relative_inside(name)
+        size = row.get("size") if isinstance(row, dict) else None
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or name in files or name == MANIFEST:
+            raise CheckpointIntegrityError(f"{where} has a malformed user_files entry for {name!r}")
+        found[name] = size
+    return found
+
+
+def _in_native_layout(name: str, manifest: dict[str, Any], patterns: list[re.Pattern[str]]) -> bool:
+    components = manifest.get("components")
+    roots = ["", *(c for c in components if isinstance(c, str) and c)] if isinstance(components, dict) else [""]
+    return layout_owns(name, roots, private_patterns=patterns)
 
 
 def _rank_state_templates(manifest: dict[str, Any], where: Path) -> list[str]:

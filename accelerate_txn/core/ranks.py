@@ -10,6 +10,14 @@ in the same order. Without a process group they run locally.
   a mismatch is rank 0's value broadcast, so each disagreeing rank can explain what differs.
 * :func:`on_main` computes a value on rank 0 (as a phase) and broadcasts it.
 
+A rank that goes away (killed, or ended by a signal, at any instant) makes the next collective of the others fail
+with the backend's raw error (gloo: "Connection reset by peer"). Every collective here runs inside
+:func:`collective`, which turns that into :class:`CheckpointRankError` naming the ranks that went away, with the
+evidence (:func:`lost_ranks`): a rank that left a checkpoint call on an exception (a signal handler's, Ctrl-C) says so
+in the store first; a rank on this host whose process ended is seen in ``/proc``; with two ranks the peer whose
+connection closed is the other one. The error is final on the rank that raises it (``out_of_step``): an enclosing
+phase never exchanges again over a broken group.
+
 One helper is not a collective: :func:`arrive` checks, through the process group's key-value store, that every rank
 reached the same checkpoint call before its first collective, so a call made on some ranks only ends with an
 explained error on those ranks, in bounded time, instead of a mismatched collective.
@@ -17,11 +25,13 @@ explained error on those ranks, in bounded time, instead of a mismatched collect
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, TypeVar
 
 import torch
@@ -94,6 +104,203 @@ def _group_destroyed(context: str) -> CheckpointRankError:
     )
 
 
+# --- a rank that went away ------------------------------------------------------------------------------------
+
+PROCESSES_PREFIX = "accelerate_txn/processes"
+"""Prefix of the store keys where each rank records its process (one key per host and PID namespace)."""
+DEPARTED_KEY = "accelerate_txn/departed"
+"""The store key where a rank that leaves a collective on an exception (a signal handler's, Ctrl-C) says so."""
+LOSS_WAIT = 10.0
+"""Seconds a rank whose collective lost its connection waits (polling ``/proc``) for a suspect on its host to end: a
+rank leaving on an exception closes its connections while it exits. A bound on explaining, never on failing."""
+_LOSS_WORDS = ("closed", "reset", "broken pipe", "connection", "socket", "peer", "read error", "write error",
+               "aborted", "remote process exited", "timed out", "timeout")
+# This process: the process group it registered in, its same-host peers {rank: (pid, start time)} once read, and the
+# successful exchanges per group (equal on every rank that is in step: dates a departure notice).
+_SELF: dict[str, Any] = {"group": None, "peers": None}
+_EXCHANGES: dict[int, int] = {}
+
+
+def _host_key() -> str | None:
+    """This host and PID namespace (processes with the same key see each other in ``/proc``); None without /proc."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as stream:
+            boot = stream.read().strip()
+        namespace = os.stat("/proc/self/ns/pid")
+    except OSError:
+        return None
+    return f"{boot}-{namespace.st_dev}-{namespace.st_ino}"
+
+
+def _started(pid: int) -> str | None:
+    """Process ``pid``'s start time while it runs; None once it ended (no entry, or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stream:
+            fields = stream.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    if len(fields) < 20 or fields[0] in ("Z", "X", "x"):
+        return None
+    return fields[19]
+
+
+def _world_store() -> Any:
+    """The default process group's store, or None where this torch does not expose it publicly."""
+    try:
+        getter = getattr(dist.group.WORLD, "get_group_store", None)
+        return getter() if getter is not None else None
+    except (RuntimeError, ValueError, NotImplementedError):
+        return None
+
+
+def _register() -> None:
+    """Record this process (rank, pid, start time) under its host in the store, once per default process group. Best
+    effort: without it a lost rank is explained with less evidence, and nothing else depends on it."""
+    world = dist.group.WORLD
+    if _SELF["group"] == id(world):
+        return
+    _SELF.update(group=id(world), peers=None)
+    host, store = _host_key(), _world_store()
+    if host is None or store is None:
+        return
+    try:
+        store.append(f"{PROCESSES_PREFIX}/{host}", f"{rank()} {os.getpid()} {_started(os.getpid())};")
+    except (RuntimeError, ValueError, AttributeError, NotImplementedError):  # an old store: no registry
+        pass
+
+
+def _peers(store: Any, refresh: bool = False) -> dict[int, tuple[int, str]]:
+    """The other ranks on this host, as recorded by :func:`_register` (read once: every rank registered before the
+    first exchange completed)."""
+    if _SELF["peers"] is not None and not refresh:
+        return dict(_SELF["peers"])
+    host = _host_key()
+    if host is None or store is None:
+        return dict(_SELF["peers"] or {})
+    try:
+        text = store.get(f"{PROCESSES_PREFIX}/{host}").decode()
+    except (RuntimeError, ValueError, AttributeError, NotImplementedError):  # the store's host may be the lost rank
+        return dict(_SELF["peers"] or {})
+    peers: dict[int, tuple[int, str]] = {}
+    for entry in filter(None, text.split(";")):
+        fields = entry.split()
+        if len(fields) == 3 and fields[0].isdigit() and fields[1].isdigit() and int(fields[0]) != rank():
+            peers[int(fields[0])] = (int(fields[1]), fields[2])
+    _SELF["peers"] = peers
+    return dict(peers)
+
+
+_NO_STORE = object()  # ended_peers: use only what this process already knows
+
+
+def ended_peers(store: Any = None) -> dict[int, str]:
+    """The other ranks on this host whose process has ended, each with how it was seen (a few ``/proc`` reads; the
+    store is asked for the ranks on this host only if they were never read, and never with ``_NO_STORE``)."""
+    known = _peers(None) if store is _NO_STORE else _peers(store if store is not None else _world_store())
+    return {r: f"its process (pid {pid}, on this host) has ended" for r, (pid, start) in known.items()
+            if _started(pid) != start}
+
+
+def _note_departure(exc: BaseException, group: Any) -> None:
+    """Tell the other ranks, through the store, that this rank leaves a collective on ``exc`` (best effort: the
+    exception itself goes on)."""
+    store = _world_store()
+    if store is None:
+        return
+    try:
+        store.append(DEPARTED_KEY, f"{rank()} {_EXCHANGES.get(id(group), 0)} {_describe(exc)}"[:500].replace("\n", " ")
+                     + "\n")
+    except (RuntimeError, ValueError, AttributeError, NotImplementedError):
+        pass
+
+
+def _departures(store: Any, group: Any) -> dict[int, str]:
+    """Ranks that said they left an exchange of ``group`` at most one exchange before this rank's current one."""
+    try:
+        text = store.get(DEPARTED_KEY).decode() if store is not None and store.check([DEPARTED_KEY]) else ""
+    except (RuntimeError, ValueError, AttributeError, NotImplementedError):
+        return {}
+    now = _EXCHANGES.get(id(group), 0)
+    found: dict[int, str] = {}
+    for line in filter(None, text.split("\n")):
+        who, count, why = [*line.split(" ", 2), "", ""][:3]
+        if who.isdigit() and count.isdigit() and int(count) >= now - 1 and int(who) != rank():
+            found[int(who)] = f"it left the checkpoint call on {why}"
+    return found
+
+
+def _members(group: Any) -> list[int]:
+    """The global ranks of ``group`` (None: the default group); every rank of the default group if it is gone."""
+    try:
+        return list(dist.get_process_group_ranks(group)) if group is not None else list(range(world_size()))
+    except (RuntimeError, ValueError):  # destroyed meanwhile
+        return list(range(dist.get_world_size())) if distributed() else []
+
+
+def lost_ranks(group: Any = None, suspected: bool = True, wait: float = LOSS_WAIT) -> dict[int, str]:
+    """The ranks of ``group`` that went away, each with the evidence: a departure it recorded, or (on this host) its
+    ended process. With ``suspected`` (this rank's connection to a peer closed) and no evidence yet, a suspect on this
+    host still running is given ``wait`` seconds to end (it may be exiting)."""
+    store = _world_store()
+    members = set(_members(group))
+    found = {r: why for r, why in _departures(store, group).items() if r in members}
+    peers = _peers(store, refresh=_SELF["peers"] is None)
+    deadline = time.monotonic() + (wait if suspected else 0.0)
+    while True:
+        found.update({r: f"its process (pid {pid}, on this host) has ended" for r, (pid, start) in peers.items()
+                      if r in members and r not in found and _started(pid) != start})
+        if found or not any(r in members for r in peers) or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.05)  # a poll interval within the deadline: waiting for a process to end, not a synchronisation
+
+
+def _peer_lost(context: str, group: Any, exc: BaseException, earlier: BaseException | None) -> CheckpointRankError:
+    """The error a rank raises when a collective of phase ``context`` failed under it (see :func:`collective`)."""
+    text = _describe(exc)
+    suspected = any(word in text.lower() for word in _LOSS_WORDS)
+    found = lost_ranks(group, suspected)
+    me = rank()
+    others = [r for r in _members(group) if r != me]
+    if not found and suspected and len(others) == 1:
+        found = {others[0]: "the only other rank of the process group: its connection to this rank closed"}
+    first = f" (this rank's own step had failed first: {_describe(earlier)})" if earlier is not None else ""
+    restart = ("The process group cannot be used any more: restart the whole job (every rank) from the last complete "
+               "checkpoint. A save interrupted before its publish published nothing (rank 0 removes its staging "
+               "directory, or the next save does); a restore interrupted midway leaves the Accelerator marked failed.")
+    if found:
+        detail = "; ".join(f"rank {r}: {why}" for r, why in sorted(found.items()))
+        message = (f"{context} failed: rank(s) {sorted(found)} went away ({detail}). Rank {me} saw it as its "
+                   f"collective failed: {text}{first}. Check the log of rank(s) {sorted(found)} for the signal or "
+                   f"error that ended them. {restart}")
+    elif suspected:
+        message = (f"{context} failed: a rank went away (rank {me}'s collective lost its connection: {text}){first}; "
+                   f"which one could not be seen from this host. Check the logs of ranks {others} for the one that "
+                   f"ended. {restart}")
+    else:
+        message = (f"{context} failed: this rank's collective failed ({text}){first}; the ranks can no longer agree. "
+                   f"Check every rank's log. {restart}")
+    error = CheckpointRankError(message)
+    error.failures = dict(found) if found else {me: text}
+    error.out_of_step = True  # type: ignore[attr-defined]  # final: an enclosing phase must not exchange again
+    return error
+
+
+@contextlib.contextmanager
+def collective(context: str, group: Any = None, earlier: BaseException | None = None) -> Iterator[None]:
+    """Run a collective of phase ``context`` over ``group``: if it fails (a rank went away: gloo's "Connection reset by
+    peer"), raise :class:`CheckpointRankError` naming the ranks that went away; if this rank leaves it on another
+    exception (a signal handler's, Ctrl-C), record that in the store first, for the others' error."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except RuntimeError as exc:  # gloo/NCCL: RuntimeError, DistBackendError, DistNetworkError
+        raise _peer_lost(context, group, exc, earlier) from exc
+    except BaseException as exc:
+        _note_departure(exc, group)
+        raise
+
+
 def run_phase(function: Callable[[], T], context: str = "Checkpoint phase", group: Any = None) -> T:
     """Run ``function`` on every rank; if it raises anywhere, raise the same error on every rank.
 
@@ -126,9 +333,14 @@ def run_phase(function: Callable[[], T], context: str = "Checkpoint phase", grou
     # One fixed-size exchange: [failed, tag, -tag] with MAX. The phase tag catches ranks that are out of step (a
     # rank that failed between native collectives meeting the others in a different phase): raise at once
     # everywhere rather than exchange mismatched messages.
+    _register()
     tag = zlib.crc32(context.encode()) & 0x3FFFFFFF
     exchange = torch.tensor([0 if failure is None else 1, tag, -tag], dtype=torch.int32, device=_device(group))
-    dist.all_reduce(exchange, op=dist.ReduceOp.MAX, group=group)
+    with collective(context, group, caught):
+        dist.all_reduce(exchange, op=dist.ReduceOp.MAX, group=group)
+    _EXCHANGES[id(group)] = _EXCHANGES.get(id(group), 0) + 1
+    if _SELF["peers"] is None:  # every rank registered before this exchange completed: learn this host's ranks once
+        _peers(_world_store(), refresh=True)
     failed, high, low = (int(value) for value in exchange.tolist())
     if high != -low:
         error = CheckpointRankError(
@@ -142,7 +354,8 @@ def run_phase(function: Callable[[], T], context: str = "Checkpoint phase", grou
     if not failed:
         return result
     gathered: list[Any] = [None] * world_size(group)
-    dist.all_gather_object(gathered, failure, group=group)
+    with collective(context, group, caught):
+        dist.all_gather_object(gathered, failure, group=group)
     if isinstance(caught, _PASS_THROUGH):
         raise caught  # KeyboardInterrupt/SystemExit on this rank: the others were told above.
     if caught is not None and all(item is not None and item[2] and item[1] == failure[1] for item in gathered):
@@ -161,8 +374,9 @@ def gather_rows(rows: dict[str, dict[str, Any]], world: int, group: Any = None) 
                 "(destroy_process_group() was called during the save): nothing was published.")
         return rows
     gathered: list[Any] = [None] * world_size(group) if rank(group) == 0 else []
-    dist.gather_object((rank(), rows), gathered if rank(group) == 0 else None, dst=dist.get_global_rank(group, 0)
-                       if group is not None else 0, group=group)
+    with collective("Gathering every rank's file rows", group):
+        dist.gather_object((rank(), rows), gathered if rank(group) == 0 else None, dst=dist.get_global_rank(group, 0)
+                           if group is not None else 0, group=group)
     merged: dict[str, dict[str, Any]] = {}
     if rank(group) == 0:
         contributed = sorted(part[0] for part in gathered)
@@ -180,7 +394,8 @@ def any_rank(flag: bool, group: Any = None) -> bool:
     if not distributed():
         return flag
     value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_device(group))
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    with collective("Exchanging one flag per rank", group):
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return bool(value.item())
 
 
@@ -195,12 +410,14 @@ def agree(value: Any, what: str, group: Any = None) -> None:
     device = _device(group)
     mine = torch.frombuffer(bytearray(digest(value)), dtype=torch.uint8).to(device)
     everyone = [torch.empty(_DIGEST, dtype=torch.uint8, device=device) for _ in range(world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
+    with collective(f"Agreeing on {what}", group):
+        dist.all_gather(everyone, mine, group=group)
     if all(torch.equal(everyone[0], other) for other in everyone[1:]):
         return
     # Rare path: explain. Only rank 0's value travels, to every rank.
     holder = [value if rank(group) == 0 else None]
-    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    with collective(f"Agreeing on {what}", group):
+        dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     reference = json.loads(json.dumps(holder[0], sort_keys=True, default=str))
     local = json.loads(json.dumps(value, sort_keys=True, default=str))
 
@@ -223,7 +440,8 @@ def on_main(function: Callable[[], T], context: str = "Checkpoint phase", group:
     value = run_phase(lambda: function() if rank() == 0 else None, context, group)
     if distributed():
         holder = [value]
-        dist.broadcast_object_list(holder, src=0, group=group)
+        with collective(context, group):
+            dist.broadcast_object_list(holder, src=0, group=group)
         value = holder[0]
     return value
 
@@ -265,6 +483,7 @@ def arrive(op: str, timeout: float, store: Any, *, advice: str = "", wait_hint: 
     _ARRIVALS["calls"] += 1
     number = _ARRIVALS["calls"]
     me, world = rank(), world_size()
+    _register()  # this process on its host: a rank that ends while the others wait here is seen at once
     try:
         keys = dist.PrefixStore(ARRIVAL_PREFIX, store)
         decision_key = f"{number}/decision"
@@ -285,11 +504,26 @@ def arrive(op: str, timeout: float, store: Any, *, advice: str = "", wait_hint: 
             _ARRIVALS["clean_from"] = number
             return
     except (RuntimeError, ValueError) as exc:  # the store itself failed (its host rank died, a timeout)
+        lost = ended_peers(_NO_STORE)
+        if lost:
+            raise _lost_before(op, lost) from exc
         raise CheckpointRankError(
             f"Could not check that every rank reached {op}(): the process group's store failed "
             f"({_describe(exc)}). A rank may have died; restart the job from the last complete checkpoint."
         ) from exc
+    if decision["kind"] == "lost":
+        raise _lost_before(op, {int(r): why for r, why in decision["lost"].items()})
     raise CheckpointArrivalError(_arrival_message(decision, me, world, op, advice, wait_hint))
+
+
+def _lost_before(op: str, lost: dict[int, str]) -> CheckpointRankError:
+    error = CheckpointRankError(
+        f"{op}() could not start: rank(s) {sorted(lost)} went away ("
+        + "; ".join(f"rank {r}: {why}" for r, why in sorted(lost.items()))
+        + f"). Check the log of rank(s) {sorted(lost)} for the signal or error that ended them, and restart the whole "
+        "job (every rank) from the last complete checkpoint. Nothing was written or restored.")
+    error.failures = lost
+    return error
 
 
 def _decide(keys: Any, key: str, decision: dict[str, Any]) -> dict[str, Any]:
@@ -298,9 +532,13 @@ def _decide(keys: Any, key: str, decision: dict[str, Any]) -> dict[str, Any]:
 
 
 def _await(keys: Any, key: str, deadline: float) -> dict[str, Any] | None:
-    """The decision at ``key`` once written, or None at ``deadline``."""
+    """The decision at ``key`` once written, or None at ``deadline``; a rank on this host whose process ended while
+    this rank waits decides "lost" (it will never arrive: waiting out the timeout would only delay the error)."""
     delay = _POLL_FIRST
     while not keys.check([key]):
+        ended = ended_peers(_NO_STORE)  # /proc reads of the ranks recorded on this host: no store traffic
+        if ended:
+            return _decide(keys, key, {"kind": "lost", "lost": {str(r): why for r, why in sorted(ended.items())}})
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return None
@@ -347,7 +585,8 @@ def background_group() -> Any:
         except (ValueError, RuntimeError):
             _BACKGROUND.clear()
     if not _BACKGROUND:
-        _BACKGROUND.append(dist.new_group(backend="gloo"))
+        with collective("Creating the background process group"):
+            _BACKGROUND.append(dist.new_group(backend="gloo"))
     return _BACKGROUND[0]
 
 

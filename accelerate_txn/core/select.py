@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from ..errors import CheckpointIntegrityError, CheckpointLockedError, NoCheckpointError
 from ..store.base import Store
 from . import faults
+from .carry import find_user_files, shown
 from .manifest import MANIFEST, READABLE_PROTOCOLS, list_tree, loader_may_read, read_manifest, verify_manifest
 
 logger = logging.getLogger(__name__)
@@ -142,9 +143,22 @@ def replace_refusal(path: Path, protected: dict[str, Path] | None = None) -> str
     if numbered_checkpoints(path) or any(is_transient(path / name) for name in names):
         return "it holds checkpoints (or saves in progress) of its own: it is a run directory, not a checkpoint"
     if any(_CHECKPOINT_MARKER.fullmatch(name) for name in names):
-        return None
+        return _uncarried(path)
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return f"it holds {shown} and none of the files a save_state() writes"
+
+
+def _uncarried(path: Path) -> str | None:
+    """Why the user's files in the checkpoint directory ``path`` could not all be carried into a replacement
+    (``core.carry``: a symbolic link or another entry that is not a regular file among them), or ``None``."""
+    try:
+        blocked = find_user_files(path).blocked
+    except OSError as exc:
+        return f"it cannot be listed ({exc.strerror})"
+    if not blocked:
+        return None
+    return (f"it holds {shown(blocked)} beside the checkpoint: not a regular file (a symbolic link, or nested too "
+            "deep), which a replacement could not carry into the new checkpoint, so it would be lost")
 
 
 def refuse_transient(path: Path) -> None:

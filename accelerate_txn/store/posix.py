@@ -38,6 +38,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import stat
 import sys
 import time
@@ -173,7 +174,7 @@ def remove_tree(path: Path) -> None:
     path = Path(path)
     try:
         info = os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing there (NotADirectoryError: a parent is a file)
         return
     if not stat.S_ISDIR(info.st_mode):  # a file, or a link (to a directory or not): remove the entry itself
         os.unlink(path)
@@ -227,6 +228,42 @@ def remove_tree(path: Path) -> None:
             os.close(fd)
 
 
+def in_the_way(path: Path) -> Path | None:
+    """The first of ``path`` and its parents, from the root down, that exists and is not a directory (a file, a
+    link to one, or a dangling link: what stops ``path`` from being created), or ``None``."""
+    path = Path(path)
+    for candidate in (*reversed(path.parents), path):
+        if candidate.is_symlink() and not candidate.is_dir():
+            return candidate
+        try:
+            if not stat.S_ISDIR(os.stat(candidate).st_mode):
+                return candidate
+        except FileNotFoundError:
+            return None
+        except OSError:  # unreadable: the mkdir error says why
+            return None
+    return None
+
+
+def create_directory(path: Path) -> None:
+    """Create the directory ``path`` and its parents (if missing). Raises :class:`CheckpointConfigurationError`
+    saying what is in the way (a parent that is a file: ``ENOTDIR``/``EEXIST``) or why it cannot be created."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        blocker = in_the_way(path)
+        if blocker is not None:
+            what = "a symbolic link" if blocker.is_symlink() else "a file"
+            raise CheckpointConfigurationError(
+                f"Cannot create the output directory {path}: {blocker} is not a directory (it is {what}). Choose an "
+                f"output directory whose parents are directories, or move {blocker} away."
+            ) from None
+        raise CheckpointConfigurationError(
+            f"Cannot create the output directory {path} ({exc.strerror}): choose a writable directory."
+        ) from None
+
+
 class DirectoryLock:
     """Exclusive, crash-safe lock on one parent directory (BSD ``flock`` on ``PARENT/.accelerate-txn.lock``).
 
@@ -261,12 +298,7 @@ class DirectoryLock:
                 "platform has no fcntl module."
             )
         path = self.path
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise CheckpointConfigurationError(
-                f"Cannot create the output directory {path.parent} ({exc.strerror}): choose a writable directory."
-            ) from None
+        create_directory(path.parent)
         deadline = time.monotonic() + timeout
         poll = _FIRST_POLL
         while True:
@@ -592,6 +624,17 @@ class StagedDirectory:
         """Remove the staging directory if it still exists (never touches ``final``)."""
         remove_tree(self.staging)
 
+    def discard_quietly(self) -> None:
+        """:meth:`discard` for a ``finally`` outside any rank phase (rank 0 ending a transaction, after the ranks
+        already agreed on its outcome): a failure is logged, never raised, so that it cannot replace the error every
+        rank raised, nor fail rank 0 alone after a success. Nothing is lost: a staging directory is never loadable,
+        and the next writer under the lock removes it as a dead writer's leftover."""
+        try:
+            self.discard()
+        except OSError as exc:
+            logger.warning("Could not remove the staging directory %s (%s): the next save into %s removes it",
+                           self.staging, exc, self.final.parent)
+
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -656,6 +699,35 @@ def replace_directory(staging: Path, final: Path, txid: str, *, between: Callabl
         remove_tree(old)
     except OSError as exc:
         logger.warning("Published %s but could not remove the tree it replaced, %s: %s", final, old, exc)
+
+
+def carry_files(source: Path, target: Path, names: Iterable[str]) -> None:
+    """Put the regular files ``names`` (relative) of ``source`` into ``target`` at the same relative paths, durably:
+    each is hard-linked where the filesystem allows it (no copy; ``source`` keeps its own link, so the old tree stays
+    complete until it is deleted after the replacement commits), else copied; every carried file and every
+    directory created for one is fsynced. ``source`` is never changed. Call while holding the parent's lock, before
+    the manifest of ``target`` is written."""
+    source, target = Path(source), Path(target)
+    created: list[Path] = []
+    for name in names:
+        destination = target / name
+        for parent in reversed(destination.relative_to(target).parents[:-1]):
+            folder = target / parent
+            if not folder.is_dir():
+                folder.mkdir()
+                created.append(folder)
+        origin = source / name
+        if not stat.S_ISREG(os.lstat(origin).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (changed while the save ran)", str(origin))
+        try:
+            os.link(origin, destination, follow_symlinks=False)
+        except OSError:  # another filesystem, no hard links, or not allowed (protected_hardlinks): copy it
+            shutil.copy2(origin, destination, follow_symlinks=False)
+        fsync_path(destination)
+    for folder in reversed(created):
+        fsync_path(folder)
+    if created:
+        fsync_path(target)
 
 
 def replaced_leftovers(parent: Path, name: str | None = None) -> list[Path]:

@@ -4,7 +4,8 @@
 The same core as the Accelerate front end (``core.manifest``, ``core.select``, ``core.ranks``, ``store.posix``), over
 Trainer's own file layout (:mod:`.layout`). Every private transformers access is in :mod:`.internals`; the version
 gate in :mod:`.versions`; the wrapt patch and dispatch in :mod:`.patch`; the save transaction in :mod:`.save`; the
-resume selection and verification in :mod:`.resume`. Internal: the public API is the package root.
+resume selection and verification in :mod:`.resume`, and the safe reading, on every rank, of every file a resume
+reads in :mod:`.reads`. Internal: the public API is the package root.
 
 Layer: this package imports ``errors``, ``store``, ``core`` and, from the Accelerate front end, only
 ``accelerate.autopatch`` (the import hook that installs a patch when a module is imported, shared so that both front

@@ -8,9 +8,11 @@ runs (nothing of the model, optimizer, scheduler, RNG or Trainer state has been 
   with a logged reason, every one that is not complete (``core.select.checkpoint_candidates``: no or invalid
   manifest, missing, truncated, extra or corrupt control files, incomplete DCP metadata, a file a resume reads
   missing for some saving rank); then every rank re-hashes the files it will read (its RNG file and DCP shards; rank
-  0 the shared files) and a candidate that fails on any rank is skipped for the next older one. A manifest-less
-  (native Trainer) checkpoint is taken only when no complete one exists, with a warning, after checking the files a
-  resume reads are there. No directory at all: native Trainer's own ``ValueError``; only incomplete ones:
+  0 the shared files), then every rank reads, safely, every file its Trainer resume reads (:mod:`.reads`: its own RNG
+  file, ``scheduler.pt``, ``trainer_state.json``, ...; no arbitrary unpickling), and a candidate that fails on any
+  rank is skipped for the next older one. A manifest-less (native Trainer) checkpoint is taken only when no complete
+  one exists, with a warning, after checking the files a resume reads are there and readable on every rank. No
+  directory at all: native Trainer's own ``ValueError``; only incomplete ones:
   :class:`~accelerate_txn.errors.NoCheckpointError` listing why each was skipped.
 * an explicit path: the same checks, on every rank, without fallback: the same
   :class:`~accelerate_txn.errors.CheckpointIntegrityError` on every rank, no hang.
@@ -27,6 +29,7 @@ from ..core.ranks import on_main, rank, run_phase, world_size
 from ..core.select import check_candidate, checkpoint_candidates, numbered_checkpoints, refuse_transient
 from ..errors import CheckpointIntegrityError, NoCheckpointError
 from .layout import RANK_TEMPLATES, TrainerRules
+from .reads import check_resume_files
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +45,13 @@ def _own_hashes(path: Path, manifest: dict[str, Any] | None) -> None:
                                                  RANK_TEMPLATES) == me])
 
 
-def _verify(path: Path, rules: TrainerRules) -> str | None:
-    """Every rank: ``path`` passes the checks (rank 0 the structure, every rank its own hashes); returns the run id
-    of its manifest (``None`` for a native checkpoint). Raises the same error on every rank."""
+def _verify(trainer: Any, path: Path, rules: TrainerRules) -> str | None:
+    """Every rank: ``path`` passes the checks (rank 0 the structure, every rank its own hashes, then every rank reads
+    the files its resume reads: :mod:`.reads`); returns the run id of its manifest (``None`` for a native
+    checkpoint). Raises the same error on every rank."""
     manifest = on_main(lambda: check_candidate(path, rules), f"Checking {path}")
     run_phase(lambda: _own_hashes(path, manifest), f"Verifying the content hashes of {path}")
+    check_resume_files(trainer, path, manifest)
     if manifest is None and rank() == 0:
         logger.warning("Resuming from %s, which has no completion manifest (saved by native Trainer): its files a "
                        "resume reads are present, but its completeness cannot be proven", path)
@@ -65,7 +70,7 @@ def resolve_resume(trainer: Any, resume: Any) -> tuple[Any, str | None]:
         candidates, reasons = found
         for candidate in candidates:
             try:
-                return candidate, _verify(Path(candidate), rules)
+                return candidate, _verify(trainer, Path(candidate), rules)
             except CheckpointIntegrityError as exc:  # raised on every rank alike: every rank moves on
                 reasons.append(f"{Path(candidate).name}: {exc}")
                 if rank() == 0:
@@ -81,7 +86,7 @@ def resolve_resume(trainer: Any, resume: Any) -> tuple[Any, str | None]:
         refuse_transient(path)
 
     run_phase(exists, f"Checking {path}")
-    return str(resume), _verify(path, rules)
+    return str(resume), _verify(trainer, path, rules)
 
 
 def _listed(root: Path, rules: TrainerRules) -> tuple[list[str], list[str]] | None:

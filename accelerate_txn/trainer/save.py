@@ -37,6 +37,7 @@ from typing import Any
 from weakref import WeakKeyDictionary
 
 from ..core import faults
+from ..core.carry import carry_note, carry_user_files, find_user_files, shown, user_file_rows
 from ..core.manifest import (
     HASH,
     PROTOCOL,
@@ -54,6 +55,8 @@ from ..store.posix import (
     POSIX,
     DirectoryLock,
     StagedDirectory,
+    carry_files,
+    create_directory,
     fsync_directories,
     fsync_path,
     new_id,
@@ -67,7 +70,9 @@ from .layout import FRONTEND, RANK_TEMPLATES, TRAINER_STATE, check_files, requir
 from .versions import trainer_versions
 
 logger = logging.getLogger(__name__)
-PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR: checkpoint-N
+PREFIX = "checkpoint"
+#: The Trainer's own files at a checkpoint's top level beyond what a loader reads (``core.carry``: never carried).
+TRAINER_NAMES = (TRAINER_STATE, "checkpoint-is-incomplete.txt")  # transformers' PREFIX_CHECKPOINT_DIR: checkpoint-N
 INTEGRITY = "full"  # every file hashed (XXH3-128 costs far less than writing the file)
 LOCK_TIMEOUT = 300.0  # seconds rank 0 waits for another writer of the same output directory
 #: The run id of each Trainer: the run it resumed from or last saved (so retention prunes that run's checkpoints).
@@ -91,7 +96,7 @@ class Reservation:
     def open(self) -> str:
         """Lock, recover, clean, decide about an existing ``checkpoint-N``, create staging; returns its path."""
         parent, run_id = self.final.parent, self.staged.run_id
-        parent.mkdir(parents=True, exist_ok=True)
+        create_directory(parent)  # a parent that is a file: one library error, on every rank (a rank phase)
         self.lock.acquire()
         try:
             recover_replaced(parent)  # a replacement killed between its two renames: the old one goes back
@@ -101,9 +106,16 @@ class Reservation:
                     raise CheckpointExistsError(
                         f"Refusing to replace {self.final}: {why}, and it is no Trainer checkpoint (no "
                         f"{TRAINER_STATE}). Move it away, or set another output_dir.")
+                user = find_user_files(self.final, names=TRAINER_NAMES)
+                if user.blocked:
+                    raise CheckpointExistsError(
+                        f"Refusing to replace {self.final}: it holds {shown(user.blocked)} beside the checkpoint, "
+                        "which is not a regular file (a symbolic link, or nested too deep): the new checkpoint could "
+                        f"not carry it, and replacing the directory would lose it. Move it out of {self.final}, or set "
+                        "another output_dir.")
                 self.replacing = True
                 logger.warning("Replacing %s: the new checkpoint is published atomically in its place, the old one "
-                               "deleted only after that", self.final)
+                               "deleted only after that%s", self.final, carry_note(list(user.files)))
             runs = {complete_run_id(path) for _, path in numbered_checkpoints(parent)} - {None}
             # Under the lock no other writer is alive: leftovers of this run, or of runs that never published here,
             # are dead writers'. Another run's leftovers are reported, not touched.
@@ -123,6 +135,8 @@ class Reservation:
         record["required"] = required_files(record, set(rows))
         check_files(tree, set(rows), record, record["required"])
         check_dcp_inventory(tree, {"files": rows})
+        # The user's own files in the checkpoint-N being replaced go into the new one (outside its inventory).
+        carried = carry_user_files(self.final, tree, carry_files, names=TRAINER_NAMES) if self.replacing else {}
         fsync_directories(tree)
         manifest = {
             "protocol": PROTOCOL,
@@ -137,6 +151,8 @@ class Reservation:
             "hash": HASH,
             "files": dict(sorted(rows.items())),
         }
+        if carried:
+            manifest["user_files"] = user_file_rows(carried)
         write_manifest(tree, manifest, store=POSIX)
         faults.point("save:after-manifest")
         if self.replacing and (self.final.exists() or self.final.is_symlink()):
@@ -156,8 +172,9 @@ class Reservation:
         return str(self.final)
 
     def close(self) -> None:
+        """Rank 0, outside any rank phase (after the ranks agreed on the outcome): never raises."""
         try:
-            self.staged.discard()
+            self.staged.discard_quietly()
         finally:
             self.lock.release()
 
@@ -225,7 +242,9 @@ def protected_save(wrapped: Any, trainer: Any, args: tuple[Any, ...], kwargs: di
             try:
                 on_main(lambda: [str(p) for p in prune(run_dir, run_id, limit, final, store=POSIX, keep=keep)],
                         "Retention (save_total_limit)")
-            except CheckpointError as exc:  # the new checkpoint is published: report, don't fail the save
+            except CheckpointError as exc:  # the new checkpoint is published: report, don't fail the save ...
+                if getattr(exc, "out_of_step", False):
+                    raise  # ... unless a rank went away (or fell out of step): the job cannot go on
                 if rank() == 0:
                     logger.warning("Checkpoint %s is published, but retention failed: %s", published, exc)
         if rank() == 0:
