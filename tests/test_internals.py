@@ -493,13 +493,14 @@ def test_trainer_private_points_exist_with_the_recorded_signatures() -> None:
     series = ".".join(transformers.__version__.split(".")[:2])
     finalize = _internals.finalize_target(series).split(".", 1)[1]  # the method that ends a run (its removal)
     assert finalize in {"_finalize_training", "_inner_training_loop"}
-    assert set(_internals.points_for(series)) == {"_save_checkpoint", "_get_output_dir", finalize}
+    assert set(_internals.points_for(series)) == {"_save_checkpoint", "_get_output_dir", finalize, "_load_rng_state"}
     assert set(_internals.module_points_for(series)) == {"load_fsdp_optimizer", "load_fsdp_model"}
     assert _internals.missing_points(Trainer, series) == []
     # The check can fail: a class without the points is reported, each point by name.
     missing = _internals.missing_points(object, series)
     assert missing[:2] == ["_save_checkpoint(model, trial)", "_get_output_dir(trial)"]
-    assert len(missing) == 3 and missing[2].startswith(f"{finalize}(")
+    assert len(missing) == 4 and missing[2].startswith(f"{finalize}(") and missing[3] == "_load_rng_state(checkpoint)"
+    assert _internals.LOAD_RNG == "Trainer._load_rng_state"  # the resume's hold ends there (trainer/restore.py)
 
 
 def test_trainer_end_of_training_method_calls_get_output_dir_only_for_its_removal_listing() -> None:

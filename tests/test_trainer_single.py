@@ -116,3 +116,53 @@ def test_a_trainer_save_that_replaces_checkpoint_n_carries_the_users_own_files(t
     resumed = _trainer(run, 4)
     resumed.train(resume_from_checkpoint=str(checkpoint))  # the replaced checkpoint verifies and resumes
     assert resumed.state.global_step == 4
+
+
+def test_prune_of_the_checkpoint_a_trainer_resumes_from_keeps_it_until_trainer_has_read_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Regression (issue 34): the Trainer resume did not hold its checkpoint in use (store.posix.InUse), so a concurrent
+    # `accelerate-txn prune` (or another job's retention) deleted it after the verification, under Trainer's load.
+    import subprocess
+    import sys
+
+    from transformers import TrainerCallback
+
+    from accelerate_txn.store.posix import held_in_use, in_use_file
+    from accelerate_txn.trainer import resume as resume_module
+
+    def prune() -> dict[str, Any]:  # another process, as another job's or the user's prune is
+        done = subprocess.run([sys.executable, "-m", "accelerate_txn", "prune", str(run), "--keep", "1", "--json"],
+                              capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    reference = _trainer(tmp_path / "reference", 4)
+    reference.train()
+    run = tmp_path / "run"
+    _trainer(run, 4).train()
+    oldest, lock = run / "checkpoint-2", in_use_file(run / "checkpoint-2")
+    seen: dict[str, Any] = {}
+    real_verify = resume_module._verify
+
+    def verify(*args: Any, **kwargs: Any) -> Any:  # the pause: verified, nothing loaded yet; the prune runs meanwhile
+        verified = real_verify(*args, **kwargs)
+        seen["pruned"] = prune()["deleted"]
+        return verified
+
+    class Probe(TrainerCallback):  # after the model, optimizer, scheduler and state loaded; then after the RNG
+        def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+            seen["held after the loads"] = held_in_use(lock)
+
+        def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
+            seen.setdefault("held at the first step", held_in_use(lock))
+
+    monkeypatch.setattr(resume_module, "_verify", verify)
+    resumed = _trainer(run, 4)
+    resumed.add_callback(Probe())
+    resumed.train(resume_from_checkpoint=str(oldest))
+    assert seen["pruned"] == [] and oldest.is_dir()  # in use: kept this time
+    assert seen["held after the loads"] and not seen["held at the first step"]  # released once the RNG file was read
+    assert resumed.state.global_step == 4
+    assert all(torch.equal(value, _weights(reference)[name]) for name, value in _weights(resumed).items())
+    assert not lock.exists()
+    assert prune()["deleted"] == [str(oldest)]  # the resume is over: the next prune deletes it

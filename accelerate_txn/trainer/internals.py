@@ -14,6 +14,10 @@ The front end wraps the fewest, most stable points of ``transformers.Trainer``:
   is inline there). Its only call of ``_get_output_dir`` outside ``_save_checkpoint`` is that removal's listing: while
   it runs, :func:`redirected_output_dir` names a directory that does not exist, so the listing is empty, and the
   library removes the checkpoints itself (``save.end_of_training_removal``);
+* ``Trainer._load_rng_state(checkpoint)`` (private), the last read of a resume: Trainer loads the model, optimizer,
+  scheduler, scaler and ``trainer_state.json`` while it sets training up, then each rank's RNG file when the resumed
+  epoch starts (right away, or after the first batch past the skipped ones). The front end holds the checkpoint in
+  use until it returns (:func:`.restore.rng_loaded`);
 * ``transformers.trainer.load_fsdp_model``, the same kind of binding, which ``Trainer._load_from_checkpoint`` calls
   on an FSDP resume once the optimizer exists and before the optimizer restore: the checkpoint's optimizer state is
   checked against the live optimizer there, before the model is loaded;
@@ -42,9 +46,10 @@ from typing import Any
 #: transformers minor series -> the private points of the Trainer class, as ``{attribute: parameter names}``.
 POINTS: dict[str, dict[str, tuple[str, ...]]] = {
     "4.57": {"_save_checkpoint": ("self", "model", "trial"), "_get_output_dir": ("self", "trial"),
-             "_inner_training_loop": ("self", "batch_size", "args", "resume_from_checkpoint", "trial")},
+             "_inner_training_loop": ("self", "batch_size", "args", "resume_from_checkpoint", "trial"),
+             "_load_rng_state": ("self", "checkpoint")},
     "5.24": {"_save_checkpoint": ("self", "model", "trial"), "_get_output_dir": ("self", "trial"),
-             "_finalize_training": ("self", "trial")},
+             "_finalize_training": ("self", "trial"), "_load_rng_state": ("self", "checkpoint")},
 }
 #: transformers minor series -> the Trainer method that runs the end-of-training removal (one of its POINTS).
 FINALIZE: dict[str, str] = {"4.57": "_inner_training_loop", "5.24": "_finalize_training"}
@@ -63,6 +68,8 @@ MODULE_POINTS: dict[str, dict[str, tuple[str, ...]]] = {
 DEFAULT_SERIES = "5.24"
 SAVE_CHECKPOINT = "Trainer._save_checkpoint"
 """The wrapt path of the save point, relative to ``transformers.trainer``."""
+LOAD_RNG = "Trainer._load_rng_state"
+"""The wrapt path of a resume's last read (each rank's RNG file), relative to ``transformers.trainer``."""
 LOAD_OPTIMIZER = "load_fsdp_optimizer"
 """The wrapt path of the optimizer-restore point (a module binding), relative to ``transformers.trainer``."""
 LOAD_MODEL = "load_fsdp_model"

@@ -1,8 +1,9 @@
 """The Trainer patch (wrapt) and the dispatch decision: protected transaction or native Trainer.
 
 ``install()`` wraps ``Trainer.train`` (the resume), ``Trainer._save_checkpoint`` (the save), the method that ends a
-run (its removal of every checkpoint but the best: ``internals.FINALIZE``) and the module's ``load_fsdp_optimizer``
-binding (the optimizer restore) of ``transformers.trainer`` exactly once; ``uninstall()`` puts
+run (its removal of every checkpoint but the best: ``internals.FINALIZE``), ``Trainer._load_rng_state`` (a resume's
+last read: the checkpoint is held in use until then) and the module's ``load_fsdp_optimizer`` and ``load_fsdp_model``
+bindings (the optimizer restore) of ``transformers.trainer`` exactly once; ``uninstall()`` puts
 the originals back. The wrappers only decide and hand off to :mod:`.resume`, :mod:`.save` and :mod:`.restore` (which
 acts only inside a protected resume: :func:`.restore.resuming`).
 
@@ -29,9 +30,9 @@ from weakref import WeakSet
 import wrapt
 
 from ..core.ranks import agree
-from .internals import LOAD_MODEL, LOAD_OPTIMIZER, SAVE_CHECKPOINT, finalize_target, missing_points
+from .internals import LOAD_MODEL, LOAD_OPTIMIZER, LOAD_RNG, SAVE_CHECKPOINT, finalize_target, missing_points
 from .layout import backend
-from .restore import check_before_model_load, restore_optimizer, resuming
+from .restore import check_before_model_load, loaded, restore_optimizer, resuming, rng_loaded
 from .resume import resolve_resume
 from .save import RUN_IDS, protected_finalize, protected_save
 from .versions import transformers_series, unsupported_message, versions_ok
@@ -80,6 +81,7 @@ def _protected(trainer: Any) -> bool:
 def _save_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if instance is None or not _protected(instance):
         return wrapped(*args, **kwargs)
+    loaded(instance)  # a save comes after every load of a resume: its retention may remove what it resumed from
     return protected_save(wrapped, instance, args, kwargs)
 
 
@@ -90,11 +92,13 @@ def _train_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: d
     resume = bound.arguments.get("resume_from_checkpoint")
     if resume is None or resume is False or not _protected(instance):
         return wrapped(*args, **kwargs)
-    chosen, run_id = resolve_resume(instance, resume)
-    if run_id is not None:
-        RUN_IDS[instance] = run_id  # the resumed run's retention goes on pruning its own checkpoints
-    bound.arguments["resume_from_checkpoint"] = chosen
-    with resuming(instance):  # Trainer's optimizer restore takes the library's sharded path (``.restore``)
+    chosen, run_id, hold = resolve_resume(instance, resume)  # every rank holds the checkpoint in use from here
+    # Trainer's optimizer restore takes the library's sharded path, and the checkpoint stays held until Trainer has
+    # read all of it (``.restore``), released whatever happens.
+    with resuming(instance, hold):
+        if run_id is not None:
+            RUN_IDS[instance] = run_id  # the resumed run's retention goes on pruning its own checkpoints
+        bound.arguments["resume_from_checkpoint"] = chosen
         return wrapped(*bound.args, **bound.kwargs)
 
 
@@ -105,7 +109,7 @@ def _finalize_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs
 
 
 _WRAPPERS = {SAVE_CHECKPOINT: _save_wrapper, "Trainer.train": _train_wrapper, LOAD_OPTIMIZER: restore_optimizer,
-             LOAD_MODEL: check_before_model_load}
+             LOAD_MODEL: check_before_model_load, LOAD_RNG: rng_loaded}
 
 
 def _targets(module: Any) -> dict[str, Any]:
@@ -125,8 +129,8 @@ def _current(module: Any, target: str) -> Any:
 
 
 def install() -> None:
-    """Wrap ``Trainer.train``, ``Trainer._save_checkpoint``, the end-of-training method and
-    ``transformers.trainer.load_fsdp_optimizer`` and ``load_fsdp_model`` (idempotent)."""
+    """Wrap ``Trainer.train``, ``Trainer._save_checkpoint``, the end-of-training method, ``Trainer._load_rng_state``
+    and ``transformers.trainer.load_fsdp_optimizer`` and ``load_fsdp_model`` (idempotent)."""
     import transformers.trainer as module
 
     for target, wrapper in _targets(module).items():

@@ -20,6 +20,13 @@ optimizer (another model, other parameter groups, other trained parameters) woul
 restore after the model was loaded. :func:`check_before_model_load` wraps Trainer's ``load_fsdp_model`` binding: on a
 routed resume it first runs the optimizer restore's own checks (from the checkpoint's metadata and group entries; no
 collective inside, one agreement phase) so that such a checkpoint is refused, on every rank, before the model loads.
+
+The checkpoint a protected resume restores from is held in use (``store.posix.InUse``, taken by :mod:`.resume`
+before its verification) until Trainer has read everything from it: :func:`resuming` releases it when ``train``
+returns or raises, and earlier, once Trainer's load is over, at the first of :func:`rng_loaded` (Trainer's
+``_load_rng_state``, the last read of a resume, returned or raised) and :func:`loaded` (the first save). Every rank
+holds and releases its own. With ``auto_find_batch_size`` Trainer may run its setup, every load included, again after
+an out-of-memory error, so the hold lasts until the first save or the end of ``train``.
 """
 
 from __future__ import annotations
@@ -33,22 +40,50 @@ from typing import Any
 
 from ..core.ranks import run_phase
 from ..fsdp import fsdp1, fsdp2
+from ..store.posix import InUse
 from .internals import model_load_arguments, optimizer_load_arguments
 from .layout import backend, state_dict_type
 
 logger = logging.getLogger(__name__)
 #: The Trainer whose protected ``train(resume_from_checkpoint=...)`` runs in this context (``None``: none).
 _RESUMING: contextvars.ContextVar[Any] = contextvars.ContextVar("accelerate_txn_trainer_resuming", default=None)
+#: The hold on the checkpoint that protected resume restores from, while Trainer may still read it (``None``: none).
+_HOLD: contextvars.ContextVar[InUse | None] = contextvars.ContextVar("accelerate_txn_trainer_hold", default=None)
 
 
 @contextlib.contextmanager
-def resuming(trainer: Any) -> Iterator[None]:
-    """While inside, Trainer's optimizer restores for ``trainer`` take the library's path."""
-    token = _RESUMING.set(trainer)
+def resuming(trainer: Any, hold: InUse | None = None) -> Iterator[None]:
+    """While inside, Trainer's optimizer restores for ``trainer`` take the library's path, and ``hold`` (this rank's
+    hold on the checkpoint it resumes from) is kept until Trainer's load is over (:func:`loaded`), at the latest until
+    the block ends, however it ends."""
+    token, held = _RESUMING.set(trainer), _HOLD.set(hold)
     try:
         yield
     finally:
-        _RESUMING.reset(token)
+        try:
+            if hold is not None:
+                hold.release()
+        finally:
+            _HOLD.reset(held)
+            _RESUMING.reset(token)
+
+
+def loaded(trainer: Any) -> None:
+    """Trainer has read everything it restores from the checkpoint ``trainer`` resumes from: stop holding it in use
+    (idempotent; nothing when ``trainer`` is not resuming)."""
+    hold = _HOLD.get()
+    if hold is not None and trainer is not None and trainer is _RESUMING.get():
+        hold.release()
+
+
+def rng_loaded(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The wrapper of ``Trainer._load_rng_state``, a resume's last read: the checkpoint is released once it returns or
+    raises (not with ``auto_find_batch_size``, whose retry after an out-of-memory error loads everything again)."""
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        if instance is not None and not getattr(instance.args, "auto_find_batch_size", False):
+            loaded(instance)
 
 
 def routed_backend(trainer: Any, bound: dict[str, Any]) -> str | None:

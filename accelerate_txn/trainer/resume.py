@@ -16,6 +16,11 @@ runs (nothing of the model, optimizer, scheduler, RNG or Trainer state has been 
   :class:`~accelerate_txn.errors.NoCheckpointError` listing why each was skipped.
 * an explicit path: the same checks, on every rank, without fallback: the same
   :class:`~accelerate_txn.errors.CheckpointIntegrityError` on every rank, no hang.
+
+Every rank holds each candidate in use (``store.posix.InUse``) from before its verification; the one chosen stays
+held, returned to the caller, until Trainer has read all of it (:mod:`.restore`), so retention, ``accelerate-txn
+prune`` and another job's retention keep it meanwhile (``CheckpointLockedError``: kept for their next run). A skipped
+candidate is released at once, and every hold on any error.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from ..core.manifest import check_hashes, hashed_names, writer_rank
 from ..core.ranks import on_main, rank, run_phase, world_size
 from ..core.select import check_candidate, checkpoint_candidates, numbered_checkpoints, refuse_transient
 from ..errors import CheckpointIntegrityError, NoCheckpointError
+from ..store.posix import InUse
 from .layout import RANK_TEMPLATES, TrainerRules
 from .reads import check_resume_files
 
@@ -58,19 +64,32 @@ def _verify(trainer: Any, path: Path, rules: TrainerRules) -> str | None:
     return manifest["run_id"] if manifest is not None else None
 
 
-def resolve_resume(trainer: Any, resume: Any) -> tuple[Any, str | None]:
-    """The ``resume_from_checkpoint`` native ``train`` gets, and the run id of the checkpoint (see the module
-    docstring). ``resume`` is ``True`` or a path (``None``/``False`` never reach here)."""
+def _held_and_verified(trainer: Any, path: Path, rules: TrainerRules) -> tuple[str | None, InUse]:
+    """Every rank holds ``path`` in use, then verifies it (:func:`_verify`): its run id and this rank's hold, which
+    the caller releases; on any error the hold is released here, on every rank."""
+    hold = InUse(path)
+    try:
+        run_phase(hold.acquire, f"Holding {path} in use")
+        return _verify(trainer, path, rules), hold
+    except BaseException:
+        hold.release()
+        raise
+
+
+def resolve_resume(trainer: Any, resume: Any) -> tuple[Any, str | None, InUse | None]:
+    """The ``resume_from_checkpoint`` native ``train`` gets, the run id of the checkpoint, and this rank's hold on it
+    (``None`` when there is no checkpoint at all), which the caller releases (see the module docstring). ``resume`` is
+    ``True`` or a path (``None``/``False`` never reach here)."""
     rules = TrainerRules(world_size())
     if resume is True:
         root = Path(trainer.args.output_dir).expanduser().absolute()
         found = on_main(lambda: _listed(root, rules), f"Selecting the newest complete checkpoint in {root}")
         if found is None:
-            return True, None  # nothing at all: native Trainer raises its own ValueError, as without the library
+            return True, None, None  # nothing at all: native Trainer raises its own ValueError, as without the library
         candidates, reasons = found
         for candidate in candidates:
             try:
-                return candidate, _verify(trainer, Path(candidate), rules)
+                return (candidate, *_held_and_verified(trainer, Path(candidate), rules))
             except CheckpointIntegrityError as exc:  # raised on every rank alike: every rank moves on
                 reasons.append(f"{Path(candidate).name}: {exc}")
                 if rank() == 0:
@@ -86,7 +105,7 @@ def resolve_resume(trainer: Any, resume: Any) -> tuple[Any, str | None]:
         refuse_transient(path)
 
     run_phase(exists, f"Checking {path}")
-    return str(resume), _verify(trainer, path, rules)
+    return (str(resume), *_held_and_verified(trainer, path, rules))
 
 
 def _listed(root: Path, rules: TrainerRules) -> tuple[list[str], list[str]] | None:
