@@ -96,7 +96,20 @@ def test_every_named_point_is_killed_on_one_rank_and_on_the_whole_job() -> None:
 @pytest.mark.parametrize("link_id", [link.id for link in CHAIN])
 def test_fsdp2_kill_9_then_restart_restores_newest_complete_exactly(
         chain: tuple[Path, dict[str, Outcome | BaseException]], link_id: str) -> None:
-    outcome = _outcome(chain, link_id)
+    _check_kill_and_restart(_outcome(chain, link_id))
+
+
+def test_fsdp2_whole_job_kill_mid_flush_of_a_fresh_run_then_exact_restart(tmp_path: Path) -> None:
+    """One link of :data:`CHAIN` on its own (two launches, not thirteen): the version matrix runs this on every
+    FSDP2 row (MATRIX_FSDP2_TESTS) where the whole chain would cost a minute per row."""
+    link = Link("save:during-flush", True, [0, 1], {"fresh": True, "saves": 3, "kill_save": 3})
+    outcome = run_chain((link,), tmp_path, key=lambda link: link.id, entry=ENTRY)[link.id]
+    if isinstance(outcome, BaseException):
+        pytest.fail(f"the kill or the restart failed: {outcome}")
+    _check_kill_and_restart(outcome)
+
+
+def _check_kill_and_restart(outcome: Outcome) -> None:
     link, kill = outcome.link, outcome.kill
     # The kill happened where it was meant to: a rank died by SIGKILL at the armed point.
     assert kill.first_dead is not None and kill.returncodes[kill.first_dead] == KILLED, kill.describe()
