@@ -96,6 +96,10 @@ def test_describe_records_what_decides_each_loaders_order_and_position() -> None
         "split_batches": False, "even_batches": True, "processes": 2}
     iterable = _sharded(iterable=True, split_batches=True)
     assert (iterable["batch_size"], iterable["split_batches"], iterable["processes"]) == (4, True, 2)
+    # Several processes reading a dataset Accelerate does not shard (each rank's own shard, whose length may differ
+    # between ranks): its length is unknown, so ranks holding shards of other lengths still agree on the descriptor.
+    own = order_settings(_loader(), 2)
+    assert (own["dataset_length"], own["batch_size"], own["processes"]) == (None, 4, 2)
 
 
 CHANGES = {

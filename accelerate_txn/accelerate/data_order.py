@@ -307,8 +307,9 @@ def order_settings(loader: Any, num_processes: int) -> dict[str, Any]:
     Accelerate's per-process split), the sampler (and whether it shuffles) and batch sampler classes, Accelerate's
     ``split_batches`` / ``even_batches`` where a sharding wrapper applies them, whether batches are dispatched, and
     the number of processes the loader shards over (``num_processes``: the Accelerator's, unless a wrapper says
-    otherwise). ``None``: does not apply, or unknown. The same on every rank for a loader every rank prepared alike
-    (the descriptor is compared across ranks). Reads only; draws nothing."""
+    otherwise). ``None``: does not apply, or unknown (the dataset's length where several processes each read a
+    dataset Accelerate does not shard: theirs may differ). The same on every rank for a loader every rank prepared
+    alike (the descriptor is compared across ranks). Reads only; draws nothing."""
     from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
     from torch.utils.data import RandomSampler
 
@@ -327,8 +328,12 @@ def order_settings(loader: Any, num_processes: int) -> dict[str, Any]:
         batch_size, drop_last = getattr(batch, "batch_size", None), getattr(batch, "drop_last", None)
         shuffle = isinstance(sampler, RandomSampler) if sampler is not None else None
     split = getattr(loader if dispatched else shard, "split_batches", None)
+    # Several processes and no sharding by Accelerate (a dataset each rank sharded itself, e.g. with datasets'
+    # split_dataset_by_node): each rank's dataset is its own, possibly of another length. The descriptor is compared
+    # across ranks, so its length is not recorded (unknown), never a save refused for ranks that differ.
+    own_shards = num_processes > 1 and shard is None and not dispatched
     settings = {
-        "dataset_length": _length(user_dataset),
+        "dataset_length": None if own_shards else _length(user_dataset),
         "batch_size": batch_size if type(batch_size) is int else None,
         "drop_last": drop_last if type(drop_last) is bool else None,
         "shuffle": shuffle,
