@@ -20,6 +20,7 @@ from typing import Any
 from ..accelerate.versions import checkpoint_compatibility
 from ..core.manifest import list_tree
 from ..errors import CheckpointConfigurationError, CheckpointIntegrityError
+from .order import order_record
 
 TRAINER_STATE = "trainer_state.json"
 RNG_TEMPLATE = "rng_state_{rank}.pth"
@@ -53,7 +54,8 @@ def state_dict_type(trainer: Any) -> str | None:
 
 def training_record(trainer: Any) -> dict[str, Any]:
     """What the manifest records of the saving Trainer (``trainer`` key): the world, the backend, the global step and
-    the arguments that decide what a resume replays. Informational except ``world_size`` and ``required``."""
+    the arguments that decide what a resume replays. Informational except ``world_size``, ``required`` and
+    ``data_order`` (what decides the resumed data order and position, compared at a resume: :mod:`.order`)."""
     args = trainer.args
     return {
         "world_size": int(args.world_size),
@@ -64,6 +66,7 @@ def training_record(trainer: Any) -> dict[str, Any]:
         "arguments": {name: _plain(getattr(args, name, None)) for name in (
             "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "num_train_epochs", "seed",
             "data_seed", "learning_rate", "lr_scheduler_type", "save_steps", "save_total_limit")},
+        "data_order": order_record(trainer),
     }
 
 

@@ -17,6 +17,11 @@ runs (nothing of the model, optimizer, scheduler, RNG or Trainer state has been 
 * an explicit path: the same checks, on every rank, without fallback: the same
   :class:`~accelerate_txn.errors.CheckpointIntegrityError` on every rank, no hang.
 
+Once a checkpoint verified, every rank compares what decides the resumed data order and position (dataset length,
+batch size, gradient accumulation, ``drop_last``, sampler and its seed) with its manifest's record (:mod:`.order`):
+a change is the same :class:`~accelerate_txn.errors.CheckpointConfigurationError` on every rank, before anything
+loads (never a reason to fall back to an older checkpoint), unless ``ignore_data_skip`` accepts it.
+
 Every rank holds each candidate in use (``store.posix.InUse``) from before its verification; the one chosen stays
 held, returned to the caller, until Trainer has read all of it (:mod:`.restore`), so retention, ``accelerate-txn
 prune`` and another job's retention keep it meanwhile (``CheckpointLockedError``: kept for their next run). A skipped
@@ -35,6 +40,7 @@ from ..core.select import check_candidate, checkpoint_candidates, numbered_check
 from ..errors import CheckpointIntegrityError, NoCheckpointError
 from ..store.posix import InUse
 from .layout import RANK_TEMPLATES, TrainerRules
+from .order import check_data_order
 from .reads import check_resume_files
 
 logger = logging.getLogger(__name__)
@@ -53,11 +59,14 @@ def _own_hashes(path: Path, manifest: dict[str, Any] | None) -> None:
 
 def _verify(trainer: Any, path: Path, rules: TrainerRules) -> str | None:
     """Every rank: ``path`` passes the checks (rank 0 the structure, every rank its own hashes, then every rank reads
-    the files its resume reads: :mod:`.reads`); returns the run id of its manifest (``None`` for a native
+    the files its resume reads: :mod:`.reads`; then every rank compares what decides the data order with the
+    checkpoint's record: :mod:`.order`); returns the run id of its manifest (``None`` for a native
     checkpoint). Raises the same error on every rank."""
     manifest = on_main(lambda: check_candidate(path, rules), f"Checking {path}")
     run_phase(lambda: _own_hashes(path, manifest), f"Verifying the content hashes of {path}")
     check_resume_files(trainer, path, manifest)
+    run_phase(lambda: check_data_order(trainer, path, manifest),
+              f"Comparing what decides the data order with the one {path} was saved with")
     if manifest is None and rank() == 0:
         logger.warning("Resuming from %s, which has no completion manifest (saved by native Trainer): its files a "
                        "resume reads are present, but its completeness cannot be proven", path)
