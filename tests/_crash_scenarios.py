@@ -262,15 +262,16 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     return obs
 
 
-def main(spec_path: str) -> None:
-    """Entry point of one rank: ``python -c 'from tests._crash_scenarios import main; main(SPEC)'``."""
+def main(spec_path: str, scenario: Any = None) -> None:
+    """Entry point of one rank: ``python -c 'from tests._crash_scenarios import main; main(SPEC)'``; other scenario
+    modules pass their own ``scenario(spec)`` (default: :func:`run`)."""
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks for stacks before killing a hang
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*(_get_pg_default_device|Multiple backends are registered).*")
     spec = json.loads(Path(spec_path).read_text())
     try:
-        run(spec)
+        (scenario or run)(spec)
     finally:
         import torch.distributed as dist
 

@@ -19,12 +19,9 @@ write; the error surfaces at ``wait_for_checkpoint``).
 
 from __future__ import annotations
 
-import faulthandler
-import json
 import os
 import signal
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +32,7 @@ from accelerate_txn.core.faults import KILL_ENV, SIGNAL_ENV
 from accelerate_txn.core.manifest import MANIFEST
 from accelerate_txn.errors import CheckpointError
 from tests._crash_scenarios import directory_report, write_json
+from tests._crash_scenarios import main as crash_main
 
 
 def _rank() -> int:
@@ -126,18 +124,7 @@ def run(spec: dict[str, Any]) -> None:
 
 def main(spec_path: str) -> None:
     """Entry point of one rank: ``python -c 'from tests._peer_loss_scenarios import main; main(SPEC)'``."""
-    torch.set_num_threads(1)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks for stacks before killing a hang
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=".*(_get_pg_default_device|Multiple backends are registered).*")
-    spec = json.loads(Path(spec_path).read_text())
-    try:
-        run(spec)
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    crash_main(spec_path, run)
     # Every outcome is recorded: end without the interpreter's teardown, where gloo's worker threads can abort a
     # process that finished ("terminate called without an active exception": pytorch/pytorch#179291; see
     # accelerate_txn/testing/_worker.py).
