@@ -506,22 +506,23 @@ def arrive(op: str, timeout: float, store: Any, *, advice: str = "", wait_hint: 
     except (RuntimeError, ValueError) as exc:  # the store itself failed (its host rank died, a timeout)
         lost = ended_peers(_NO_STORE)
         if lost:
-            raise _lost_before(op, lost) from exc
+            raise _lost_before(op, lost, advice) from exc
         raise CheckpointRankError(
             f"Could not check that every rank reached {op}(): the process group's store failed "
             f"({_describe(exc)}). A rank may have died; restart the job from the last complete checkpoint."
         ) from exc
     if decision["kind"] == "lost":
-        raise _lost_before(op, {int(r): why for r, why in decision["lost"].items()})
+        raise _lost_before(op, {int(r): why for r, why in decision["lost"].items()}, advice)
     raise CheckpointArrivalError(_arrival_message(decision, me, world, op, advice, wait_hint))
 
 
-def _lost_before(op: str, lost: dict[int, str]) -> CheckpointRankError:
+def _lost_before(op: str, lost: dict[int, str], advice: str = "") -> CheckpointRankError:
     error = CheckpointRankError(
         f"{op}() could not start: rank(s) {sorted(lost)} went away ("
         + "; ".join(f"rank {r}: {why}" for r, why in sorted(lost.items()))
-        + f"). Check the log of rank(s) {sorted(lost)} for the signal or error that ended them, and restart the whole "
-        "job (every rank) from the last complete checkpoint. Nothing was written or restored.")
+        + f"). If they crashed, check the log of rank(s) {sorted(lost)} for the signal or error that ended them, and "
+        "restart the whole job (every rank) from the last complete checkpoint. If they finished normally, this call "
+        f"was made on some ranks only. {advice} Nothing was written or restored.".replace("  ", " "))
     error.failures = lost
     return error
 
