@@ -129,3 +129,36 @@ def test_prune_of_a_local_checkpoint_being_restored_keeps_it_until_the_restore_e
     again = cli("prune", root, "--keep", "1", "--json")  # the restore is over: the next prune deletes it
     assert again.code == 0 and again.json()["deleted"] == [str(root / "checkpoint_1")], again.out
     assert sorted(path.name for path in root.iterdir()) == [".accelerate-txn.lock", "checkpoint_2"]
+
+
+def test_a_replacement_never_swaps_a_directory_a_restore_in_another_process_holds(tmp_path: Path) -> None:
+    """The replace side of the class: a save replacing ``NAME`` (Accelerate, Trainer, a cached copy, an export: all
+    through ``store.posix.replace_directory``) while a restore in another process holds ``NAME`` in use would swap
+    the tree under it (the restore verified the old files and would read the new ones). It waits for the restore,
+    bounded, then refuses with nothing changed; once the restore is over it replaces, leaving no lock file."""
+    import subprocess
+    import sys
+
+    from accelerate_txn.errors import CheckpointLockedError
+    from accelerate_txn.store.posix import in_use_file, replace_directory
+
+    final, staging = tmp_path / "checkpoint_1", tmp_path / ".checkpoint_1.staging-x"
+    for directory, text in ((final, "old"), (staging, "new")):
+        directory.mkdir()
+        (directory / "payload.bin").write_text(text)
+    holder = subprocess.Popen(  # a restore in another process: holds checkpoint_1 in use until its stdin closes
+        [sys.executable, "-c", "import sys; from accelerate_txn.store.posix import InUse; "
+         f"hold = InUse({str(final)!r}); assert hold.acquire(); print('held', flush=True); sys.stdin.read(); "
+         "hold.release()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(CheckpointLockedError, match=r"holds it in use .* Nothing was replaced"):
+            replace_directory(staging, final, "x", wait=0)
+        assert (final / "payload.bin").read_text() == "old" and (staging / "payload.bin").read_text() == "new"
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        assert holder.wait(timeout=TIMEOUT) == 0
+    replace_directory(staging, final, "x", wait=0)  # the restore is over: replaced at once
+    assert (final / "payload.bin").read_text() == "new" and not staging.exists()
+    assert not in_use_file(final).exists() and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_1"]

@@ -411,6 +411,8 @@ def _same_file(fd: int, path: Path) -> bool:
 IN_USE = ".in-use"
 #: Seconds :meth:`InUse.acquire` waits while a removal or a replacement holds the directory (each is brief).
 IN_USE_WAIT = 120.0
+#: Seconds :func:`replace_directory` waits for the restores holding a directory in use to end before it refuses.
+REPLACE_WAIT = 600.0
 
 
 def in_use_file(path: Path) -> Path:
@@ -664,7 +666,7 @@ def exchange(first: Path, second: Path) -> bool:
 
 
 def replace_directory(staging: Path, final: Path, txid: str, *, between: Callable[[], None] | None = None,
-                      committed: Callable[[], None] | None = None) -> None:
+                      committed: Callable[[], None] | None = None, wait: float | None = None) -> None:
     """Replace the directory ``final`` by the complete, fsynced ``staging`` (same parent; the caller holds the
     parent's lock), then delete the old tree.
 
@@ -673,8 +675,40 @@ def replace_directory(staging: Path, final: Path, txid: str, *, between: Callabl
     ``staging`` onto ``final``; a kill between the two leaves the complete old tree aside, which
     :func:`recover_replaced` puts back. Either way the parent is fsynced before the old tree is deleted (and
     ``committed()`` runs, a crash point too): the replacement is durable first. After the commit nothing raises: a
-    failure to fsync the parent or to delete the old tree is logged (the new tree is published)."""
-    final, parent = Path(final), Path(final).parent
+    failure to fsync the parent or to delete the old tree is logged (the new tree is published).
+
+    ``final`` is replaced only while no process holds it in use (:class:`InUse`: a restore reading it, in this job or
+    another): the replacement claims it (:func:`claim`), waiting up to ``wait`` seconds (default
+    :data:`REPLACE_WAIT`) for the restores holding it to end, then raises :class:`CheckpointLockedError` with nothing
+    changed; the staged tree stays for the caller to discard. A restore never reads a tree swapped under it."""
+    final = Path(final)
+    limit = REPLACE_WAIT if wait is None else wait
+    deadline = time.monotonic() + limit
+    poll = _FIRST_POLL
+    warned = False
+    while True:
+        with claim(final) as free:
+            if free:
+                _replace_claimed(Path(staging), final, txid, between, committed)
+                return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise CheckpointLockedError(
+                f"Cannot replace {final}: a restore in another process holds it in use ({in_use_file(final)}) and "
+                f"did not finish within {limit:g} s. Nothing was replaced: {final} is unchanged. Save again when that "
+                "restore is over, or save under another name.")
+        if not warned:
+            logger.warning("Waiting up to %g s to replace %s: a restore in another process reads it", limit, final)
+            warned = True
+        time.sleep(min(poll, remaining))  # a poll inside the deadline: the holder releases when its restore ends
+        poll = min(poll * 2, _LAST_POLL)
+
+
+def _replace_claimed(staging: Path, final: Path, txid: str, between: Callable[[], None] | None,
+                     committed: Callable[[], None] | None) -> None:
+    """:func:`replace_directory`'s swap, while ``final`` is claimed (no restore holds it, none can start)."""
+    parent = final.parent
+    in_use_file(final).unlink(missing_ok=True)  # while claimed: a process opening it meanwhile sees it replaced
     if exchange(staging, final):
         old = Path(staging)
     else:
