@@ -317,6 +317,7 @@ def _publish_copy(staging: Path, final: Path, txid: str, reusable: bool) -> None
                 if final.exists() or final.is_symlink():
                     remove_tree(final)
                 staging.rename(final)
+                in_use_file(final).unlink(missing_ok=True)  # while claimed: no lock file left beside an unused copy
                 return
         if reusable and _holds(final, txid):  # in use, the same checkpoint: never replaced while anyone holds it
             remove_tree(staging)
