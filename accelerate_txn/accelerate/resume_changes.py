@@ -220,13 +220,18 @@ def _schedule_change(index: int, subject: str, name: str, pairs: list[tuple[Any,
                   "the restored scheduler continues with the new value", schedule=index)
 
 
-def _scheduler_changes(saved: list[Any], live: list[Any]) -> list[Change]:
+def _entry_pairs(saved: Any, live: Any) -> list[tuple[int, dict[str, Any], dict[str, Any]]]:
+    """``(index, saved entry, live entry)`` of two descriptor lists of the same length, where both are mappings (lists
+    of other lengths are another check's: nothing here)."""
     if not (isinstance(saved, list) and isinstance(live, list) and len(saved) == len(live)):
         return []
+    return [(index, old, new) for index, (old, new) in enumerate(zip(saved, live))
+            if isinstance(old, dict) and isinstance(new, dict)]
+
+
+def _scheduler_changes(saved: list[Any], live: list[Any]) -> list[Change]:
     changes: list[Change] = []
-    for index, (old, new) in enumerate(zip(saved, live)):
-        if not (isinstance(old, dict) and isinstance(new, dict)):
-            continue
+    for index, old, new in _entry_pairs(saved, live):
         if "settings" not in old:
             new.pop("settings", None)  # recorded before settings were: compare as before
         if old.get("class") != new.get("class") or old.get("optimizer") != new.get("optimizer"):
@@ -303,12 +308,8 @@ def _loader_changes(saved: Any, live: Any, same_world: bool) -> list[Change]:
     checkpoint does not record, or that is ``None`` on either side, is not a change; the number of processes is not
     one when the world size changed (that check decides). A shuffle change is named once (not again as a sampler
     change); a ``dispatch_batches`` change covers the loader class it implies."""
-    if not (isinstance(saved, list) and isinstance(live, list) and len(saved) == len(live)):
-        return []
     changes: list[Change] = []
-    for index, (old, new) in enumerate(zip(saved, live)):
-        if not (isinstance(old, dict) and isinstance(new, dict)):
-            continue
+    for index, old, new in _entry_pairs(saved, live):
         stateful = bool(old.get("stateful")) and bool(new.get("stateful"))
         named: set[str] = set()
         for key in ORDER_SETTINGS:
