@@ -229,17 +229,20 @@ def load_pausing(url: str, cache: str, pause: str, ready: str, go: str) -> dict[
         Path(ready).write_text("")
         _wait_for(Path(go), "the other job's restore")
 
+    def stop_after(module: Any, name: str) -> None:  # module.name stops once it has returned
+        real = getattr(module, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            value = real(*args, **kwargs)
+            stop()
+            return value
+
+        setattr(module, name, wrapper)
+
     if pause == "verified":  # a local checkpoint: every check passed, nothing restored yet
         from accelerate_txn.accelerate import load
 
-        real_verify = load._verify
-
-        def verify(*args: Any, **kwargs: Any) -> Any:
-            verified = real_verify(*args, **kwargs)
-            stop()
-            return verified
-
-        load._verify = verify  # type: ignore[assignment]
+        stop_after(load, "_verify")
     elif pause == "download":
         real_point = faults.point
 
@@ -250,14 +253,7 @@ def load_pausing(url: str, cache: str, pause: str, ready: str, go: str) -> dict[
 
         faults.point = point  # type: ignore[assignment]
     else:
-        real_fetch = remote.fetch
-
-        def fetch(*args: Any, **kwargs: Any) -> Any:
-            fetched = real_fetch(*args, **kwargs)
-            stop()
-            return fetched
-
-        remote.fetch = fetch  # type: ignore[assignment]
+        stop_after(remote, "fetch")
     acc, model, opt, _sched = _build_for(1, 7)
     configure_checkpointing(acc, cache_dir=cache)
     error = _error(lambda: acc.load_state(url))

@@ -50,23 +50,8 @@ def test_another_jobs_cache_clean_up_never_removes_a_copy_or_a_download_in_use(
     cache = tmp_path / "shared-cache"
     ready, go = tmp_path / "b-ready", tmp_path / "b-go"
     results: dict[str, Any] = {}
-
-    def job_b() -> None:
-        try:
-            [results["b"]] = launch("tests._remote_scenarios:load_pausing", 1,
-                                    args=(f"{parent}/checkpoint_2", str(cache), pause, str(ready), str(go)),
-                                    timeout=TIMEOUT)
-        except BaseException as exc:  # reported by the assertions below
-            results["b"] = exc
-
-    b = threading.Thread(target=job_b)
-    b.start()
+    b = _paused_load(results, "b", f"{parent}/checkpoint_2", cache, pause, ready, go)
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while not ready.exists() and "b" not in results:  # B reached its pause (or failed before it)
-            assert time.monotonic() < deadline, "job B never reached its pause"
-            time.sleep(0.05)
-        assert "b" not in results, results
         name = "checkpoint_2"
         held = [path.name for path in cache.rglob("*") if path.is_dir() and name in path.name]
         assert held, "job B holds nothing in the cache at its pause"
@@ -91,6 +76,34 @@ def test_another_jobs_cache_clean_up_never_removes_a_copy_or_a_download_in_use(
     assert copies == (["checkpoint_2"] if pause == "download" else ["checkpoint_1", "checkpoint_2"]), copies
 
 
+def _paused_load(results: dict[str, Any], key: str, url: str, cache: Path, pause: str, ready: Path,
+                 go: Path) -> threading.Thread:
+    """A one-rank job restoring ``url`` (tests._remote_scenarios.load_pausing) in a thread, returned once it stopped
+    at ``pause`` (it created ``ready``; it goes on when ``go`` exists); its result, or what it raised, lands in
+    ``results[key]``."""
+
+    def job() -> None:
+        try:
+            [results[key]] = launch("tests._remote_scenarios:load_pausing", 1,
+                                    args=(url, str(cache), pause, str(ready), str(go)), timeout=TIMEOUT)
+        except BaseException as exc:  # reported by the caller's assertions
+            results[key] = exc
+
+    thread = threading.Thread(target=job)
+    thread.start()
+    deadline = time.monotonic() + TIMEOUT
+    while not ready.exists() and key not in results:  # it reached its pause (or failed before it)
+        if time.monotonic() > deadline:
+            go.write_text("")
+            raise AssertionError(f"the restore of {url} never reached its pause ({pause})")
+        time.sleep(0.05)
+    if key in results:
+        go.write_text("")
+        thread.join(TIMEOUT)
+        raise AssertionError(f"the restore of {url} ended before its pause: {results[key]}")
+    return thread
+
+
 def test_prune_of_a_local_checkpoint_being_restored_keeps_it_until_the_restore_ends(
         tmp_path: Path, cli: Any) -> None:
     """The posix side of the same class: ``accelerate-txn prune`` (retention, under the writers' lock) ran while a
@@ -100,23 +113,8 @@ def test_prune_of_a_local_checkpoint_being_restored_keeps_it_until_the_restore_e
                       timeout=TIMEOUT)
     ready, go = tmp_path / "ready", tmp_path / "go"
     results: dict[str, Any] = {}
-
-    def restore() -> None:
-        try:
-            [results["load"]] = launch("tests._remote_scenarios:load_pausing", 1,
-                                       args=(str(root / "checkpoint_1"), str(tmp_path / "unused"), "verified",
-                                             str(ready), str(go)), timeout=TIMEOUT)
-        except BaseException as exc:  # reported by the assertions below
-            results["load"] = exc
-
-    loader = threading.Thread(target=restore)
-    loader.start()
+    loader = _paused_load(results, "load", str(root / "checkpoint_1"), tmp_path / "unused", "verified", ready, go)
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while not ready.exists() and "load" not in results:
-            assert time.monotonic() < deadline, "the restore never reached its pause"
-            time.sleep(0.05)
-        assert "load" not in results, results
         pruned = cli("prune", root, "--keep", "1", "--json")
         assert pruned.code == 0, pruned.err
         assert pruned.json()["deleted"] == [] and (root / "checkpoint_1").is_dir()  # in use: kept this time
