@@ -15,9 +15,11 @@ RNG states, the loss of every step it trained and what it observed about its sav
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -158,5 +160,19 @@ def main() -> None:
         dist.destroy_process_group()
 
 
+def end_without_teardown(finished: list[bool]) -> None:
+    """The last ``atexit`` handler: once ``main`` finished (result written, process group destroyed, every other exit
+    handler run), end without the interpreter's teardown, where PyTorch's gloo worker threads can abort a process that
+    finished ("terminate called without an active exception", SIGABRT, at random: pytorch/pytorch#179291). A run
+    that raised ends as usual."""
+    if finished:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 if __name__ == "__main__":
+    finished: list[bool] = []
+    atexit.register(end_without_teardown, finished)  # first registered, so it runs after every other handler
     main()
+    finished.append(True)

@@ -23,6 +23,7 @@ Observations go to ``<obs>/rank<R>.json``; the pytest side asserts on them.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import os
@@ -270,6 +271,8 @@ def main(spec_path: str, scenario: Any = None) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*(_get_pg_default_device|Multiple backends are registered).*")
     spec = json.loads(Path(spec_path).read_text())
+    finished: list[bool] = []
+    atexit.register(_end_without_teardown, finished)  # before the scenario's: runs after every handler it registers
     try:
         (scenario or run)(spec)
     finally:
@@ -277,4 +280,15 @@ def main(spec_path: str, scenario: Any = None) -> None:
 
         if dist.is_initialized():
             dist.destroy_process_group()
-    sys.stdout.flush()
+    finished.append(True)
+
+
+def _end_without_teardown(finished: list[bool]) -> None:
+    """The last ``atexit`` handler of a rank: once the scenario finished (every outcome recorded, the exit hooks and
+    the other handlers run), end without the interpreter's teardown, where gloo's worker threads can abort a process
+    that finished ("terminate called without an active exception", SIGABRT: pytorch/pytorch#179291; see
+    accelerate_txn/testing/_worker.py). A scenario that raised ends as usual."""
+    if finished:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -124,10 +123,4 @@ def run(spec: dict[str, Any]) -> None:
 
 def main(spec_path: str) -> None:
     """Entry point of one rank: ``python -c 'from tests._peer_loss_scenarios import main; main(SPEC)'``."""
-    crash_main(spec_path, run)
-    # Every outcome is recorded: end without the interpreter's teardown, where gloo's worker threads can abort a
-    # process that finished ("terminate called without an active exception": pytorch/pytorch#179291; see
-    # accelerate_txn/testing/_worker.py).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    crash_main(spec_path, run)  # ends the process without the interpreter's teardown
