@@ -12,7 +12,7 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt torch==2.13.0
-	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt -e '.[test]'
+	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt -e '.[test,clients]'
 	touch $@
 
 ## The whole suite (unit + real 2-process gloo tests).
