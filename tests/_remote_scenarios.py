@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from accelerate_txn import configure_checkpointing, wait_for_checkpoint
+from accelerate_txn import configure_checkpointing, load_training_checkpoint, wait_for_checkpoint
 from accelerate_txn.testing import TinyModel, fsdp_accelerator
 from tests._scenarios import _build, _error, _local_state, _same, _train, warmup_lambda
 
@@ -27,16 +27,20 @@ def _objects(url: str) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def _logged(name: str) -> Iterator[list[str]]:
-    """The messages logged by ``name`` (WARNING and above) while the block runs."""
+def _logged(name: str, level: int = logging.WARNING) -> Iterator[list[str]]:
+    """The messages logged by ``name`` (``level`` and above) while the block runs."""
     lines: list[str] = []
-    handler = logging.Handler(logging.WARNING)
+    handler = logging.Handler(level)
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger(name).addHandler(handler)
+    logger = logging.getLogger(name)
+    previous = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(min(level, logger.getEffectiveLevel()))
     try:
         yield lines
     finally:
-        logging.getLogger(name).removeHandler(handler)
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
 
 
 def _build_for(fsdp_version: int, seed: int, **kwargs: Any) -> tuple:
@@ -85,6 +89,11 @@ def roundtrip(parent: str, cache: str, fsdp_version: int) -> dict[str, Any]:
         obs[f"{label}_rng"] = torch.equal(torch.rand(3), expected_rng)
         obs[f"{label}_lr"] = sched2.get_last_lr() == expected_lr
         obs[f"{label}_copies"] = sorted(p.name for p in Path(cache_dir).rglob("checkpoint_*") if p.is_dir())
+
+    # The explicit API returns the verified local copy it restored from; the log line names the URL and that copy.
+    with _logged("accelerate_txn.accelerate.load", logging.INFO) as lines:
+        obs["explicit_returned"] = str(load_training_checkpoint(acc2, url))
+    obs["explicit_lines"] = [line for line in lines if line.startswith("Resumed from")]
 
     # A second save of the same name replaces it as a whole: one manifest, one transaction's objects.
     _train(acc, model, opt, sched, 1, seed=2)

@@ -5,6 +5,7 @@ objects refused before anything is restored, the mirror tier, and kill -9 during
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,6 +44,17 @@ def test_save_to_a_url_commits_one_transaction_and_resumes_exactly(roundtrip: li
         # Only the damaged cached copy was downloaded again (rank 0 logs it); the others were used as they were.
         assert [obs[f"{label}_downloaded_again"] for label in ("fresh", "again", "damaged")] == (
             [False, False, obs["rank"] == 0])
+
+
+def test_the_explicit_api_returns_the_verified_local_copy_and_the_log_names_the_url(
+        roundtrip: list[dict[str, Any]]) -> None:
+    for obs in roundtrip:
+        returned = Path(obs["explicit_returned"])
+        assert returned.name == "checkpoint_1" and returned.is_absolute() and "://" not in str(returned)
+    (line,) = roundtrip[0]["explicit_lines"]  # rank 0 logs it
+    assert line.startswith(f"Resumed from checkpoint s3://{BUCKET}/roundtrip-"), line
+    assert f"/checkpoint_1, restored from its verified local copy {roundtrip[0]['explicit_returned']} (" in line
+    assert roundtrip[1]["explicit_lines"] == []
 
 
 def test_resaving_a_name_replaces_it_as_a_whole(roundtrip: list[dict[str, Any]]) -> None:

@@ -302,7 +302,8 @@ def load_training_checkpoint(owners: Any, input_dir: str | Path | None = None, *
     Collective: every rank calls it. With automatic naming and no ``input_dir`` the newest complete checkpoint
     is selected. On a verification failure every rank raises the same error and nothing changed; on a failure
     during the restore itself every rank raises and the Accelerators are marked failed until a load succeeds.
-    Returns the restored checkpoint's path.
+    Returns the restored checkpoint's path; for an object-store checkpoint (``s3://...``), the path of the verified
+    local copy the restore read (its name is the checkpoint's; the log line names the URL and the copy).
     """
     check_arrival(owners, "load_training_checkpoint")  # no collective yet: a call on some ranks only is explained
     # Everything that can differ between ranks (environment, configuration, arguments) is read inside a rank phase.
@@ -396,8 +397,12 @@ def _after_restore(primary: Any, group: dict[str, Any], found: dict[str, Preflig
     if rank() == 0:  # the restored optimizers' own step counts (``save.optimizer_steps``), as the next save records
         from .save import progress_record, progress_text
 
-        logger.info("Resumed from checkpoint %s (%s)", candidate if is_url(candidate) else path,
-                    progress_text(progress_record(path, group), {name: o.step for name, o in group.items()}))
+        progress = progress_text(progress_record(path, group), {name: o.step for name, o in group.items()})
+        if is_url(candidate):  # the return value is the verified local copy the restore read: the line names both
+            logger.info("Resumed from checkpoint %s, restored from its verified local copy %s (%s)", candidate, path,
+                        progress)
+        else:
+            logger.info("Resumed from checkpoint %s (%s)", path, progress)
     return path
 
 

@@ -385,6 +385,17 @@ def parameter_layout(model: Any, optimizer: torch.optim.Optimizer) -> tuple[list
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     names = param_to_fqns(model)
+    strangers = sum(parameter not in names for group in optimizer.param_groups for parameter in group["params"])
+    if strangers:
+        raise CheckpointConfigurationError(
+            f"{strangers} parameters of the optimizer are not parameters of the FSDP1 model {type(model).__name__}: "
+            "FSDP1 replaced the model's parameters when it wrapped the model (use_orig_params=False), so the "
+            "optimizer updates parameters the model no longer uses, and neither this save nor a native one can map "
+            "its state. Pass use_orig_params=True (FullyShardedDataParallelPlugin(use_orig_params=True), "
+            "fsdp_use_orig_params: true in the accelerate config, accelerate launch's default) to prepare the model "
+            "and optimizer in one accelerator.prepare(model, optimizer) call, or prepare the model first and build "
+            "the optimizer on its prepared parameters."
+        )
     groups = [[name for parameter in group["params"] for name in names[parameter]] for group in optimizer.param_groups]
     shapes: dict[str, Any] = {}
     for parameter, fqns in names.items():

@@ -308,6 +308,19 @@ class ScriptJob:
             log.close()
 
 
+def fsdp_environment(settings: dict[str, Any]) -> dict[str, str]:
+    """The variables ``accelerate launch --use_fsdp`` sets that a ``FullyShardedDataParallelPlugin`` the script builds
+    reads for the fields it leaves out: ``FSDP_VERSION`` and ``FSDP_STATE_DICT_TYPE`` when the launcher is given
+    them, and ``FSDP_USE_ORIG_PARAMS=true`` (``accelerate launch``'s default), so that one script runs under
+    ``--fsdp-version 1`` and ``2`` as it runs under ``accelerate launch`` with either version."""
+    environment = {"FSDP_USE_ORIG_PARAMS": os.environ.get("FSDP_USE_ORIG_PARAMS", "true")}
+    if settings.get("fsdp_version") is not None:
+        environment["FSDP_VERSION"] = str(settings["fsdp_version"])
+    if settings.get("state_dict_type") is not None:
+        environment["FSDP_STATE_DICT_TYPE"] = str(settings["state_dict_type"])
+    return environment
+
+
 def start_script(
     script: str | os.PathLike[str],
     args: list[str] | tuple[str, ...] = (),
@@ -331,7 +344,8 @@ def start_script(
 
     Each worker gets torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
     ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``), ``OMP_NUM_THREADS=1`` and ``PYTHONUNBUFFERED=1`` unless set,
-    ``CUDA_VISIBLE_DEVICES=""`` (a CPU job; ``env`` may override it), then ``env``. It runs the script as ``__main__``
+    ``CUDA_VISIBLE_DEVICES=""`` (a CPU job; ``env`` may override it), the FSDP variables ``accelerate launch
+    --use_fsdp`` gives (:func:`fsdp_environment`), then ``env``. It runs the script as ``__main__``
     exactly as ``python script ARGS`` would (``sys.argv``, the script's directory first on ``sys.path``), with
     Accelerate imported first and every ``Accelerator`` the script constructs put on FSDP on CPU: ``cpu=True``,
     then the FSDP plugin (``sync_module_states`` and ``cpu_ram_efficient_loading`` off), as
@@ -376,6 +390,7 @@ def start_script(
     worker_env.setdefault("OMP_NUM_THREADS", "1")
     worker_env.setdefault("PYTHONUNBUFFERED", "1")  # lines arrive when printed: the echo and kill_on_output need it
     worker_env["CUDA_VISIBLE_DEVICES"] = ""
+    worker_env.update(fsdp_environment(settings))
     worker_env.update(env or {})
     command = [sys.executable, str(WORKER), json.dumps(settings), *(["-m"] if module else []), target,
                *[os.fspath(arg) for arg in args]]
