@@ -234,3 +234,20 @@ def test_the_training_loop_script_resumes_after_a_kill(tmp_path: Path) -> None:
     ran = run_script("train.py", fsdp_version=1, timeout=TIMEOUT, cwd=fsdp1, env={"PYTHONPATH": str(ROOT)})
     assert ran.returncode == 0, "\n".join(ran.output)
     assert (fsdp1 / "runs/exp1/checkpoints/checkpoint_2/checkpoint_manifest.json").is_file()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_the_quickstart_script_on_fsdp1_without_original_parameters_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    """FSDP1 with ``use_orig_params=False`` replaces the parameters the optimizer holds when model and optimizer are
+    prepared together: the optimizer then updates nothing, and a save cannot map its state (native Accelerate fails
+    with a bare ``KeyError``). The save is refused on every rank with the library's error, naming the fix."""
+    (tmp_path / "train.py").write_text(script("docs/quickstart.md", "train.py"))
+    result = run_script("train.py", fsdp_version=1, timeout=TIMEOUT, cwd=tmp_path,
+                        env={"PYTHONPATH": str(ROOT), "FSDP_USE_ORIG_PARAMS": "false"})
+    assert result.returncode != 0
+    for output in result.output:
+        assert "CheckpointConfigurationError: Checkpoint preflight failed on rank(s) [0, 1]" in output, output
+        assert "are not parameters of the FSDP1 model" in output and "use_orig_params=True" in output, output
+        assert "KeyError" not in output, output
+    assert not (tmp_path / "runs/exp1/checkpoints/checkpoint_0").exists()
