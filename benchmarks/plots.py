@@ -9,7 +9,7 @@ Each JSON file given is recognised by its contents and named after its file stem
 * ``bench_async.py --json``: ``S.png``, the asynchronous save's blocking time and time to publication in
   multiples of a native synchronous save (targets: at most 0.15x and 1.15x), by default and with reused staging
   memory, and the training step time during the background write in multiples of an idle step (target: at most
-  1.10x).
+  1.10x): three panels stacked, as wide as the docs page (``PAGE_WIDTH_PX``), so the text is shown at its size.
 
 The x axis is the model size in million parameters (``parameters`` of rank 0, global).
 
@@ -36,6 +36,10 @@ MEMORY_TARGET = (1.25, "target: protected restore at most 1.25x the shard")
 ASYNC_TARGETS = {"blocking": (0.15, "target: blocking at most 0.15x native"),
                  "total": (1.15, "target: publication at most 1.15x native"),
                  "step": (1.10, "target: step at most 1.10x idle")}
+#: Resolution of the PNGs, and the width (pixels) of the docs page's content column, at which a figure is shown
+#: unscaled: a wider figure is shrunk to it, and its text with it.
+DPI = 100
+PAGE_WIDTH_PX = 720
 FONT = {"font.size": 11, "axes.titlesize": 12, "axes.labelsize": 11, "xtick.labelsize": 11, "ytick.labelsize": 10,
         "legend.fontsize": 10, "figure.titlesize": 13}
 _TARGET_STYLE = {"color": "#c0392b", "linestyle": "--", "linewidth": 1.6}
@@ -164,7 +168,9 @@ def async_figure(rows: list[dict[str, Any]]) -> Figure:
     sizes = _sizes(rows)
     ranks = [row["ranks"][0] for row in rows]
     with plt.rc_context(FONT):
-        figure, axes = plt.subplots(1, 3, figsize=(14, 5.8), layout="constrained")
+        # Stacked, one column as wide as the docs page shows it (PAGE_WIDTH_PX): side by side, the three panels
+        # were shrunk to about half size there and their text was about 6 px tall.
+        figure, axes = plt.subplots(3, 1, figsize=(PAGE_WIDTH_PX / DPI, 14), layout="constrained")
         for axis, quantity, title in zip(axes[:2], ("blocking", "total"),
                                          ("blocking (until save_state returns)", "until published")):
             series = [("async save", [rank["ratios"][quantity] for rank in ranks]),
@@ -186,7 +192,7 @@ def async_figure(rows: list[dict[str, Any]]) -> Figure:
         _target(axis, value, label)
         axis.set_title("training during the write")
         _legend(axis)
-        figure.suptitle(f"Asynchronous save vs native synchronous save_state ({_setup(rows)}, gloo, CPU)")
+        figure.suptitle(f"Asynchronous save vs native synchronous save_state\n({_setup(rows)}, gloo, CPU)")
     return figure
 
 
@@ -211,7 +217,7 @@ def plot(results: list[Path], out: Path) -> list[Path]:
         for path in results:
             for name, figure in figures(path).items():
                 written.append(out / name)
-                figure.savefig(written[-1], dpi=100)
+                figure.savefig(written[-1], dpi=DPI)
                 plt.close(figure)
     return written
 

@@ -194,10 +194,12 @@ def test_list_refuses_what_is_not_a_run_directory(cli: Any, run_dir: Path, tmp_p
     checkpoint = cli("list", run_dir / "checkpoint_1")
     assert checkpoint.code == 2 and "is a checkpoint, not a run directory" in checkpoint.err and "verify" in checkpoint.err
     assert cli("list", run_dir / "checkpoint_1" / MANIFEST).code == 2
+    # Nothing there: exit 1 ("none found", as latest), the message on stderr, --json still prints the empty listing.
     empty = cli("list", tmp_path)
-    assert empty.code == 0 and "no checkpoints" in empty.out
-    assert cli("list", tmp_path, "--json").json() == {"directory": str(tmp_path), "trainer": False, "would_load": None,
-                                                      "checkpoints": []}
+    assert empty.code == 1 and f"{tmp_path}: no checkpoints" in empty.err and empty.out == ""
+    empty_json = cli("list", tmp_path, "--json")
+    assert empty_json.code == 1 and "no checkpoints" in empty_json.err
+    assert empty_json.json() == {"directory": str(tmp_path), "trainer": False, "would_load": None, "checkpoints": []}
 
 
 # --------------------------------------------------------------------------------------------- verify
@@ -210,7 +212,13 @@ def test_verify_reports_what_it_checked_and_the_real_accelerator_step(cli: Any, 
     assert text.code == 0 and f"{path}: valid (run {manifest['run_id']}" in text.out
     assert f"{len(manifest['files'])} files present with their recorded sizes" in text.out
     assert "not checked:" in text.out and "load_state() compares it" in text.out
+    # No payload over 16 MiB: --full adds nothing here, and both reports say so and why (they printed the same).
+    assert ("--full would add nothing here: it re-hashes the large payloads (.distcp, .safetensors, .bin over 16 MiB) "
+            "that a quick verification checks by size only, and it has none") in text.out
+    full = cli("verify", path, "--full")
+    assert full.code == 0 and "--full added nothing here" in full.out and "it has none, so every file" in full.out
     data = cli("verify", path, "--full", "--json").json()
+    assert data["full_effect"].startswith("--full added nothing here")
     assert data["valid"] is True and data["error"] is None and data["run_id"] == manifest["run_id"]
     assert data["components"] == [{"component": "", "directory": ".", "accelerator_step": 8,
                                    "optimizer_steps": [None]}]  # not {"": 0}
@@ -227,6 +235,9 @@ def test_verify_quick_does_not_claim_to_have_hashed_a_large_payload_and_full_doe
     data = cli("verify", path, "--json").json()
     assert data["valid"] and data["checked"]["size_only"] == 1
     assert any("large payload" in note and "--full" in note for note in data["not_checked"])
+    assert data["full_effect"] is None  # the note above says what --full would re-hash
+    intact = cli("verify", path, "--full")
+    assert intact.code == 0 and "--full re-hashed 1 large payload (over 16 MiB)" in intact.out
     with weights.open("r+b") as stream:  # same size, one byte changed in the middle of the tensor data
         stream.seek(weights.stat().st_size // 2)
         byte = stream.read(1)

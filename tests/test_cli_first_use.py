@@ -143,7 +143,7 @@ def test_a_real_run_directory_and_checkpoint_behave_as_before(cli: Any, project:
     assert verify.code == 2 and "is a run directory" in verify.err
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert cli("list", empty).code == 0 and "no checkpoints" in cli("list", empty).out
+    assert cli("list", empty).code == 1 and "no checkpoints" in cli("list", empty).err
     assert cli("latest", empty).code == 1
 
 
@@ -160,7 +160,9 @@ def test_the_cli_says_what_load_state_does_with_a_native_checkpoint_and_a_real_l
 
     listed = cli("list", run)
     assert listed.code == 0 and "legacy" in listed.out
-    assert f"load_state() would resume from checkpoint_0, which has no completion manifest: {statement}" in listed.out
+    assert "load_state() would resume from checkpoint_0, which has no completion manifest (see above)" in listed.out
+    assert f"  checkpoint_0: no completion manifest: a native Accelerate checkpoint or an unfinished native save; " \
+           f"{statement}" in listed.out
     assert "NoCheckpointError" not in listed.out
     latest = cli("latest", run, "--json")
     assert latest.code == 0 and latest.json()["latest"] == str(run / "checkpoint_0") and latest.json()["legacy"]
@@ -185,6 +187,19 @@ def test_the_cli_says_what_load_state_does_with_a_native_checkpoint_and_a_real_l
         load_training_checkpoint(refusing)
     assert legacy_resume(False) in str(refused.value)
     assert "refuses it" in legacy_resume(False) and "resumes from it" in statement
+
+    # A native run of several checkpoints: the explanation once per listing, not once per checkpoint (it was 3 lines
+    # per checkpoint); each JSON row still carries it whole.
+    many = tmp_path / "many"
+    for number in range(3):
+        shutil.copytree(run / "checkpoint_0", many / f"checkpoint_{number}")
+    listed = cli("list", many)
+    assert listed.code == 0 and listed.out.count(statement) == 1, listed.out
+    assert "  checkpoint_2, checkpoint_1, checkpoint_0: no completion manifest: a native Accelerate checkpoint" \
+           in listed.out
+    assert "load_state() would resume from checkpoint_2, which has no completion manifest (see above)" in listed.out
+    rows = cli("list", many, "--json").json()["checkpoints"]
+    assert [row["status"] for row in rows] == ["legacy"] * 3 and all(statement in row["reason"] for row in rows)
 
 
 def test_a_native_checkpoint_is_never_preferred_over_a_complete_one(cli: Any, project: Path, tmp_path: Path) -> None:

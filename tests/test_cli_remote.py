@@ -115,8 +115,13 @@ def test_list_shows_complete_damaged_and_unfinished_checkpoints_of_a_prefix(cli:
     # A checkpoint is not a prefix: a usage error that says what to run instead.
     wrong = cli("list", f"{copy}/checkpoint_3")
     assert wrong.code == 2 and f"accelerate-txn verify {copy}/checkpoint_3" in wrong.err and wrong.out == ""
-    empty = cli("list", f"s3://{BUCKET}/nothing-{uuid.uuid4().hex[:8]}", "--json")
-    assert empty.code == 0 and empty.json()["checkpoints"] == [] and empty.json()["would_load"] is None
+    # Nothing under the prefix: exit 1 ("none found"), as a local empty directory and as latest.
+    nothing = f"s3://{BUCKET}/nothing-{uuid.uuid4().hex[:8]}"
+    empty = cli("list", nothing, "--json")
+    assert empty.code == 1 and empty.json()["checkpoints"] == [] and empty.json()["would_load"] is None
+    assert "no checkpoints" in empty.err
+    text_empty = cli("list", nothing)
+    assert text_empty.code == 1 and f"{nothing}: no checkpoints" in text_empty.err and text_empty.out == ""
 
 
 def test_latest_downloads_and_hashes_and_skips_a_damaged_newest(cli: Any, saved: dict[str, Any], copy: str,

@@ -131,6 +131,17 @@ def test_async_figure_draws_blocking_publication_and_step_targets() -> None:
     plt.close(figure)
 
 
+def test_the_async_figure_text_is_legible_at_the_docs_page_width() -> None:
+    # Regression: three panels side by side, 1400 px wide, shown at the page's ~720 px: text about 6 px tall.
+    figure = plots.async_figure(plots.load_rows_from(_async_rows()))
+    width_px = figure.get_figwidth() * plots.DPI
+    shown = min(1.0, plots.PAGE_WIDTH_PX / width_px)  # how much the page shrinks the PNG
+    smallest = min(text.get_fontsize() for text in _texts(figure) if text.get_text())
+    assert smallest * plots.DPI / 72 * shown >= 12, (smallest, width_px)  # pixels tall on the page
+    assert [axis.get_subplotspec().colspan.start for axis in figure.axes] == [0, 0, 0]  # stacked in one column
+    plt.close(figure)
+
+
 @pytest.mark.parametrize("which", ["time", "memory", "async"])
 def test_no_text_in_a_figure_is_smaller_than_10_points(which: str) -> None:
     if which == "async":

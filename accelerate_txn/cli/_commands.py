@@ -127,12 +127,14 @@ def list_command(directory: Path | str, as_json: bool) -> int:
     In a transformers Trainer output directory (checkpoint-N), the step is Trainer's global step and the mark is
     the one train(resume_from_checkpoint=True) would take.
 
+    Exit 1 if there is nothing to list (no checkpoint, no leftover; the message goes to stderr, --json still prints
+    the empty listing).
+
     Shows each checkpoint_N and leftover with its status (complete, staging leftover, retired leftover, legacy,
     corrupt, with the reason; under a URL also unfinished upload), optimizer step, Accelerator step, run id, size,
     age and integrity mode, and marks the one load_state() would resume from (the newest complete checkpoint, else
     a legacy one; load_state() also checks that it fits the live Accelerator).
     """
-    from ..core.select import legacy_resume
 
     root: Path | str
     trainer = False
@@ -155,9 +157,10 @@ def list_command(directory: Path | str, as_json: bool) -> int:
     if as_json:
         out.emit_json({"directory": str(root), "trainer": trainer, "would_load": pick,
                        "checkpoints": [entry.as_json(now) for entry in entries]})
-        return 0
-    if not entries:
-        out.say(f"{root}: no checkpoints")
+    if not entries:  # nothing there: exit 1, as ``latest`` (a script tells an empty listing apart by the status)
+        out.say(f"{root}: no checkpoints", err=True)
+        return 1
+    if as_json:
         return 0
     rows = []
     arrow, ellipsis = out.symbol(out.ARROW), out.symbol(out.ELLIPSIS)  # ASCII where stdout cannot encode them
@@ -175,6 +178,8 @@ def list_command(directory: Path | str, as_json: bool) -> int:
     for entry in entries:
         if entry.reason:
             out.say(f"  {entry.name}: {entry.reason}")
+    for note, names in _shared_notes(entries).items():  # once per listing, not once per checkpoint
+        out.say(f"  {names}: {note}")
     picked = next((entry for entry in entries if entry.selected), None)
     if remote.is_url(root):
         out.say(f"newest complete checkpoint: {remote.name_of(pick)}, the one a resume from this prefix takes (as a "
@@ -183,13 +188,23 @@ def list_command(directory: Path | str, as_json: bool) -> int:
     elif pick is None:
         out.say(f"{resume_call(trainer)} would find no checkpoint to resume from here (a resume raises "
                 "NoCheckpointError).")
-    elif picked is not None and picked.status == LEGACY:
-        out.say(f"{resume_call(trainer)} would resume from {Path(pick).name}, which has no completion manifest: "
-                + ("saved by native Trainer, taken only because no complete checkpoint exists" if trainer
-                   else legacy_resume()))
+    elif picked is not None and picked.status == LEGACY:  # what that means is the note above
+        out.say(f"{resume_call(trainer)} would resume from {Path(pick).name}, which has no completion manifest (see "
+                "above)")
     else:
         out.say(f"{resume_call(trainer)} would resume from {Path(pick).name}")
     return 0
+
+
+def _shared_notes(entries: list[Any], shown: int = 5) -> dict[str, str]:
+    """Each note entries share (``Entry.note``: a native checkpoint's explanation), with the names of the entries it
+    applies to (the first ``shown``, then how many more), in listing order."""
+    groups: dict[str, list[str]] = {}
+    for entry in entries:
+        if entry.note:
+            groups.setdefault(entry.note, []).append(entry.name)
+    return {note: ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+            for note, names in groups.items()}
 
 
 # --------------------------------------------------------------------------------------------- verify
@@ -298,6 +313,9 @@ def verify_command(checkpoint: Path | str, full: bool, dcp: bool, as_json: bool)
     out.say("not checked:")
     for note in result.not_checked():
         out.say(f"  {note}")
+    effect = result.full_effect()
+    if effect:
+        out.say(effect)
     return 0
 
 
@@ -670,42 +688,93 @@ def _dtype_name(_ctx: click.Context, _param: click.Parameter, value: str | None)
     return name
 
 
-@click.command("export", short_help="Export a checkpoint's model to Diffusers sharded safetensors.")
+#: --format values: "auto" decides from the config (``weights.config_layout``).
+FORMATS = ("auto", "transformers", "diffusers")
+
+
+def _export_config(checkpoint: Path | str, source: Path | str, config: Path | None) -> Path:
+    """The config.json to ship with an export: ``config`` (a file, or a directory holding one), else the one the
+    checkpoint carries (a Trainer checkpoint does; ``source`` is the local checkpoint or its downloaded copy); a usage
+    error saying what to pass when there is none."""
+    if config is not None:
+        found = config / remote.CONFIG if config.is_dir() else config
+        if not found.is_file():
+            raise click.UsageError(f"{config} holds no {remote.CONFIG}: pass the model's config.json or its directory")
+        return found
+    carried = Path(source) / remote.CONFIG
+    if carried.is_file():
+        return carried
+    raise click.UsageError(
+        f"{checkpoint} carries no {remote.CONFIG} (an Accelerate save_state() checkpoint does not; a Trainer checkpoint "
+        f"does): pass the model's config as CONFIG, 'accelerate-txn export {checkpoint} CONFIG OUTPUT', written by "
+        "model.config.save_pretrained(DIR) (transformers) or model.save_config(DIR) (Diffusers)")
+
+
+def _export_layout(chosen: str, config: Path) -> str:
+    """The export's file names: the --format given, or (auto) the one ``config`` asks for."""
+    import json
+
+    from ..weights import config_layout
+
+    if chosen != "auto":
+        return chosen
+    try:
+        parsed = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise click.UsageError(f"{config} is not a readable JSON config ({exc}): pass the model's config.json") from None
+    return config_layout(parsed)
+
+
+@click.command("export", short_help="Export a checkpoint's model to transformers or Diffusers safetensors.")
 @click.argument("checkpoint", type=_LOCATION)
-@click.argument("config", type=remote.Location(local=_EXISTING_DIR))
-@click.argument("output", type=remote.Location(local=click.Path(path_type=Path)))
+@click.argument("paths", nargs=-1, required=True, metavar="[CONFIG] OUTPUT",
+                type=remote.Location(local=click.Path(path_type=Path)))
+@click.option("--format", "layout", type=click.Choice(FORMATS), default="auto", show_default=True,
+              help="File names: transformers (model.safetensors, or model-0000i-of-0000n.safetensors + "
+              "model.safetensors.index.json) or diffusers (diffusion_pytorch_model-*). auto: transformers when the "
+              "config has model_type and no _class_name, else diffusers.")
 @click.option("--max-shard-size", default="5GiB", show_default=True,
               help="Bytes per shard: a number, or with a unit: 5GiB = 5*2**30 (the API default), 5GB = 5*10**9.")
 @click.option("--dtype", callback=_dtype_name,
               help="Cast floating tensors: bf16, fp16, fp32 (or bfloat16, float16, half, float32, float, ...).")
 @_json_option
-def export_command(checkpoint: Path | str, config: Path, output: Path, max_shard_size: str, dtype: str | None,
-                   as_json: bool) -> int:
-    """Export a checkpoint's model to Diffusers sharded safetensors.
+def export_command(checkpoint: Path | str, paths: tuple[Path | str, ...], layout: str, max_shard_size: str,
+                   dtype: str | None, as_json: bool) -> int:
+    """Export a checkpoint's model to sharded safetensors that from_pretrained loads (transformers or Diffusers).
 
     CHECKPOINT is a checkpoint directory (with pytorch_model_fsdp_0/), a DCP directory, or an s3:// checkpoint (its
     model state is downloaded into a temporary directory first, each file verified); CONFIG the model's config.json
-    (or its directory), shipped with the weights; OUTPUT the export directory (replaced atomically). CONFIG and
-    OUTPUT are local.
+    (or its directory), shipped with the weights: without it, the config.json the checkpoint carries (a Trainer
+    checkpoint does); OUTPUT the export directory (replaced atomically). CONFIG and OUTPUT are local.
     """
     import torch
 
     from ..errors import CheckpointConfigurationError
-    from ..weights import export_dcp_to_diffusers, resolve_shard_size
+    from ..weights import export_dcp_to_diffusers, export_dcp_to_transformers, resolve_shard_size
 
+    if len(paths) > 2:
+        raise click.UsageError(f"export takes CHECKPOINT [CONFIG] OUTPUT: got {len(paths) + 1} paths")
+    config, output = (None, paths[0]) if len(paths) == 1 else paths
+    if config is not None and not Path(config).exists():
+        raise click.UsageError(f"CONFIG {config} does not exist")
     try:
         size = resolve_shard_size(int(max_shard_size) if max_shard_size.strip().isdigit() else max_shard_size)
     except CheckpointConfigurationError as exc:
         raise click.BadParameter(str(exc), param_hint="'--max-shard-size'") from None
     cast = getattr(torch, dtype) if dtype else None
     with remote.model_copy(str(checkpoint)) if remote.is_url(checkpoint) else contextlib.nullcontext(checkpoint) as source:
-        result = export_dcp_to_diffusers(source, config, output, size, dtype=cast)
+        config_file = _export_config(checkpoint, source, config)  # type: ignore[arg-type]
+        chosen = _export_layout(layout, config_file)
+        exporter = export_dcp_to_transformers if chosen == "transformers" else export_dcp_to_diffusers
+        result = exporter(source, config_file, output, size, dtype=cast)
     files = sorted(p.name for p in Path(result).iterdir())
+    shown_config = str(config) if config is not None else f"{checkpoint}/{remote.CONFIG}"
     if as_json:
-        out.emit_json({"checkpoint": str(checkpoint), "output": str(result), "max_shard_size": size, "dtype": dtype,
-                       "files": files})
+        out.emit_json({"checkpoint": str(checkpoint), "output": str(result), "format": chosen, "config": shown_config,
+                       "max_shard_size": size, "dtype": dtype, "files": files})
     else:
-        out.say(f"exported {checkpoint} -> {result} ({len(files)} files, shards of at most {size:,} bytes)")
+        out.say(f"exported {checkpoint} -> {result} ({chosen} file names, {len(files)} files, shards of at most "
+                f"{size:,} bytes; config from {shown_config})")
     return 0
 
 

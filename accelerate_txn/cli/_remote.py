@@ -36,6 +36,8 @@ UNFINISHED = "unfinished upload"
 URL_FORMS = "s3://BUCKET/PREFIX (a prefix of checkpoint_N) or s3://BUCKET/PREFIX/checkpoint_N (one checkpoint)"
 #: The DCP model directory Accelerate's FSDP saves, which ``export`` reads (``weights``' ACCELERATE_FSDP_MODEL_DIR).
 MODEL_DIR = "pytorch_model_fsdp_0"
+#: The model config a checkpoint may carry (a Trainer's save_model writes it), for ``export`` without CONFIG.
+CONFIG = "config.json"
 _STORES: dict[str, ObjectStore] = {}
 
 
@@ -266,11 +268,11 @@ def scan(url: str) -> list[RemoteEntry]:
         run = runs[0] if len(runs) == 1 else None
         if not found["manifest"]:
             if found["data"]:
-                entries.append(RemoteEntry(where, number, UNFINISHED, f"no {MANIFEST}: an upload in progress, or one "
+                entries.append(RemoteEntry(where, number, UNFINISHED, note=f"no {MANIFEST}: an upload in progress, or one "
                                            "whose writer died (the next save of its run removes it)", run_id=run,
                                            stored=found["bytes"]))
             else:
-                entries.append(RemoteEntry(where, number, CORRUPT, f"no {MANIFEST} and no upload of accelerate-txn: "
+                entries.append(RemoteEntry(where, number, CORRUPT, note=f"no {MANIFEST} and no upload of accelerate-txn: "
                                            "objects another tool wrote, never selected", stored=found["bytes"]))
             continue
         try:
@@ -321,14 +323,16 @@ def prune(url: str, run_id: str, keep: int, newest: str) -> list[str]:
 
 @contextlib.contextmanager
 def model_copy(url: str, model_dir: str = MODEL_DIR) -> Iterator[Path]:
-    """A temporary directory holding the DCP model state ``model_dir/`` of the checkpoint at ``url`` (after the
-    listing check, each file verified as it is downloaded), for ``export``."""
+    """A temporary directory holding the DCP model state ``model_dir/`` of the checkpoint at ``url`` and the
+    ``config.json`` it carries, if any (after the listing check, each file verified as it is downloaded), for
+    ``export``."""
     manifest = checkpoint_manifest(url, "export")
     objects.check_listing(store(url), url, manifest, private_patterns(manifest))
     names = sorted(name for name in manifest["files"] if name.startswith(model_dir + "/"))
     if not names:
         raise NoCheckpointError(f"{url} holds no torch.distributed.checkpoint model state ({model_dir}/, Accelerate's "
                                 "FSDP SHARDED_STATE_DICT layout): nothing to export")
+    names += [name for name in (CONFIG,) if name in manifest["files"]]  # the model config a checkpoint carries
     with tempfile.TemporaryDirectory(prefix="accelerate-txn-export-") as scratch:
         objects.download(store(url), url, manifest, names, Path(scratch), sync=False, listed=True)
         try:

@@ -262,6 +262,24 @@ class Verification:
                          "(see 'accelerate-txn inspect' and 'accelerate-txn diff')")
         return notes
 
+    def full_effect(self) -> str | None:
+        """What --full adds to this checkpoint's verification, in words; ``None`` when a quick verification's notes
+        already say it (large payloads checked by size only, which --full re-hashes)."""
+        files = self.manifest.get("files") if isinstance(self.manifest.get("files"), dict) else {}
+        large = [row for name, row in files.items()
+                 if isinstance(row, dict) and _is_large_payload(name, row.get("size", 0))]
+        hashed = sum(1 for row in large if _hash_algorithm(row))
+        payloads = "large payloads (.distcp, .safetensors, .bin over 16 MiB)"
+        if hashed:  # without --full, not_checked() says what --full would re-hash
+            return (f"--full re-hashed {hashed} large {plural(hashed, 'payload')} (over 16 MiB), which a quick "
+                    "verification checks by size only") if self.full else None
+        why = (f"its {len(large)} {plural(len(large), 'payload')} over 16 MiB {plural(len(large), 'was', 'were')} saved "
+               f"without a hash (integrity {self.manifest.get('integrity', 'metadata')!r}): size only, with or "
+               "without --full" if large else
+               "it has none, so every file with a recorded hash is re-hashed either way")
+        return (f"--full {'added' if self.full else 'would add'} nothing here: it re-hashes the {payloads} that a "
+                f"quick verification checks by size only, and {why}")
+
     def as_json(self) -> dict[str, Any]:
         manifest = self.manifest
         return {
@@ -278,6 +296,7 @@ class Verification:
             "versions": manifest.get("versions"),
             "checked": {**self.report, "full": self.full, "dcp": self.dcp} if self.valid else None,
             "not_checked": self.not_checked() if self.valid else None,
+            "full_effect": self.full_effect() if self.valid else None,
         }
 
 
@@ -388,10 +407,16 @@ class Entry:
     path: Path  # a URL in a RemoteEntry (cli._remote)
     number: int
     status: str
-    reason: str | None = None
+    reason: str | None = None  # what is particular to this entry (``None``: nothing beyond its note)
     manifest: dict[str, Any] | None = None
     run_id: str | None = None
     selected: bool = False
+    #: An explanation every entry of its kind shares (a native checkpoint's): ``list`` says it once per listing.
+    note: str | None = None
+
+    def full_reason(self) -> str | None:
+        """The reason and the note in one sentence (``--json``, where each entry stands alone)."""
+        return ": ".join(part for part in (self.reason, self.note) if part) or None
 
     @property
     def name(self) -> str:
@@ -438,7 +463,7 @@ class Entry:
             "path": str(self.path),
             "number": self.number,
             "status": self.status,
-            "reason": self.reason,
+            "reason": self.full_reason(),
             "run_id": self.run_id,
             "components": component_steps(manifest) if self.manifest else None,
             "checkpoint_number": checkpoint_number(manifest) if self.manifest else None,
@@ -459,7 +484,7 @@ def _trainer_legacy_entry(number: int, path: Path) -> Entry:
     except CheckpointIntegrityError as exc:
         return Entry(path, number, CORRUPT, f"no completion manifest, and not a complete native Trainer checkpoint "
                      f"either: {exc}")
-    return Entry(path, number, LEGACY, "no completion manifest: saved by native Trainer (or an unfinished native "
+    return Entry(path, number, LEGACY, note="no completion manifest: saved by native Trainer (or an unfinished native "
                  "save); train(resume_from_checkpoint=True) takes it only when no complete checkpoint exists")
 
 
@@ -482,7 +507,7 @@ def _checkpoint_entry(number: int, path: Path, trainer: bool = False) -> Entry:
         if files and error is None:
             from ..core.select import legacy_resume
 
-            return Entry(path, number, LEGACY, "no completion manifest: a native Accelerate checkpoint or an "
+            return Entry(path, number, LEGACY, note="no completion manifest: a native Accelerate checkpoint or an "
                          f"unfinished native save; {legacy_resume()}")
         if files:
             return Entry(path, number, CORRUPT, f"no completion manifest, and not a legacy checkpoint either: {error}")

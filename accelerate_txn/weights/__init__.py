@@ -1,4 +1,4 @@
-"""Model-weight I/O: bounded, atomic Diffusers/Hugging Face sharded-safetensors export and validated loading.
+"""Model-weight I/O: bounded, atomic Diffusers/transformers sharded-safetensors export and validated loading.
 
 Guarantees (each is pinned by ``tests/test_weights.py``):
 
@@ -30,10 +30,12 @@ Layout (one concern per private module; this package only re-exports):
 * ``_loaders``: :func:`read_diffusers_state_dict`, :func:`load_model_checkpoint`,
   :func:`copy_diffusers_checkpoint`, :func:`load_diffusers_checkpoint`, :func:`is_complete_diffusers_checkpoint`.
 * ``_fingerprint``: :func:`checkpoint_fingerprint`.
-* ``_dcp``: :func:`export_dcp_to_diffusers` and its DCP helpers.
+* ``_dcp``: :func:`export_dcp_to_diffusers`, :func:`export_dcp_to_transformers` (transformers' file names:
+  ``model.safetensors``, or ``model-*-of-*`` shards and ``model.safetensors.index.json``) and their DCP helpers.
 """
 
-from ._dcp import export_dcp_to_diffusers
+from ._dcp import config_layout as config_layout  # for the CLI; not in __all__
+from ._dcp import export_dcp_to_diffusers, export_dcp_to_transformers
 from ._export import resolve_shard_size as resolve_shard_size  # for the CLI; not in __all__
 from ._export import save_diffusers_state_dict
 from ._fingerprint import FingerprintEntry, checkpoint_fingerprint
@@ -51,6 +53,7 @@ __all__ = [
     "checkpoint_fingerprint",
     "copy_diffusers_checkpoint",
     "export_dcp_to_diffusers",
+    "export_dcp_to_transformers",
     "is_complete_diffusers_checkpoint",
     "load_diffusers_checkpoint",
     "load_model_checkpoint",

@@ -1,4 +1,5 @@
-"""Offline export of a sharded training checkpoint (``torch.distributed.checkpoint``): :func:`export_dcp_to_diffusers`.
+"""Offline export of a sharded training checkpoint (``torch.distributed.checkpoint``): :func:`export_dcp_to_diffusers`
+and :func:`export_dcp_to_transformers` (the same export under transformers' file names).
 
 ``.metadata`` is read with a restricted unpickler (:func:`_read_dcp_metadata`), tensors with ``weights_only=True``;
 the output is planned, written and published exactly as by :func:`~._export.save_diffusers_state_dict`.
@@ -22,13 +23,15 @@ from ._common import (
     CONFIG_NAME,
     DCP_MODEL_PREFIX,
     DEFAULT_MAX_SHARD_SIZE,
+    DIFFUSERS,
+    TRANSFORMERS,
     PathLike,
     check_dtype,
     examples,
     output_dtype,
     shapes,
 )
-from ._export import ShardPlan, config_writer, resolve_shard_size, write_shards
+from ._export import ShardPlan, check_layout, config_writer, resolve_shard_size, write_shards
 from ._publish import publish_export
 from ._read import check_matches_model
 
@@ -132,7 +135,17 @@ class _DCPSingleProcessLoader:
                 raise CheckpointIntegrityError(f"Reading DCP checkpoint {self._directory} failed: {exc}") from None
 
 
-def _config_source_writer(source: Any) -> tuple[Callable[[Path], None], dict[str, tuple[int, ...]] | None]:
+def config_layout(config: Any) -> str:
+    """The export layout a parsed ``config.json`` asks for: ``"transformers"`` when it has ``model_type`` (every
+    transformers config records it) and not Diffusers' ``_class_name``; else ``"diffusers"`` (the layout every
+    export had before there was a choice)."""
+    if isinstance(config, dict) and "model_type" in config and "_class_name" not in config:
+        return TRANSFORMERS
+    return DIFFUSERS
+
+
+def _config_source_writer(source: Any, layout: str = DIFFUSERS
+                          ) -> tuple[Callable[[Path], None], dict[str, tuple[int, ...]] | None]:
     """How to write ``config.json``, and the expected shapes when ``source`` is a model."""
     if isinstance(source, (str, os.PathLike)):
         config = Path(source)
@@ -151,7 +164,7 @@ def _config_source_writer(source: Any) -> tuple[Callable[[Path], None], dict[str
 
         return copy_config, None
     expected = shapes(source.state_dict()) if isinstance(source, torch.nn.Module) else None
-    return config_writer(source), expected
+    return config_writer(source, layout), expected
 
 
 def export_dcp_to_diffusers(
@@ -179,13 +192,39 @@ def export_dcp_to_diffusers(
     rule and atomic publish are those of :func:`save_diffusers_state_dict`. ``.metadata`` is read with a restricted
     unpickler, tensors with ``weights_only=True``.
     """
+    return _export_dcp(dcp_dir, model_or_config_source, output_dir, max_shard_size, dtype, prefix, DIFFUSERS)
+
+
+def export_dcp_to_transformers(
+    dcp_dir: PathLike,
+    model_or_config_source: Any,
+    output_dir: PathLike,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    *,
+    dtype: torch.dtype | None = None,
+    prefix: str = DCP_MODEL_PREFIX,
+) -> Path:
+    """Export a sharded training checkpoint's model (DCP) under the file names transformers' ``from_pretrained``
+    loads: ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards and ``model.safetensors.index.json``
+    when it takes more than one shard of ``max_shard_size``; plus ``config.json``.
+
+    As :func:`export_dcp_to_diffusers` in every other respect (verification, validation, memory, dtype, atomic
+    publish), except that a model given as ``model_or_config_source`` is a transformers ``PreTrainedModel``, whose
+    ``config.save_pretrained`` writes ``config.json``.
+    """
+    return _export_dcp(dcp_dir, model_or_config_source, output_dir, max_shard_size, dtype, prefix, TRANSFORMERS)
+
+
+def _export_dcp(dcp_dir: PathLike, model_or_config_source: Any, output_dir: PathLike, max_shard_size: int | str,
+                dtype: torch.dtype | None, prefix: str, layout: str) -> Path:
     where = Path(output_dir)
+    check_layout(layout)
     check_dtype(dtype)
     shard_size = resolve_shard_size(max_shard_size)
     directory = _locate_dcp(Path(dcp_dir))
     metadata = _read_dcp_metadata(directory)
     entries = _dcp_tensors(metadata, directory, prefix)
-    write_config, expected = _config_source_writer(model_or_config_source)
+    write_config, expected = _config_source_writer(model_or_config_source, layout)
     names = {fqn[len(prefix):]: fqn for fqn in entries}
     if expected is not None:
         check_matches_model({name: tuple(entries[fqn].size) for name, fqn in names.items()}, expected, directory)
@@ -193,7 +232,7 @@ def export_dcp_to_diffusers(
         (name, entries[fqn].size.numel() * output_dtype(dtype, entries[fqn].properties.dtype).itemsize)
         for name, fqn in names.items()
     ]
-    plan = ShardPlan.build(sizes, shard_size, where)
+    plan = ShardPlan.build(sizes, shard_size, where, layout)
     loader = _DCPSingleProcessLoader(directory, metadata)
 
     def fetch(keys: tuple[str, ...]) -> dict[str, torch.Tensor]:

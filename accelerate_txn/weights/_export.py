@@ -19,7 +19,11 @@ from safetensors.torch import save_file
 from ..errors import CheckpointConfigurationError
 from ._common import (
     DEFAULT_MAX_SHARD_SIZE,
+    DIFFUSERS,
     SAFETENSORS_INDEX_NAME,
+    TRANSFORMERS,
+    TRANSFORMERS_INDEX_NAME,
+    TRANSFORMERS_WEIGHTS_NAME,
     PathLike,
     check_dtype,
     examples,
@@ -43,8 +47,21 @@ def _file_mode() -> int:
     return 0o666 & ~mask
 
 
-def _shard_name(index: int, count: int) -> str:
+def _shard_name(index: int, count: int, layout: str = DIFFUSERS) -> str:
+    """A shard's file name: Diffusers' (always numbered, with an index) or transformers' (``model.safetensors``
+    alone, else numbered ``model-0000i-of-0000n.safetensors`` with an index), as each library's loader expects."""
+    if layout == TRANSFORMERS:
+        return TRANSFORMERS_WEIGHTS_NAME if count == 1 else f"model-{index:05d}-of-{count:05d}.safetensors"
     return f"diffusion_pytorch_model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def check_layout(layout: str) -> None:
+    if layout not in (DIFFUSERS, TRANSFORMERS):
+        raise CheckpointConfigurationError(
+            f"layout={layout!r} is not an export layout: pass {DIFFUSERS!r} (diffusion_pytorch_model* files, for "
+            f"Diffusers' from_pretrained) or {TRANSFORMERS!r} (model.safetensors or model-*-of-* shards with "
+            "model.safetensors.index.json, for transformers' from_pretrained)."
+        )
 
 
 def resolve_shard_size(max_shard_size: int | str) -> int:
@@ -95,9 +112,11 @@ class ShardPlan:
 
     shards: tuple[tuple[str, ...], ...]
     total_size: int
+    layout: str = DIFFUSERS  # the file names (``_shard_name``)
 
     @classmethod
-    def build(cls, sizes: list[tuple[str, int]], max_shard_size: int, where: Path) -> ShardPlan:
+    def build(cls, sizes: list[tuple[str, int]], max_shard_size: int, where: Path,
+              layout: str = DIFFUSERS) -> ShardPlan:
         """Greedy, in key order. Reports every tensor larger than ``max_shard_size`` at once."""
         too_big = [f"{key} ({size} bytes)" for key, size in sizes if size > max_shard_size]
         if too_big:
@@ -114,11 +133,17 @@ class ShardPlan:
                 filled = 0
             shards[-1].append(key)
             filled += size
-        return cls(tuple(tuple(keys) for keys in shards), sum(size for _key, size in sizes))
+        return cls(tuple(tuple(keys) for keys in shards), sum(size for _key, size in sizes), layout)
 
     def files(self) -> Iterator[tuple[str, tuple[str, ...]]]:
         for number, keys in enumerate(self.shards, 1):
-            yield _shard_name(number, len(self.shards)), keys
+            yield _shard_name(number, len(self.shards), self.layout), keys
+
+    def index_name(self) -> str | None:
+        """The index file's name; ``None`` where the layout has none (a single transformers file)."""
+        if self.layout == TRANSFORMERS:
+            return TRANSFORMERS_INDEX_NAME if len(self.shards) > 1 else None
+        return SAFETENSORS_INDEX_NAME
 
     def index(self) -> dict[str, Any]:
         weight_map = {key: name for name, keys in self.files() for key in keys}
@@ -141,7 +166,9 @@ def write_shards(
         save_file(tensors, staging / filename, metadata={"format": "pt"})
         os.chmod(staging / filename, mode)  # safetensors creates its files 0600, whatever the umask
         del tensors
-    (staging / SAFETENSORS_INDEX_NAME).write_text(json.dumps(plan.index(), indent=2) + "\n")
+    index = plan.index_name()
+    if index is not None:
+        (staging / index).write_text(json.dumps(plan.index(), indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------------------------- export
@@ -183,7 +210,18 @@ def _check_state_dict(state_dict: Mapping[str, Any], where: Path) -> None:
         )
 
 
-def config_writer(model: Any) -> Callable[[Path], None]:
+def config_writer(model: Any, layout: str = DIFFUSERS) -> Callable[[Path], None]:
+    """How to write ``model``'s ``config.json``: Diffusers' ``save_config``, or for a transformers export the
+    ``PreTrainedModel``'s ``config.save_pretrained``."""
+    if layout == TRANSFORMERS:
+        save_pretrained = getattr(getattr(model, "config", None), "save_pretrained", None)
+        if not callable(save_pretrained):
+            raise CheckpointConfigurationError(
+                f"{type(model).__name__} has no config.save_pretrained(): pass the transformers model "
+                "(PreTrainedModel) or a path to its config.json, so the export carries the config from_pretrained "
+                "needs."
+            )
+        return save_pretrained
     save_config = getattr(model, "save_config", None)
     if not callable(save_config):
         raise CheckpointConfigurationError(

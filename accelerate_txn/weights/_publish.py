@@ -22,7 +22,7 @@ from ..store.posix import (
     replace_directory,
     staging_leftovers,
 )
-from ._common import EXPORT_FILES, PathLike, examples
+from ._common import EXPORT_FILES, EXPORT_WEIGHT_PREFIXES, PathLike, examples
 
 logger = logging.getLogger(__name__.rpartition(".")[0])  # "accelerate_txn.weights", as before the split
 
@@ -51,7 +51,7 @@ def _check_replaceable(final: Path) -> None:
     foreign = sorted(
         entry.name + ("/" if entry.is_dir() else "")
         for entry in final.iterdir()
-        if entry.is_dir() or not (entry.name in EXPORT_FILES or entry.name.startswith("diffusion_pytorch_model"))
+        if entry.is_dir() or not (entry.name in EXPORT_FILES or entry.name.startswith(EXPORT_WEIGHT_PREFIXES))
     )
     if foreign:
         raise CheckpointExistsError(
