@@ -120,7 +120,11 @@ def _package_command_lines() -> list[tuple[str, list[str]]]:
         if block.language != "bash":
             continue
         for number, line in enumerate(block.code.splitlines(), start=block.line + 1):
-            words = shlex.split(re.sub(r"\[(--?[\w-]+)[^\]]*\]", r"\1", line), comments=True)  # "[--full]": optional
+            try:
+                words = shlex.split(re.sub(r"\[(--?[\w-]+)[^\]]*\]", r"\1", line), comments=True)  # "[--full]"
+            except ValueError:  # a line of a multi-line argument (python -c "...)
+                assert not line.lstrip().startswith(("accelerate-txn", "python -m accelerate_txn")), (block.page, line)
+                continue
             if words[:1] in (["accelerate-txn"], [".venv/bin/accelerate-txn"]) or words[:3] == [
                     "python", "-m", "accelerate_txn.testing"]:
                 lines.append((f"{block.page}:{number}", words))
