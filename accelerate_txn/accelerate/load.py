@@ -304,7 +304,7 @@ def load_training_checkpoint(owners: Any, input_dir: str | Path | None = None, *
     during the restore itself every rank raises and the Accelerators are marked failed until a load succeeds.
     Returns the restored checkpoint's path.
     """
-    check_arrival(owners, "load_training_checkpoint")  # no collective yet: a call on some ranks only is explained
+    check_arrival(owners, "load_training_checkpoint", input_dir)  # no collective yet: a call on some ranks only is explained
     # Everything that can differ between ranks (environment, configuration, arguments) is read inside a rank phase.
     group = run_phase(lambda: read_configs(participants(owners)), "Checking checkpoint participants")
     _async.settle(list(group.values()))  # an asynchronous save in flight is published (or raises) first
