@@ -97,8 +97,9 @@ def test_a_skipped_save_is_explained_early_and_the_wait_says_what_it_waits_for(t
         assert "within" not in error["message"]  # decided at once, not after the timeout
     alone = ranks[0]
     assert alone["alone"] is not None and alone["alone"]["type"] == "CheckpointArrivalError", alone["alone"]
-    assert ("save_state() could not start: rank(s) [1] went away without reaching it (rank 1: it destroyed its "
+    assert ("save_state() could not start: rank(s) [1] left without reaching it (rank 1: it destroyed its "
             "process group") in alone["alone"]["message"], alone["alone"]["message"]
+    assert "this call was made on some ranks only" in alone["alone"]["message"]
     assert "if accelerator.is_main_process:" in alone["alone"]["message"]
     [notice] = [text for text in alone["warnings"] if "has waited" in text]
     assert "rank 0 has waited" in notice and f"at save_state() into {tmp_path / 'checkpoint-6'} for rank(s) [1]" \

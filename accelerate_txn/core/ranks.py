@@ -541,7 +541,8 @@ def arrive(op: str, timeout: float, store: Any, *, target: str | None = None, ad
             f"({_describe(exc)}). A rank may have died; restart the job from the last complete checkpoint."
         ) from exc
     if decision["kind"] == "lost":
-        raise _lost_before(op, {int(r): why for r, why in decision["lost"].items()}, advice)
+        raise _lost_before(op, {int(r): why for r, why in decision["lost"].items()}, advice,
+                           left=decision.get("left", False))
     raise CheckpointArrivalError(_arrival_message(decision, me, world, op, advice, wait_hint))
 
 
@@ -570,13 +571,21 @@ def _left(keys: Any, number: int) -> dict[int, str]:
     return found
 
 
-def _lost_before(op: str, lost: dict[int, str], advice: str = "") -> CheckpointArrivalError:
-    error = CheckpointArrivalError(
-        f"{op}() could not start: rank(s) {sorted(lost)} went away without reaching it ("
-        + "; ".join(f"rank {r}: {why}" for r, why in sorted(lost.items()))
-        + f"). If they crashed, check the log of rank(s) {sorted(lost)} for the signal or error that ended them, and "
-        "restart the whole job (every rank) from the last complete checkpoint. If they finished normally, this call "
-        f"was made on some ranks only. {advice} Nothing was written or restored.".replace("  ", " "))
+def _lost_before(op: str, lost: dict[int, str], advice: str = "", left: bool = False) -> CheckpointRankError:
+    """The error of a wait that ended because ranks ``lost`` will never arrive: :class:`CheckpointArrivalError` when
+    each of them ``left`` (destroyed its process group: it finished without this call), else
+    :class:`CheckpointRankError` (its process ended: a crash, or the end of its script)."""
+    detail = "; ".join(f"rank {r}: {why}" for r, why in sorted(lost.items()))
+    if left:
+        error: CheckpointRankError = CheckpointArrivalError(
+            f"{op}() could not start: rank(s) {sorted(lost)} left without reaching it ({detail}): this call was made "
+            f"on some ranks only. {advice} Nothing was written or restored.".replace("  ", " "))
+    else:
+        error = CheckpointRankError(
+            f"{op}() could not start: rank(s) {sorted(lost)} went away ({detail}). If they crashed, check the log of "
+            f"rank(s) {sorted(lost)} for the signal or error that ended them, and restart the whole job (every rank) "
+            f"from the last complete checkpoint. If they finished normally, this call was made on some ranks only. "
+            f"{advice} Nothing was written or restored.".replace("  ", " "))
     error.failures = lost
     return error
 
@@ -595,9 +604,11 @@ def _await(keys: Any, key: str, deadline: float, number: int, notice_at: float,
     a slow rank from one that went on without this call (training in collectives of its own)."""
     delay = _POLL_FIRST
     while not keys.check([key]):
-        ended = {**_left(keys, number), **ended_peers(_NO_STORE)}  # /proc reads of the ranks on this host
+        left = _left(keys, number)
+        ended = {**ended_peers(_NO_STORE), **left}  # /proc reads of the ranks recorded on this host
         if ended:
-            return _decide(keys, key, {"kind": "lost", "lost": {str(r): why for r, why in sorted(ended.items())}})
+            return _decide(keys, key, {"kind": "lost", "lost": {str(r): why for r, why in sorted(ended.items())},
+                                       "left": set(ended) <= set(left)})
         now = time.monotonic()
         remaining = deadline - now
         if remaining <= 0:
