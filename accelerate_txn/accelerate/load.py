@@ -305,7 +305,7 @@ def load_training_checkpoint(owners: Any, input_dir: str | Path | None = None, *
     Returns the restored checkpoint's path; for an object-store checkpoint (``s3://...``), the path of the verified
     local copy the restore read (its name is the checkpoint's; the log line names the URL and the copy).
     """
-    check_arrival(owners, "load_training_checkpoint")  # no collective yet: a call on some ranks only is explained
+    check_arrival(owners, "load_training_checkpoint", input_dir)  # no collective yet: a call on some ranks only is explained
     # Everything that can differ between ranks (environment, configuration, arguments) is read inside a rank phase.
     group = run_phase(lambda: read_configs(participants(owners)), "Checking checkpoint participants")
     _async.settle(list(group.values()))  # an asynchronous save in flight is published (or raises) first

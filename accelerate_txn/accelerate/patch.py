@@ -41,7 +41,7 @@ from ..core.ranks import agree, any_rank, collective, distributed, run_phase, wo
 from ..core.remote import is_url
 from ..errors import CheckpointConfigurationError, UnsupportedVersionError
 from . import data_order
-from .arrival import arrived, check_arrival
+from .arrival import arrived, check_arrival, install_leaving_notice
 from .config import checkpoint_config, protect_mode, read_configs
 from .descriptor import is_fsdp1_sharded, is_fsdp2_sharded, is_fsdp_sharded, unsupported_reason
 from .internals import accelerator_module, prepared_optimizers
@@ -229,7 +229,7 @@ def _protected(accelerator: Any, input_dir: Any = None, *, loading: bool = False
         return False
     # Before the first collective: a call made on some ranks only (save_state under ``if is_main_process:``) ends
     # there with an explained CheckpointArrivalError on those ranks, not in a mismatched collective.
-    check_arrival(accelerator, "load_state" if loading else "save_state")
+    check_arrival(accelerator, "load_state" if loading else "save_state", input_dir if loading else output_dir)
     eligible, validated = run_phase(functools.partial(_eligibility, accelerator),
                                     "Deciding whether to use the protected checkpoint path")
     agree({"enabled": enabled, "eligible": eligible, "validated": validated,
@@ -404,6 +404,7 @@ def install() -> None:
     module = accelerator_module()
 
     data_order.install()  # where each prepared data loader's epochs start (``accelerate.data_order``)
+    install_leaving_notice()  # a rank that destroys its process group says so: one waiting for it raises at once
     if installed():
         return
     for target in _TARGETS:

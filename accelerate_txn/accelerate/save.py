@@ -447,7 +447,7 @@ def save_training_checkpoint(
     staged in memory, with an ``AsyncCheckpoint`` handle (a path-like; ``.wait()``, ``.done()``); the rest of the
     transaction runs in the background. A save in flight is always waited for first (its error raised).
     """
-    check_arrival(owners, "save_training_checkpoint")  # no collective yet: a call on some ranks only is explained
+    check_arrival(owners, "save_training_checkpoint", output_dir)  # no collective yet: a call on some ranks only is explained
     # Everything that can differ between ranks (environment, configuration, arguments) is read inside a rank phase.
     group, background, policies, hooks = run_phase(lambda: _settings(owners, async_save),
                                                    "Checking checkpoint participants and settings")

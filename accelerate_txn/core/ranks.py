@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import time
 import zlib
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from ..errors import CheckpointArrivalError, CheckpointConfigurationError, CheckpointError, CheckpointRankError
 from .jsondiff import differences
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _DIGEST = 32
 # Interrupts and exits stay what they are on the rank that got them (the other ranks are told).
@@ -450,26 +452,37 @@ def on_main(function: Callable[[], T], context: str = "Checkpoint phase", group:
 
 ARRIVAL_PREFIX = "accelerate_txn/arrival"
 """Prefix of the keys :func:`arrive` keeps in the process group's store."""
+LEFT_KEY = "left"
+"""The arrival key where a rank that destroys its default process group says so (:func:`note_leaving`)."""
+ARRIVAL_NOTICE = 5.0
+"""Seconds into an arrival wait (at most half its timeout) after which the waiting rank logs one WARNING saying whom
+it waits for: a normal save's ranks arrive within moments, so the line appears only when one is late or missing."""
 _POLL_FIRST = 0.001  # seconds between two looks at the store while waiting: doubling from this ...
 _POLL_MAX = 0.1  # ... up to this (a waiting rank asks the store at most about ten times a second)
 # This process's arrival calls so far, and the lowest call number whose shared keys may still be in the store.
 _ARRIVALS = {"calls": 0, "clean_from": 1}
 
 
-def arrive(op: str, timeout: float, store: Any, *, advice: str = "", wait_hint: str = "") -> None:
-    """Return once every rank of the default process group has reached checkpoint call ``op``. Raise
-    :class:`CheckpointArrivalError` on this rank when some rank did not get there within ``timeout`` seconds, when
-    a rank reached another call at the same point, or when this rank came after the others stopped waiting.
-    ``advice`` (what to do) ends every message, ``wait_hint`` (how to wait longer) the timeout's.
+def arrive(op: str, timeout: float, store: Any, *, target: str | None = None, advice: str = "",
+           wait_hint: str = "", setting: str = "") -> None:
+    """Return once every rank of the default process group has reached checkpoint call ``op`` (with ``target``, the
+    directory it names, if any). Raise :class:`CheckpointArrivalError` on this rank when some rank did not get there
+    within ``timeout`` seconds, when a rank reached another call (or the same call for another ``target``) at the same
+    point, when a rank that has not arrived can no longer arrive (its process ended on this host, or it destroyed its
+    process group: :func:`note_leaving`), or when this rank came after the others stopped waiting. ``advice`` (what
+    to do) ends every message, ``wait_hint`` (how to wait longer) the timeout's; ``setting`` names how to set the
+    timeout, in the one WARNING a wait longer than :data:`ARRIVAL_NOTICE` seconds logs.
 
     Not a collective: the ranks meet in ``store`` (the default group's key-value store), so a call that only some
     ranks make ends with an explained error on those ranks instead of a mismatched collective. Calls are numbered
     per process, the same on every rank while every rank makes the same calls. For call N every rank records
-    ``rank R = "N op"``, claims ``N/first = "R op"`` if it is still free, and if its ``op`` differs from the first
-    rank's it decides "mismatch", all before it counts itself in ``N/count``. The rank whose count completes the
-    world decides "go"; a rank that waited ``timeout`` seconds decides "abort", naming the ranks that had arrived.
-    A decision is a create-if-absent ``compare_set`` of ``N/decision``: every rank follows the first one written,
-    and a rank arriving after an abort reads it and raises too, instead of waiting in a later collective.
+    ``rank R = "N op"``, claims ``N/first = [R, op, target]`` if it is still free, and if its call differs from the
+    first rank's it decides "mismatch", all before it counts itself in ``N/count``. The rank whose count completes
+    the world decides "go"; a rank that waited ``timeout`` seconds decides "abort", naming the ranks that had arrived;
+    a waiting rank that sees conclusive evidence that a missing rank will never arrive decides "lost" at once (a
+    rank only slow to arrive is always waited for). A decision is a create-if-absent ``compare_set`` of
+    ``N/decision``: every rank follows the first one written, and a rank arriving after an abort reads it and raises
+    too, instead of waiting in a later collective.
 
     The keys stay bounded: each rank reuses its one ``rank R`` key, and once call N is "go" every rank is past
     every earlier call, so the rank that decided it deletes the earlier calls' keys. Waiting is polling the store
@@ -479,20 +492,36 @@ def arrive(op: str, timeout: float, store: Any, *, advice: str = "", wait_hint: 
     """
     if not distributed() or world_size() == 1:
         return
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     _ARRIVALS["calls"] += 1
     number = _ARRIVALS["calls"]
     me, world = rank(), world_size()
     _register()  # this process on its host: a rank that ends while the others wait here is seen at once
+    call = [me, op, target]
     try:
         keys = dist.PrefixStore(ARRIVAL_PREFIX, store)
         decision_key = f"{number}/decision"
         keys.set(f"rank {me}", f"{number} {op}")
-        first_rank, _, first_op = keys.compare_set(f"{number}/first", "", f"{me} {op}").decode().partition(" ")
-        if first_op != op:  # decided before this rank counts itself: "go" can never be written first
-            _decide(keys, decision_key, {"kind": "mismatch", "calls": sorted([[int(first_rank), first_op], [me, op]])})
+        first = json.loads(keys.compare_set(f"{number}/first", "", json.dumps(call)).decode())
+        if first[1:] != call[1:]:  # decided before this rank counts itself: "go" can never be written first
+            _decide(keys, decision_key, {"kind": "mismatch", "calls": sorted([first, call], key=lambda c: c[0])})
         completes = keys.add(f"{number}/count", 1) == world
-        decision = _decide(keys, decision_key, {"kind": "go"}) if completes else _await(keys, decision_key, deadline)
+        if completes:
+            decision = _decide(keys, decision_key, {"kind": "go"})
+        else:
+            def notice() -> None:
+                missing = [r for r in range(world) if r != me and not _arrived(keys, r, number)]
+                where = f" into {target}" if target is not None else ""
+                logger.warning(
+                    "accelerate-txn: rank %d has waited %.0f s at %s()%s for rank(s) %s to reach it too (a "
+                    "collective checkpoint call: every rank must make it). It waits up to %g s in all, then raises "
+                    "CheckpointArrivalError (sooner if those ranks are seen to have ended). %s", me,
+                    time.monotonic() - started, op, where, missing, timeout,
+                    setting or "Set the wait with the arrival timeout.")
+
+            decision = _await(keys, decision_key, deadline, number, started + min(ARRIVAL_NOTICE, timeout / 2),
+                              notice)
         if decision is None:  # waited ``timeout`` seconds
             arrived = [r for r in range(world) if _arrived(keys, r, number)]
             decision = _decide(keys, decision_key, {"kind": "abort", "op": op, "arrived": arrived, "timeout": timeout})
@@ -512,17 +541,51 @@ def arrive(op: str, timeout: float, store: Any, *, advice: str = "", wait_hint: 
             f"({_describe(exc)}). A rank may have died; restart the job from the last complete checkpoint."
         ) from exc
     if decision["kind"] == "lost":
-        raise _lost_before(op, {int(r): why for r, why in decision["lost"].items()}, advice)
+        raise _lost_before(op, {int(r): why for r, why in decision["lost"].items()}, advice,
+                           left=decision.get("left", False))
     raise CheckpointArrivalError(_arrival_message(decision, me, world, op, advice, wait_hint))
 
 
-def _lost_before(op: str, lost: dict[int, str], advice: str = "") -> CheckpointRankError:
-    error = CheckpointRankError(
-        f"{op}() could not start: rank(s) {sorted(lost)} went away ("
-        + "; ".join(f"rank {r}: {why}" for r, why in sorted(lost.items()))
-        + f"). If they crashed, check the log of rank(s) {sorted(lost)} for the signal or error that ended them, and "
-        "restart the whole job (every rank) from the last complete checkpoint. If they finished normally, this call "
-        f"was made on some ranks only. {advice} Nothing was written or restored.".replace("  ", " "))
+def note_leaving(store: Any) -> None:
+    """Record in ``store`` (the default group's) that this rank is destroying its default process group, with the
+    number of arrival calls it made: a rank waiting at a later call knows at once that this one will never arrive
+    there. Best effort (a failing store changes nothing: the waiting rank then waits out its timeout)."""
+    if not distributed() or world_size() == 1 or store is None:
+        return
+    try:
+        dist.PrefixStore(ARRIVAL_PREFIX, store).append(LEFT_KEY, f"{rank()} {_ARRIVALS['calls']};")
+    except (RuntimeError, ValueError, AttributeError, NotImplementedError):
+        pass
+
+
+def _left(keys: Any, number: int) -> dict[int, str]:
+    """The ranks that destroyed their process group having made fewer than ``number`` arrival calls."""
+    if not keys.check([LEFT_KEY]):
+        return {}
+    found: dict[int, str] = {}
+    for entry in filter(None, keys.get(LEFT_KEY).decode().split(";")):
+        who, _, calls = entry.partition(" ")
+        if who.isdigit() and calls.isdigit() and int(calls) < number and int(who) != rank():
+            found[int(who)] = "it destroyed its process group (destroy_process_group(), or the end of its script) " \
+                              "without making this call"
+    return found
+
+
+def _lost_before(op: str, lost: dict[int, str], advice: str = "", left: bool = False) -> CheckpointRankError:
+    """The error of a wait that ended because ranks ``lost`` will never arrive: :class:`CheckpointArrivalError` when
+    each of them ``left`` (destroyed its process group: it finished without this call), else
+    :class:`CheckpointRankError` (its process ended: a crash, or the end of its script)."""
+    detail = "; ".join(f"rank {r}: {why}" for r, why in sorted(lost.items()))
+    if left:
+        error: CheckpointRankError = CheckpointArrivalError(
+            f"{op}() could not start: rank(s) {sorted(lost)} left without reaching it ({detail}): this call was made "
+            f"on some ranks only. {advice} Nothing was written or restored.".replace("  ", " "))
+    else:
+        error = CheckpointRankError(
+            f"{op}() could not start: rank(s) {sorted(lost)} went away ({detail}). If they crashed, check the log of "
+            f"rank(s) {sorted(lost)} for the signal or error that ended them, and restart the whole job (every rank) "
+            f"from the last complete checkpoint. If they finished normally, this call was made on some ranks only. "
+            f"{advice} Nothing was written or restored.".replace("  ", " "))
     error.failures = lost
     return error
 
@@ -532,17 +595,27 @@ def _decide(keys: Any, key: str, decision: dict[str, Any]) -> dict[str, Any]:
     return json.loads(keys.compare_set(key, "", json.dumps(decision, sort_keys=True)).decode())
 
 
-def _await(keys: Any, key: str, deadline: float) -> dict[str, Any] | None:
-    """The decision at ``key`` once written, or None at ``deadline``; a rank on this host whose process ended while
-    this rank waits decides "lost" (it will never arrive: waiting out the timeout would only delay the error)."""
+def _await(keys: Any, key: str, deadline: float, number: int, notice_at: float,
+           notice: Callable[[], None]) -> dict[str, Any] | None:
+    """The decision at ``key`` once written, or None at ``deadline``; ``notice()`` is called once at ``notice_at``.
+    A missing rank that can never arrive makes this rank decide "lost" at once (waiting out the timeout would only
+    delay the error): one on this host whose process ended, or one that destroyed its process group before call
+    ``number`` (:func:`note_leaving`). A rank still running that has not arrived is waited for: nothing cheap tells
+    a slow rank from one that went on without this call (training in collectives of its own)."""
     delay = _POLL_FIRST
     while not keys.check([key]):
-        ended = ended_peers(_NO_STORE)  # /proc reads of the ranks recorded on this host: no store traffic
+        left = _left(keys, number)
+        ended = {**ended_peers(_NO_STORE), **left}  # /proc reads of the ranks recorded on this host
         if ended:
-            return _decide(keys, key, {"kind": "lost", "lost": {str(r): why for r, why in sorted(ended.items())}})
-        remaining = deadline - time.monotonic()
+            return _decide(keys, key, {"kind": "lost", "lost": {str(r): why for r, why in sorted(ended.items())},
+                                       "left": set(ended) <= set(left)})
+        now = time.monotonic()
+        remaining = deadline - now
         if remaining <= 0:
             return None
+        if now >= notice_at:
+            notice_at = float("inf")
+            notice()
         time.sleep(min(delay, remaining))  # a poll interval within the deadline, not a synchronisation
         delay = min(2 * delay, _POLL_MAX)
     return json.loads(keys.get(key).decode())
@@ -554,8 +627,14 @@ def _arrived(keys: Any, other: int, number: int) -> bool:
 
 def _arrival_message(decision: dict[str, Any], me: int, world: int, op: str, advice: str, wait_hint: str) -> str:
     if decision["kind"] == "mismatch":
-        (one, one_op), (other, other_op) = decision["calls"]
-        text = f"Rank {one} called {one_op}() while rank {other} called {other_op}() at the same point."
+        (one, one_op, one_target), (other, other_op, other_target) = decision["calls"]
+        if one_op == other_op:
+            one_dir, other_dir = (repr(t) if t is not None else "its default directory" for t in (one_target, other_target))
+            text = (f"Rank {one} called {one_op}() for {one_dir} while rank {other} called it for {other_dir} at the "
+                    "same point: the ranks are at different checkpoints (a rank skipped one, or the ranks name "
+                    "different directories).")
+        else:
+            text = f"Rank {one} called {one_op}() while rank {other} called {other_op}() at the same point."
     else:
         arrived, seconds = decision["arrived"], f"{decision['timeout']:g} s"
         missing = [r for r in range(world) if r not in arrived]

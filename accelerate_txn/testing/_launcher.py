@@ -16,7 +16,9 @@ Supervision, by the processes' exit statuses polled within deadlines (no step is
 * a kill trigger (``kill_on_output``, ``kill_on_path``) or :meth:`ScriptJob.kill` sends ``SIGKILL`` to the whole
   job at once, as a kill test needs;
 * on every way out (success, failure, timeout, Ctrl-C) each worker's whole process group is killed and reaped, so
-  nothing the script started (data-loader workers, helpers) outlives the job.
+  nothing the script started (data-loader workers, helpers) outlives the job;
+* if the launching process itself is killed (``kill -9`` too), each worker kills its process group as soon as it
+  sees its lifeline close (``_lifeline.py``, shared with :func:`~accelerate_txn.testing.launch`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any, TextIO
 
 from ..errors import CheckpointConfigurationError
 from ._cpu_fsdp import STATE_DICT_TYPES, refuse_unsupported, state_dict_kind
+from ._lifeline import LIFELINE_FD_ENV, lifeline
 from ._processes import LaunchError, free_port, rank_environment
 
 WORKER = Path(__file__).resolve().with_name("_worker.py")
@@ -155,13 +158,16 @@ class ScriptJob:
             log_dir.mkdir(parents=True, exist_ok=True)
             self._logs = [(log_dir / f"rank{rank}.log").open("w", encoding="utf-8") for rank in range(num_processes)]
         self._readers: list[threading.Thread] = []
+        self._lifeline: int | None = None
         self.started = time.monotonic()
         port = free_port()
+        read_end, self._lifeline = lifeline()
         try:
             for rank in range(num_processes):
                 process = subprocess.Popen(
-                    command, cwd=cwd, env={**env, **rank_environment(rank, num_processes, port)},
-                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    command, cwd=cwd, env={**env, **rank_environment(rank, num_processes, port),
+                                           LIFELINE_FD_ENV: str(read_end)},
+                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=(read_end,),
                     start_new_session=True)  # a group of its own: killing it kills what the script started
                 self.processes.append(process)
                 reader = threading.Thread(target=self._read, args=(rank, process.stdout), daemon=True,
@@ -172,6 +178,8 @@ class ScriptJob:
             self._signal_groups(signal.SIGKILL)
             self._reap()
             raise
+        finally:
+            os.close(read_end)
 
     @property
     def pids(self) -> list[int]:
@@ -306,6 +314,9 @@ class ScriptJob:
             reader.join(timeout=KILL_WAIT)  # ends at EOF: every holder of the pipe is dead
         for log in self._logs:
             log.close()
+        if self._lifeline is not None:  # every worker has ended: nothing watches it any more
+            os.close(self._lifeline)
+            self._lifeline = None
 
 
 def fsdp_environment(settings: dict[str, Any]) -> dict[str, str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import faulthandler
 import importlib
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import signal
@@ -20,6 +21,8 @@ import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from ._lifeline import lifeline, watch
 
 
 def free_port() -> int:
@@ -38,7 +41,9 @@ def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
 def start_ranks(code: str, world_size: int = 2, *, env: dict[str, str] | None = None) -> list[Any]:
     """Start ``world_size`` separate interpreters running ``python -c code`` with torchrun's environment (one
     rendezvous port, ``RANK``/``WORLD_SIZE``/...), for tests that kill a job: unlike :func:`launch`, a rank that
-    dies is the point, so the caller owns the ``subprocess.Popen`` objects (and must kill and wait for them).
+    dies is the point, so the caller owns the ``subprocess.Popen`` objects (and must kill and wait for them). They
+    have no lifeline: a caller killed with ``kill -9`` leaves them running (a rank that must not outlive it can
+    check ``os.getppid()``).
     To start an unmodified training script instead, see :func:`start_script`."""
     import subprocess
     import sys
@@ -53,7 +58,9 @@ def start_ranks(code: str, world_size: int = 2, *, env: dict[str, str] | None = 
 
 
 def _entry(target: str, rank: int, world_size: int, port: int, args: Sequence[Any], env: dict[str, str],
-           results: Any) -> None:
+           results: Any, parent: Any) -> None:
+    watch(os.dup(parent.fileno()))  # end with launch()'s process, however it ends (see _lifeline)
+    parent.close()
     import torch
 
     os.environ.update({**rank_environment(rank, world_size, port), "OMP_NUM_THREADS": "1", **env})
@@ -86,17 +93,26 @@ def launch(target: str | Callable[..., Any], world_size: int = 2, *, args: Seque
     """Run ``target(*args)`` (``"module:function"`` or an importable function) in ``world_size`` processes.
 
     Returns each rank's return value (rank order). Raises :class:`LaunchError` with every failing rank's
-    traceback, or when ``timeout`` seconds pass (all processes are then killed).
+    traceback, or when ``timeout`` seconds pass (all processes are then killed). The ranks never outlive the
+    calling process: when it ends in any way, ``kill -9`` included, each rank kills itself (``_lifeline``).
     """
     if callable(target):
         target = f"{target.__module__}:{target.__qualname__}"
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = free_port()
-    processes = [context.Process(target=_entry, args=(target, rank, world_size, port, tuple(args), env or {}, results),
-                                 daemon=True) for rank in range(world_size)]
-    for process in processes:
-        process.start()
+    read_end, write_end = lifeline()
+    parent = multiprocessing.connection.Connection(read_end, writable=False)  # pickled for spawn as a passed fd
+    processes = [context.Process(target=_entry, args=(target, rank, world_size, port, tuple(args), env or {}, results,
+                                                      parent), daemon=True) for rank in range(world_size)]
+    try:
+        for process in processes:
+            process.start()
+    except BaseException:
+        os.close(write_end)  # the ranks started so far end with it
+        raise
+    finally:
+        parent.close()
     collected: dict[int, tuple[bool, Any]] = {}
     deadline = time.monotonic() + timeout
     try:
@@ -124,6 +140,7 @@ def launch(target: str | Callable[..., Any], world_size: int = 2, *, args: Seque
         for process in alive:
             process.kill()
             process.join()
+        os.close(write_end)
     failures = {rank: value for rank, (ok, value) in collected.items() if not ok}
     if failures:
         raise LaunchError("\n".join(f"--- rank {rank} ---\n{text}" for rank, text in sorted(failures.items())))

@@ -16,9 +16,10 @@ ARGS...``), with torchrun's environment. It
 
 What it must not do: import the ``accelerate_txn`` package. Its ``__init__`` installs the checkpoint patch, and only
 the script's own ``import accelerate_txn`` may do that (so a script runs native without the import, protected with
-it). So it loads ``_cpu_fsdp.py`` by path, and imports nothing of the package. The other additions: a
-``faulthandler`` on ``SIGUSR1`` (the launcher asks for every thread's stack before killing a job that timed out),
-and the end of a script that succeeded (:func:`end_after_exit_handlers`): the interpreter's exit steps run as
+it). So it loads ``_cpu_fsdp.py`` by path, and imports nothing of the package. The other additions: a lifeline
+(``_lifeline.py``, loaded by path too: the worker kills itself and its process group when the launcher ends, ``kill
+-9`` included), a ``faulthandler`` on ``SIGUSR1`` (the launcher asks for every thread's stack before killing a job
+that timed out), and the end of a script that succeeded (:func:`end_after_exit_handlers`): the interpreter's exit steps run as
 ``python`` runs them (non-daemon threads joined, ``threading`` exit hooks, ``atexit`` handlers), then the streams are
 flushed and the worker exits with status 0 without tearing the interpreter down. That teardown is where PyTorch's gloo
 worker threads can abort a process that finished ("terminate called without an active exception", SIGABRT, rank
@@ -46,17 +47,33 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 PACKAGE_PARENT = str(HERE.parents[1])  # the directory that holds this copy of accelerate_txn
 CPU_FSDP_NAME = "accelerate_txn_launcher_cpu_fsdp"  # _cpu_fsdp.py loaded by path: not under accelerate_txn
+LIFELINE_NAME = "accelerate_txn_launcher_lifeline"  # _lifeline.py, likewise
 USAGE_ERROR = 2
 
 
-def load_cpu_fsdp() -> types.ModuleType:
-    """``_cpu_fsdp.py`` as a stand-alone module (importing it under ``accelerate_txn`` would install the patch)."""
-    spec = importlib.util.spec_from_file_location(CPU_FSDP_NAME, HERE / "_cpu_fsdp.py")
+def load_by_path(name: str, file: str) -> types.ModuleType:
+    """``file`` of this folder as a stand-alone module ``name`` (importing it under ``accelerate_txn`` would install
+    the patch)."""
+    spec = importlib.util.spec_from_file_location(name, HERE / file)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[CPU_FSDP_NAME] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def load_cpu_fsdp() -> types.ModuleType:
+    """``_cpu_fsdp.py`` as a stand-alone module."""
+    return load_by_path(CPU_FSDP_NAME, "_cpu_fsdp.py")
+
+
+def watch_lifeline() -> None:
+    """End with the launcher, however it ends (``kill -9`` too): see ``_lifeline.py``. The variable is removed, so
+    the script and what it starts do not see it."""
+    lifeline = load_by_path(LIFELINE_NAME, "_lifeline.py")
+    fd = os.environ.pop(lifeline.LIFELINE_FD_ENV, "")
+    if fd.isdigit():
+        lifeline.watch(int(fd))
 
 
 def resolve_auto_wrap(setting: str, cpu_fsdp: types.ModuleType) -> Any:
@@ -141,6 +158,7 @@ def end_after_exit_handlers() -> None:
 
 
 def main() -> None:
+    watch_lifeline()
     settings = json.loads(sys.argv[1])
     target = sys.argv[2:]
     faulthandler.register(signal.SIGUSR1, all_threads=True)
