@@ -107,3 +107,35 @@ def test_a_skipped_save_is_explained_early_and_the_wait_says_what_it_waits_for(t
     assert f"up to {ARRIVAL:g} s" in notice
     assert f"arrival_timeout=SECONDS) or {ARRIVAL_TIMEOUT_ENV}=SECONDS" in notice
     assert alone["published"] == []  # nothing written by either refused save
+
+
+def leaving_notice(store_key: str) -> bool:
+    """Rank 1 destroys its default process group; rank 0 returns whether the leaving notice reached the store."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import accelerate  # noqa: F401  accelerate_txn wraps Accelerate (and destroy_process_group) when it is imported
+    import accelerate_txn  # noqa: F401  whatever VIDEOX_ACCELERATE_PATCHES says
+    from accelerate_txn.core.ranks import ARRIVAL_PREFIX, LEFT_KEY
+    from accelerate_txn.fsdp.internals import default_store
+
+    dist.init_process_group("gloo")
+    raw = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=120))
+    if dist.get_rank() == 1:
+        dist.destroy_process_group()
+        raw.set(store_key, "destroyed")  # after the destroy, through a client of its own
+        return False
+    raw.wait([store_key])
+    return dist.PrefixStore(ARRIVAL_PREFIX, default_store()).check([LEFT_KEY])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("patches", ["1", "0"])
+def test_destroying_the_process_group_leaves_a_notice_only_where_the_protected_path_can_run(patches: str) -> None:
+    """With ``VIDEOX_ACCELERATE_PATCHES=0`` (and nothing opted in) ``destroy_process_group`` is exactly native:
+    nothing is written to the store; otherwise it leaves the notice a waiting rank ends its wait on."""
+    noticed, _ = launch(leaving_notice, 2, args=(f"destroyed-{patches}",), timeout=TIMEOUT,
+                        env={"VIDEOX_ACCELERATE_PATCHES": patches})
+    assert noticed is (patches == "1")

@@ -24,7 +24,7 @@ call arrives once).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
@@ -78,9 +78,11 @@ def arrived() -> Iterator[None]:
 _LEAVING = [False]
 
 
-def install_leaving_notice() -> None:
+def install_leaving_notice(active: Callable[[], bool]) -> None:
     """Once: ``torch.distributed.destroy_process_group()`` of the default group first records in the store that this
-    rank leaves (``core.ranks.note_leaving``), so that a rank waiting for it at a checkpoint call raises at once."""
+    rank leaves (``core.ranks.note_leaving``), so that a rank waiting for it at a checkpoint call raises at once.
+    Only while ``active()`` (the protected path can run: with ``VIDEOX_ACCELERATE_PATCHES=0`` and nothing opted in,
+    the call is exactly native, nothing written to the store)."""
     if _LEAVING[0]:
         return
     _LEAVING[0] = True
@@ -89,7 +91,7 @@ def install_leaving_notice() -> None:
     import wrapt
 
     def destroy_process_group(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        if (args[0] if args else kwargs.get("group")) is None and distributed():
+        if (args[0] if args else kwargs.get("group")) is None and distributed() and active():
             try:
                 store = default_store()
             except (RuntimeError, ValueError, AttributeError):

@@ -404,7 +404,9 @@ def install() -> None:
     module = accelerator_module()
 
     data_order.install()  # where each prepared data loader's epochs start (``accelerate.data_order``)
-    install_leaving_notice()  # a rank that destroys its process group says so: one waiting for it raises at once
+    # A rank that destroys its process group says so: one waiting for it raises at once (only where the protected
+    # path can run: with dispatch off and nothing opted in, destroy_process_group stays exactly native).
+    install_leaving_notice(lambda: automatic_dispatch_requested() or len(OPTED_IN) > 0)
     if installed():
         return
     for target in _TARGETS:
