@@ -142,3 +142,92 @@ def main(spec_path: str) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
     sys.stdout.flush()
+
+
+def _loop_build(version: int) -> tuple[Any, Any, Any, list[dict[str, Any]]]:
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    import accelerate_txn  # noqa: F401  (the import protects save_state/load_state)
+    from accelerate_txn.testing import fsdp_accelerator
+
+    accelerator = fsdp_accelerator(fsdp_version=version, auto_wrap=LlamaDecoderLayer)
+    model, data = tiny_peft(16)
+    if version == 1:  # FSDP1: the optimizer over the wrapped model's (original, use_orig_params) parameters
+        model = accelerator.prepare(model)
+        optimizer = accelerator.prepare(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                                          lr=1e-2))
+    else:  # FSDP2: prepared together
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        model, optimizer = accelerator.prepare(model, optimizer)
+    return accelerator, model, optimizer, data
+
+
+def _loop_steps(accelerator: Any, model: Any, optimizer: Any, data: list[dict[str, Any]], start: int,
+                count: int) -> None:
+    import torch
+
+    for step in range(start, start + count):
+        rows = [data[(2 * step + accelerator.process_index + 4 * i) % len(data)]["input_ids"] for i in range(2)]
+        batch = torch.stack(rows)
+        accelerator.backward(model(input_ids=batch, labels=batch).loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def loop_roundtrip(root: str, version: int) -> dict[str, Any]:
+    """An Accelerate loop fine-tuning the LoRA model: 3 steps, ``save_state``, 2 more steps, ``load_state`` (the
+    trained adapter, the frozen base and the optimizer must come back bitwise), then a flipped byte in the checkpoint's
+    model shard: ``load_state`` must refuse it on every rank with the model untouched. Returns this rank's findings."""
+    import torch.distributed as dist
+
+    from accelerate_txn import CheckpointError
+
+    accelerator, model, optimizer, data = _loop_build(version)
+    fresh = _split(model)
+    _loop_steps(accelerator, model, optimizer, data, 0, 3)
+    checkpoint = Path(root) / "checkpoint"
+    accelerator.save_state(str(checkpoint))
+    saved = {"params": _split(model), "optimizer": optimizer_state(optimizer)}
+    _loop_steps(accelerator, model, optimizer, data, 3, 2)
+    moved = not _equal_parts(_split(model)["adapter"], saved["params"]["adapter"])
+    accelerator.load_state(str(checkpoint))
+    restored = {"params": _split(model), "optimizer": optimizer_state(optimizer)}
+    result = {"moved": moved, "files": sorted(str(p.relative_to(checkpoint)) for p in checkpoint.rglob("*")
+                                              if p.is_file()),
+              "adapter_restored": _equal_parts(restored["params"]["adapter"], saved["params"]["adapter"]),
+              "base_unchanged": _equal_parts(restored["params"]["base"], fresh["base"]),
+              "adapter_trained": not _equal_parts(restored["params"]["adapter"], fresh["adapter"]),
+              "optimizer_saved": bool(saved["optimizer"]),
+              "optimizer_restored": _equal_rows(restored["optimizer"], saved["optimizer"])}
+    # A flipped byte in rank 1's model shard: refused on every rank before anything is restored.
+    _loop_steps(accelerator, model, optimizer, data, 3, 1)
+    before = {"params": _split(model), "optimizer": optimizer_state(optimizer)}
+    if accelerator.process_index == 0:
+        shard = checkpoint / "pytorch_model_fsdp_0" / "__1_0.distcp"
+        raw = bytearray(shard.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        shard.write_bytes(bytes(raw))
+    dist.barrier()
+    try:
+        accelerator.load_state(str(checkpoint))
+        result["corrupt"] = "loaded"
+    except CheckpointError as exc:
+        result["corrupt"] = f"{type(exc).__name__}: {exc}"
+    after = {"params": _split(model), "optimizer": optimizer_state(optimizer)}
+    result["corrupt_untouched"] = (_equal_parts(after["params"]["adapter"], before["params"]["adapter"])
+                                   and _equal_parts(after["params"]["base"], before["params"]["base"])
+                                   and _equal_rows(after["optimizer"], before["optimizer"]))
+    return result
+
+
+def _equal_parts(one: dict[str, Any], other: dict[str, Any]) -> bool:
+    import torch
+
+    return set(one) == set(other) and all(torch.equal(one[name], other[name]) for name in one)
+
+
+def _equal_rows(one: list[Any], other: list[Any]) -> bool:
+    from tests._trainer_kills import equal
+
+    return equal(one, other)

@@ -91,3 +91,38 @@ def test_a_killed_peft_trainer_save_resumes_exactly(trainer_runs: dict[str, Any]
                      list(reference[rank]["params"]["adapter"].values()))
         assert equal(list(final[rank]["params"]["base"].values()), list(fresh["base"].values()))
         assert equal(final[rank]["optimizer"], reference[rank]["optimizer"])
+
+
+@pytest.mark.parametrize("version", [1, 2], ids=["fsdp1", "fsdp2"])
+def test_an_accelerate_loop_with_a_lora_model_saves_and_restores_it_exactly(tmp_path: Path, version: int) -> None:
+    results = launch(f"{ENTRY}:loop_roundtrip", 2, args=(str(tmp_path), version), timeout=TIMEOUT)
+    manifest = read_manifest(tmp_path / "checkpoint")
+    assert manifest is not None
+    for result in results:
+        # Every file save_state wrote (the model's and optimizer's shards included) is in the inventory.
+        assert set(result["files"]) - {"checkpoint_manifest.json"} <= set(manifest["files"])
+        assert result["adapter_restored"] and result["base_unchanged"] and result["optimizer_restored"]
+        # The flipped byte: the same integrity error on every rank, nothing restored.
+        assert result["corrupt"].startswith("CheckpointIntegrityError") and "__1_0.distcp" in result["corrupt"]
+        assert result["corrupt_untouched"]
+    assert results[0]["corrupt"] == results[1]["corrupt"]
+    # (FSDP1 may shard the small adapter onto one rank only: the adapter's changes are checked over the ranks.)
+    assert any(result["moved"] for result in results) and any(result["adapter_trained"] for result in results)
+    assert any(result["optimizer_saved"] for result in results)
+
+
+def test_a_flipped_byte_in_a_trainer_adapter_shard_is_refused_before_anything_loads(
+        trainer_runs: dict[str, Any], tmp_path: Path) -> None:
+    if trainer_runs["version"] != 2:
+        pytest.skip("one damaged adapter per front end: FSDP2 (its model directory holds the adapter only)")
+    root = tmp_path / "run"
+    shutil.copytree(trainer_runs["reference_root"], root)
+    shard = root / "checkpoint-6" / "pytorch_model_fsdp_0" / "__0_0.distcp"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    results = launch(f"{ENTRY}:trainer_refuse", 2, args=(str(root), str(root / "checkpoint-6"), 2),
+                     timeout=TIMEOUT)
+    assert results[0]["error"] == results[1]["error"]
+    assert results[0]["error"].startswith("CheckpointIntegrityError") and "__0_0.distcp" in results[0]["error"]
+    assert all(result["untouched"] for result in results)
