@@ -494,7 +494,7 @@ def test_trainer_private_points_exist_with_the_recorded_signatures() -> None:
     finalize = _internals.finalize_target(series).split(".", 1)[1]  # the method that ends a run (its removal)
     assert finalize in {"_finalize_training", "_inner_training_loop"}
     assert set(_internals.points_for(series)) == {"_save_checkpoint", "_get_output_dir", finalize, "_load_rng_state"}
-    assert set(_internals.module_points_for(series)) == {"load_fsdp_optimizer", "load_fsdp_model"}
+    assert set(_internals.module_points_for(series)) == {"load_fsdp_optimizer", "load_fsdp_model", "save_fsdp_model"}
     assert _internals.missing_points(Trainer, series) == []
     # The check can fail: a class without the points is reported, each point by name.
     missing = _internals.missing_points(object, series)
@@ -667,3 +667,9 @@ def test_every_internals_accessor_is_exercised_here() -> None:
     source = Path(__file__).read_text()
     unexercised = sorted(name for name in public if f"_internals.{name}(" not in source)
     assert not unexercised, f"Accessors without a check on the installed versions in {Path(__file__).name}: {unexercised}"
+
+
+def test_trainer_model_save_arguments_bind_trainers_call_by_name() -> None:
+    bound = _internals.model_save_arguments(("plugin", "accelerator", "model", "dir"), {"adapter_only": True})
+    assert bound == {"fsdp_plugin": "plugin", "accelerator": "accelerator", "model": "model", "output_dir": "dir",
+                     "model_index": 0, "adapter_only": True, "use_dcp": True}

@@ -24,7 +24,9 @@ The front end wraps the fewest, most stable points of ``transformers.Trainer``:
 * ``transformers.trainer.load_fsdp_optimizer`` (a private binding: the module's import of Accelerate's
   ``accelerate.utils.load_fsdp_optimizer``, which ``Trainer._load_optimizer_and_scheduler`` calls on resume). It is
   not the binding the Accelerate front end wraps (``accelerate.accelerator``'s), so the Trainer front end wraps this
-  one, to route a protected resume to the library's sharded optimizer restore.
+  one, to route a protected resume to the library's sharded optimizer restore;
+* ``transformers.trainer.save_fsdp_model``, the binding ``Trainer._save_optimizer_and_scheduler`` saves an FSDP model
+  with (``adapter_only=True``): an FSDP1 PEFT model is saved whole inside a protected save (``.adapters``).
 
 :data:`POINTS` records, per transformers minor series, the private names and signatures this module relies on;
 :func:`missing_points` checks them on the installed Trainer class, so a release that moved them runs native Trainer
@@ -58,10 +60,12 @@ FINALIZE: dict[str, str] = {"4.57": "_inner_training_loop", "5.24": "_finalize_t
 MODULE_POINTS: dict[str, dict[str, tuple[str, ...]]] = {
     "4.57": {"load_fsdp_optimizer": ("fsdp_plugin", "accelerator", "optimizer", "model", "input_dir",
                                      "optimizer_index"),
-             "load_fsdp_model": ("fsdp_plugin", "accelerator", "model", "input_dir", "model_index")},
+             "load_fsdp_model": ("fsdp_plugin", "accelerator", "model", "input_dir", "model_index"),
+             "save_fsdp_model": ("fsdp_plugin", "accelerator", "model", "output_dir", "model_index")},
     "5.24": {"load_fsdp_optimizer": ("fsdp_plugin", "accelerator", "optimizer", "model", "input_dir",
                                      "optimizer_index"),
-             "load_fsdp_model": ("fsdp_plugin", "accelerator", "model", "input_dir", "model_index")},
+             "load_fsdp_model": ("fsdp_plugin", "accelerator", "model", "input_dir", "model_index"),
+             "save_fsdp_model": ("fsdp_plugin", "accelerator", "model", "output_dir", "model_index")},
 }
 #: The points of the newest series listed: what an unlisted release is checked against (it runs native anyway
 #: unless the user set the override).
@@ -74,6 +78,8 @@ LOAD_OPTIMIZER = "load_fsdp_optimizer"
 """The wrapt path of the optimizer-restore point (a module binding), relative to ``transformers.trainer``."""
 LOAD_MODEL = "load_fsdp_model"
 """The wrapt path of the model-restore point (a module binding), relative to ``transformers.trainer``."""
+SAVE_MODEL = "save_fsdp_model"
+"""The wrapt path of the FSDP model-save point (a module binding), relative to ``transformers.trainer``."""
 
 
 def finalize_target(series: str) -> str:
@@ -151,6 +157,17 @@ def optimizer_load_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> d
     names = ("fsdp_plugin", "accelerator", "optimizer", "model", "input_dir", "optimizer_index", "adapter_only",
              "use_dcp")
     bound: dict[str, Any] = {"optimizer_index": 0, "adapter_only": False, "use_dcp": True}
+    bound.update(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+def model_save_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of a ``save_fsdp_model(fsdp_plugin, accelerator, model, output_dir, model_index=0,
+    adapter_only=False, use_dcp=True)`` call (Accelerate 1.15, as Trainer makes it) by name, with the defaults
+    filled in."""
+    names = ("fsdp_plugin", "accelerator", "model", "output_dir", "model_index", "adapter_only", "use_dcp")
+    bound: dict[str, Any] = {"model_index": 0, "adapter_only": False, "use_dcp": True}
     bound.update(zip(names, args))
     bound.update(kwargs)
     return bound

@@ -2,10 +2,11 @@
 
 ``install()`` wraps ``Trainer.train`` (the resume), ``Trainer._save_checkpoint`` (the save), the method that ends a
 run (its removal of every checkpoint but the best: ``internals.FINALIZE``), ``Trainer._load_rng_state`` (a resume's
-last read: the checkpoint is held in use until then) and the module's ``load_fsdp_optimizer`` and ``load_fsdp_model``
-bindings (the optimizer restore) of ``transformers.trainer`` exactly once; ``uninstall()`` puts
-the originals back. The wrappers only decide and hand off to :mod:`.resume`, :mod:`.save` and :mod:`.restore` (which
-acts only inside a protected resume: :func:`.restore.resuming`).
+last read: the checkpoint is held in use until then) and the module's ``load_fsdp_optimizer``, ``load_fsdp_model``
+(the optimizer restore) and ``save_fsdp_model`` (an FSDP1 PEFT model saved whole: :mod:`.adapters`) bindings of
+``transformers.trainer`` exactly once; ``uninstall()`` puts the originals back. The wrappers only decide and hand off
+to :mod:`.resume`, :mod:`.save` and :mod:`.restore` (which acts only inside a protected resume:
+:func:`.restore.resuming`).
 
 Protected when all hold: automatic dispatch is on (``VIDEOX_ACCELERATE_PATCHES`` unset or truthy); the installed
 transformers/torch/Accelerate are a validated row (:mod:`.versions`) or the override is set; the private points of
@@ -30,7 +31,8 @@ from weakref import WeakSet
 import wrapt
 
 from ..core.ranks import agree
-from .internals import LOAD_MODEL, LOAD_OPTIMIZER, LOAD_RNG, SAVE_CHECKPOINT, finalize_target, missing_points
+from .adapters import save_model, saving
+from .internals import LOAD_MODEL, LOAD_OPTIMIZER, LOAD_RNG, SAVE_CHECKPOINT, SAVE_MODEL, finalize_target, missing_points
 from .layout import backend
 from .restore import check_before_model_load, loaded, restore_optimizer, resuming, rng_loaded
 from .resume import resolve_resume
@@ -82,7 +84,8 @@ def _save_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: di
     if instance is None or not _protected(instance):
         return wrapped(*args, **kwargs)
     loaded(instance)  # a save comes after every load of a resume: its retention may remove what it resumed from
-    return protected_save(wrapped, instance, args, kwargs)
+    with saving(instance):  # an FSDP1 PEFT model is saved whole (``.adapters``)
+        return protected_save(wrapped, instance, args, kwargs)
 
 
 def _train_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -109,7 +112,7 @@ def _finalize_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs
 
 
 _WRAPPERS = {SAVE_CHECKPOINT: _save_wrapper, "Trainer.train": _train_wrapper, LOAD_OPTIMIZER: restore_optimizer,
-             LOAD_MODEL: check_before_model_load, LOAD_RNG: rng_loaded}
+             LOAD_MODEL: check_before_model_load, LOAD_RNG: rng_loaded, SAVE_MODEL: save_model}
 
 
 def _targets(module: Any) -> dict[str, Any]:
@@ -130,7 +133,7 @@ def _current(module: Any, target: str) -> Any:
 
 def install() -> None:
     """Wrap ``Trainer.train``, ``Trainer._save_checkpoint``, the end-of-training method, ``Trainer._load_rng_state``
-    and ``transformers.trainer.load_fsdp_optimizer`` and ``load_fsdp_model`` (idempotent)."""
+    and ``transformers.trainer.load_fsdp_optimizer``, ``load_fsdp_model`` and ``save_fsdp_model`` (idempotent)."""
     import transformers.trainer as module
 
     for target, wrapper in _targets(module).items():

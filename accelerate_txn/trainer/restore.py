@@ -41,6 +41,7 @@ from typing import Any
 from ..core.ranks import run_phase
 from ..fsdp import fsdp1, fsdp2
 from ..store.posix import InUse
+from .adapters import load_arguments
 from .internals import model_load_arguments, optimizer_load_arguments
 from .layout import backend, state_dict_type
 
@@ -136,4 +137,5 @@ def check_before_model_load(wrapped: Any, instance: Any, args: tuple[Any, ...], 
 
         run_phase(check, "Checking the checkpoint's optimizer state against the live optimizer, before the model "
                   "is loaded")
+    args, kwargs = load_arguments(trainer, kind, bound, args, kwargs)  # an FSDP1 PEFT model saved whole
     return wrapped(*args, **kwargs)
