@@ -113,9 +113,9 @@ def leaving_notice(store_key: str) -> bool:
     """Rank 1 destroys its default process group; rank 0 returns whether the leaving notice reached the store."""
     from datetime import timedelta
 
+    import accelerate  # noqa: F401  accelerate_txn wraps Accelerate (and destroy_process_group) when it is imported
     import torch.distributed as dist
 
-    import accelerate  # noqa: F401  accelerate_txn wraps Accelerate (and destroy_process_group) when it is imported
     import accelerate_txn  # noqa: F401  whatever VIDEOX_ACCELERATE_PATCHES says
     from accelerate_txn.core.ranks import ARRIVAL_PREFIX, LEFT_KEY
     from accelerate_txn.fsdp.internals import default_store
