@@ -152,6 +152,10 @@ def force_fsdp(accelerator: Any, plugin: Any) -> None:
     from accelerate.utils import DistributedType
 
     accelerator.state.distributed_type = DistributedType.FSDP
-    PartialState().distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
     accelerator.state.device = torch.device("cpu")
+    # PartialState too (the state TrainingArguments keeps): a gloo PartialState's device is "cpu:<local rank>",
+    # and FSDP1 refuses a device_id with an index on CPU when a copy of it reaches the Accelerator (bf16 does).
+    partial = PartialState()
+    partial.distributed_type = DistributedType.FSDP
+    partial.device = torch.device("cpu")

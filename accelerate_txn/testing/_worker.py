@@ -107,6 +107,24 @@ def force_fsdp_on_every_accelerator(settings: dict[str, Any], cpu_fsdp: types.Mo
     wrapt.wrap_function_wrapper(accelerate.utils.dataclasses, "FullyShardedDataParallelPlugin.__init__", plugin_init)
 
 
+def run_training_arguments_on_cpu() -> None:
+    """Every ``TrainingArguments`` (and subclass: TRL's configs) gets ``use_cpu=True`` before its own checks, once
+    the script imports transformers' ``training_args`` (a post-import hook: a script without transformers never
+    loads it). Without it, a GPU-less ``TrainingArguments`` sets up a 1-process job or a mismatched gloo group, and
+    ``bf16`` (TRL's default) is refused; with it, ``TrainingArguments`` joins the launcher's gloo job, and the
+    Trainer's ``Accelerator`` gets FSDP like any other (Trainer reads ``is_fsdp_enabled`` from its plugin)."""
+    import wrapt
+
+    def post_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        instance.use_cpu = True
+        return wrapped(*args, **kwargs)
+
+    def patch(module: types.ModuleType) -> None:
+        wrapt.wrap_function_wrapper(module, "TrainingArguments.__post_init__", post_init)
+
+    wrapt.register_post_import_hook(patch, "transformers.training_args")
+
+
 def run_file(path: str, args: list[str]) -> None:
     """Execute ``path`` as ``python path ARGS`` does: a new ``__main__`` module, ``sys.argv = [path, *args]``."""
     absolute = os.path.abspath(path)
@@ -153,6 +171,7 @@ def main() -> None:
     cpu_fsdp = load_cpu_fsdp()
     auto_wrap = resolve_auto_wrap(settings["auto_wrap"], cpu_fsdp)
     force_fsdp_on_every_accelerator(settings, cpu_fsdp, auto_wrap)
+    run_training_arguments_on_cpu()
     if module:
         sys.argv[:] = [target[1], *target[2:]]  # runpy replaces argv[0] with the module's file, as python -m does
         # python -m runs in the existing __main__, whose __builtins__ is the module (a fresh dict would get the dict)
