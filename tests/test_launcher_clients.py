@@ -155,3 +155,18 @@ def test_sft_killed_mid_save_resumes_and_ends_bitwise_equal(assets: Path, sft_re
     resumed = _sft(assets, tmp_path, fsdp, "--resume_from_checkpoint", str(tmp_path / "out" / "checkpoint-2")).check()
     assert _published(tmp_path) == [2, 4, 6], resumed.describe()
     assert _differences(sft_reference[fsdp], tmp_path, tmp_path) == []
+
+
+def test_sft_with_the_trainers_default_full_state_dict_is_refused_naming_the_fix(assets: Path, tmp_path: Path) -> None:
+    # `--fsdp full_shard` alone: the Trainer's plugin has FULL_STATE_DICT, whose native save crashes on CPU.
+    result = run_script(assets / "sft.py", [
+        "--model_name_or_path", str(assets / "model"), "--dataset_name", str(assets / "data"),
+        "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--report_to", "none", "--fsdp", "full_shard"],
+        num_processes=2, fsdp_version=2, timeout=TIMEOUT, cwd=tmp_path, env=_environment(assets, tmp_path))
+    assert result.returncode != 0, result.describe()
+    for output in result.output:  # every rank refuses, before training
+        assert "CheckpointConfigurationError: The script's FullyShardedDataParallelPlugin with state_dict_type " \
+               "FULL_STATE_DICT" in output, result.describe()
+        assert "--state-dict-type SHARDED_STATE_DICT" in output and \
+               "--fsdp_config's \"state_dict_type\": \"SHARDED_STATE_DICT\"" in output
+    assert not (tmp_path / "out").exists() or not _published(tmp_path)
