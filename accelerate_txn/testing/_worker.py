@@ -9,7 +9,10 @@ ARGS...``), with torchrun's environment. It
 2. imports Accelerate and wraps ``Accelerator.__init__``: every Accelerator the script constructs gets ``cpu=True``
    and then FSDP, with the plugin ``_cpu_fsdp.plugin_for_script`` makes of the script's own ``fsdp_plugin`` and the
    launcher's SETTINGS; ``FullyShardedDataParallelPlugin.__init__`` is wrapped so that a plugin the script builds
-   with ``sync_module_states`` or ``cpu_ram_efficient_loading`` (both need a GPU) gets them off;
+   with ``sync_module_states`` or ``cpu_ram_efficient_loading`` (both need a GPU) gets them off; and, once the
+   script imports transformers' ``training_args``, every ``TrainingArguments`` (TRL's configs are subclasses) gets
+   ``use_cpu=True`` (:func:`run_training_arguments_on_cpu`), so a Trainer script joins the gloo job and its
+   Trainer's ``Accelerator`` is wrapped like any other;
 3. runs the script as ``__main__``: a fresh module with the script's ``__file__`` and loader, ``sys.argv`` =
    ``[script, *args]``, compiled without this file's ``__future__`` flags; ``-m`` goes through ``runpy`` as
    ``python -m`` does. Its exit status, exceptions and tracebacks are the script's.
