@@ -22,7 +22,8 @@ EPILOG = """\
 Every worker runs SCRIPT as `python SCRIPT ARGS` would (sys.argv, __main__, the script's directory on sys.path),
 with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
 OMP_NUM_THREADS=1 unless set, and no visible GPU. Every Accelerator the script constructs runs FSDP on CPU with
-gloo. The launcher does not install accelerate-txn's checkpoint protection: the script's own
+gloo; every transformers TrainingArguments (TRL's configs too) gets use_cpu=True, so Trainer and TRL scripts run
+as the same FSDP job. The launcher does not install accelerate-txn's checkpoint protection: the script's own
 `import accelerate_txn` does, so the same script can be run with and without it.
 
 Options after SCRIPT are the script's. FSDP options not given come from a FullyShardedDataParallelPlugin the

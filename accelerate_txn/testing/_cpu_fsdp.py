@@ -123,7 +123,8 @@ def plugin_for_script(plugin: Any, *, fsdp_version: int | None = None, state_dic
             f"The script passes Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version="
             f"{plugin.fsdp_version}, ...)) but the launcher was asked for FSDP{fsdp_version}. Leave out the "
             "launcher's fsdp_version (--fsdp-version) to run the script's own, or make the version the script "
-            "builds its plugin with configurable.")
+            "builds its plugin with configurable (a transformers Trainer or TRL script: the \"version\" of its "
+            "--fsdp_config, 2 when not given).")
     if state_dict_type is not None:
         # set_state_dict_type keeps a config it finds: a FULL config under a SHARDED type would break the save.
         plugin.state_dict_config = None
@@ -132,9 +133,10 @@ def plugin_for_script(plugin: Any, *, fsdp_version: int | None = None, state_dic
     refuse_unsupported(
         plugin.state_dict_type,
         f"The script's FullyShardedDataParallelPlugin with state_dict_type {state_dict_kind(plugin.state_dict_type)} "
-        "(given, or Accelerate's FSDP1 default when none is)",
+        "(given, or the default of Accelerate's FSDP1 plugin or of the Trainer's --fsdp when none is)",
         "Override it with the launcher's state_dict_type='SHARDED_STATE_DICT' (--state-dict-type "
-        "SHARDED_STATE_DICT), the configuration accelerate-txn protects, or test FULL_STATE_DICT on GPUs.")
+        "SHARDED_STATE_DICT), the configuration accelerate-txn protects (a transformers Trainer or TRL script: or "
+        "its --fsdp_config's \"state_dict_type\": \"SHARDED_STATE_DICT\"), or test FULL_STATE_DICT on GPUs.")
     if auto_wrap is not KEEP_SCRIPT_POLICY:
         for name, value in auto_wrap_fields(auto_wrap, plugin.fsdp_version).items():
             setattr(plugin, name, value)
@@ -152,6 +154,10 @@ def force_fsdp(accelerator: Any, plugin: Any) -> None:
     from accelerate.utils import DistributedType
 
     accelerator.state.distributed_type = DistributedType.FSDP
-    PartialState().distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
     accelerator.state.device = torch.device("cpu")
+    # PartialState too (the state TrainingArguments keeps): a gloo PartialState's device is "cpu:<local rank>",
+    # and FSDP1 refuses a device_id with an index on CPU when a copy of it reaches the Accelerator (bf16 does).
+    partial = PartialState()
+    partial.distributed_type = DistributedType.FSDP
+    partial.device = torch.device("cpu")

@@ -360,8 +360,9 @@ def start_script(
     exactly as ``python script ARGS`` would (``sys.argv``, the script's directory first on ``sys.path``), with
     Accelerate imported first and every ``Accelerator`` the script constructs put on FSDP on CPU: ``cpu=True``,
     then the FSDP plugin (``sync_module_states`` and ``cpu_ram_efficient_loading`` off), as
-    :func:`fsdp_accelerator` does. It does not import accelerate-txn: the script's own ``import accelerate_txn``
-    decides whether checkpoints are protected.
+    :func:`fsdp_accelerator` does; every transformers ``TrainingArguments`` (TRL's configs too) is built with
+    ``use_cpu=True``, so a Trainer script's Trainer joins the job. It does not import accelerate-txn: the
+    script's own ``import accelerate_txn`` decides whether checkpoints are protected.
 
     FSDP settings (``None``: not given): ``fsdp_version`` 1 or 2; ``state_dict_type`` ``"SHARDED_STATE_DICT"`` or
     ``"LOCAL_STATE_DICT"`` (``"FULL_STATE_DICT"`` is refused: its native save crashes on CPU); ``auto_wrap`` the

@@ -9,7 +9,10 @@ ARGS...``), with torchrun's environment. It
 2. imports Accelerate and wraps ``Accelerator.__init__``: every Accelerator the script constructs gets ``cpu=True``
    and then FSDP, with the plugin ``_cpu_fsdp.plugin_for_script`` makes of the script's own ``fsdp_plugin`` and the
    launcher's SETTINGS; ``FullyShardedDataParallelPlugin.__init__`` is wrapped so that a plugin the script builds
-   with ``sync_module_states`` or ``cpu_ram_efficient_loading`` (both need a GPU) gets them off;
+   with ``sync_module_states`` or ``cpu_ram_efficient_loading`` (both need a GPU) gets them off; and, once the
+   script imports transformers' ``training_args``, every ``TrainingArguments`` (TRL's configs are subclasses) gets
+   ``use_cpu=True`` (:func:`run_training_arguments_on_cpu`), so a Trainer script joins the gloo job and its
+   Trainer's ``Accelerator`` is wrapped like any other;
 3. runs the script as ``__main__``: a fresh module with the script's ``__file__`` and loader, ``sys.argv`` =
    ``[script, *args]``, compiled without this file's ``__future__`` flags; ``-m`` goes through ``runpy`` as
    ``python -m`` does. Its exit status, exceptions and tracebacks are the script's.
@@ -124,6 +127,24 @@ def force_fsdp_on_every_accelerator(settings: dict[str, Any], cpu_fsdp: types.Mo
     wrapt.wrap_function_wrapper(accelerate.utils.dataclasses, "FullyShardedDataParallelPlugin.__init__", plugin_init)
 
 
+def run_training_arguments_on_cpu() -> None:
+    """Every ``TrainingArguments`` (and subclass: TRL's configs) gets ``use_cpu=True`` before its own checks, once
+    the script imports transformers' ``training_args`` (a post-import hook: a script without transformers never
+    loads it). Without it, a GPU-less ``TrainingArguments`` sets up a 1-process job or a mismatched gloo group, and
+    ``bf16`` (TRL's default) is refused; with it, ``TrainingArguments`` joins the launcher's gloo job, and the
+    Trainer's ``Accelerator`` gets FSDP like any other (Trainer reads ``is_fsdp_enabled`` from its plugin)."""
+    import wrapt
+
+    def post_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        instance.use_cpu = True
+        return wrapped(*args, **kwargs)
+
+    def patch(module: types.ModuleType) -> None:
+        wrapt.wrap_function_wrapper(module, "TrainingArguments.__post_init__", post_init)
+
+    wrapt.register_post_import_hook(patch, "transformers.training_args")
+
+
 def run_file(path: str, args: list[str]) -> None:
     """Execute ``path`` as ``python path ARGS`` does: a new ``__main__`` module, ``sys.argv = [path, *args]``."""
     absolute = os.path.abspath(path)
@@ -171,6 +192,7 @@ def main() -> None:
     cpu_fsdp = load_cpu_fsdp()
     auto_wrap = resolve_auto_wrap(settings["auto_wrap"], cpu_fsdp)
     force_fsdp_on_every_accelerator(settings, cpu_fsdp, auto_wrap)
+    run_training_arguments_on_cpu()
     if module:
         sys.argv[:] = [target[1], *target[2:]]  # runpy replaces argv[0] with the module's file, as python -m does
         # python -m runs in the existing __main__, whose __builtins__ is the module (a fresh dict would get the dict)
