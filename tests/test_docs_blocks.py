@@ -119,7 +119,7 @@ def _package_command_lines() -> list[tuple[str, list[str]]]:
     for block in blocks():
         if block.language != "bash":
             continue
-        for number, line in enumerate(block.code.splitlines(), start=block.line + 1):
+        for number, line in enumerate(block.code.replace("\\\n", " ").splitlines(), start=block.line + 1):
             try:
                 words = shlex.split(re.sub(r"\[(--?[\w-]+)[^\]]*\]", r"\1", line), comments=True)  # "[--full]"
             except ValueError:  # a line of a multi-line argument (python -c "...)
