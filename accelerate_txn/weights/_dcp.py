@@ -35,7 +35,7 @@ from ._common import (
     shapes,
 )
 from ._export import ShardPlan, check_layout, config_writer, resolve_shard_size, write_shards
-from ._peft import adapter_entries, check_adapter_config, read_adapter_config
+from ._peft import adapter_entries, check_adapter_config, peft_entries, read_adapter_config
 from ._publish import publish_export
 from ._read import check_matches_model
 
@@ -232,6 +232,13 @@ def _export_dcp(dcp_dir: PathLike, model_or_config_source: Any, output_dir: Path
     entries = _dcp_tensors(metadata, directory, prefix)
     write_config, expected = _config_source_writer(model_or_config_source, layout)
     names = {fqn[len(prefix):]: fqn for fqn in entries}
+    lora = peft_entries(names)
+    if lora:
+        raise CheckpointConfigurationError(
+            f"{directory} holds a PEFT model's state ({examples(lora)}), which {layout}'s from_pretrained cannot load "
+            "as the model: export its LoRA adapter with export_dcp_to_peft (accelerate-txn export --format peft) and "
+            "load it with PeftModel.from_pretrained over the base model."
+        )
     if expected is not None:
         check_matches_model({name: tuple(entries[fqn].size) for name, fqn in names.items()}, expected, directory)
     sizes = [

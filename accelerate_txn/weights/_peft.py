@@ -94,6 +94,11 @@ def check_adapter_config(config: Mapping[str, Any], where: str) -> None:
         )
 
 
+def peft_entries(names: Iterable[str]) -> list[str]:
+    """The names among ``names`` that only a PEFT model has: LoRA parameters and the base layers LoRA wraps."""
+    return sorted(name for name in names if (LORA_PARAMETERS | {"base_layer"}) & set(name.split(".")))
+
+
 def _adapter_component(parts: list[str]) -> int | None:
     """Index of the adapter-name component of a live LoRA name (``...lora_A.<adapter>.weight``), else ``None``."""
     for index in range(1, len(parts)):
