@@ -235,7 +235,7 @@ def _export_dcp(dcp_dir: PathLike, model_or_config_source: Any, output_dir: Path
     lora = peft_entries(names)
     if lora:
         raise CheckpointConfigurationError(
-            f"{directory} holds a PEFT model's state ({examples(lora)}), which {layout}'s from_pretrained cannot load "
+            f"{directory} holds a PEFT model's state ({examples(lora)}), which {layout} from_pretrained cannot load "
             "as the model: export its LoRA adapter with export_dcp_to_peft (accelerate-txn export --format peft) and "
             "load it with PeftModel.from_pretrained over the base model."
         )
