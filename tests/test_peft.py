@@ -13,11 +13,16 @@ Trainer (``peft.get_peft_model`` on a tiny Llama, ``force_fsdp_trainer``, ``save
   its live names with FSDP1) writes the adapter as PEFT's ``save_pretrained`` does (``--format peft``, chosen from the
   ``adapter_config.json`` the protected save adds): ``PeftModel.from_pretrained`` loads the trained adapter exactly;
   what cannot be exported by name is refused before anything is written. No training of its own: the fixture's run.
+
+Accelerate loop (``loop_roundtrip``, one job per FSDP version): ``save_state``/``load_state`` of the LoRA model restore
+it exactly, a flipped byte is refused on every rank; then (FSDP2) the final ``FULL_STATE_DICT`` save many LoRA scripts
+make runs native Accelerate, with the library's one "not protected" notice and no error.
 """
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,10 +104,25 @@ def test_a_killed_peft_trainer_save_resumes_exactly(trainer_runs: dict[str, Any]
         assert equal(final[rank]["optimizer"], reference[rank]["optimizer"])
 
 
+@pytest.fixture(scope="module")
+def loop_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], tuple[Path, list[dict[str, Any]]]]:
+    """The Accelerate loop job (``loop_roundtrip``) of an FSDP version, run once for every test reading it."""
+    done: dict[int, tuple[Path, list[dict[str, Any]]]] = {}
+
+    def run(version: int) -> tuple[Path, list[dict[str, Any]]]:
+        if version not in done:
+            root = tmp_path_factory.mktemp(f"peft_loop_fsdp{version}")
+            done[version] = root, launch(f"{ENTRY}:loop_roundtrip", 2, args=(str(root), version), timeout=TIMEOUT)
+        return done[version]
+
+    return run
+
+
 @pytest.mark.parametrize("version", [1, 2], ids=["fsdp1", "fsdp2"])
-def test_an_accelerate_loop_with_a_lora_model_saves_and_restores_it_exactly(tmp_path: Path, version: int) -> None:
-    results = launch(f"{ENTRY}:loop_roundtrip", 2, args=(str(tmp_path), version), timeout=TIMEOUT)
-    manifest = read_manifest(tmp_path / "checkpoint")
+def test_an_accelerate_loop_with_a_lora_model_saves_and_restores_it_exactly(
+        loop_runs: Callable[[int], tuple[Path, list[dict[str, Any]]]], version: int) -> None:
+    root, results = loop_runs(version)
+    manifest = read_manifest(root / "checkpoint")
     assert manifest is not None
     for result in results:
         # Every file save_state wrote (the model's and optimizer's shards included) is in the inventory.
@@ -115,6 +135,20 @@ def test_an_accelerate_loop_with_a_lora_model_saves_and_restores_it_exactly(tmp_
     # (FSDP1 may shard the small adapter onto one rank only: the adapter's changes are checked over the ranks.)
     assert any(result["moved"] for result in results) and any(result["adapter_trained"] for result in results)
     assert any(result["optimizer_saved"] for result in results)
+
+
+def test_a_lora_loop_switched_to_a_full_state_dict_save_runs_native_with_the_notice_and_no_error(
+        loop_runs: Callable[[int], tuple[Path, list[dict[str, Any]]]]) -> None:
+    # The final FULL_STATE_DICT save after sharded LoRA training (FSDP2; under FSDP1 torch 2.13's own full gather of
+    # this model segfaults on CPU, natively): a layout the protected path does not take.
+    root, results = loop_runs(2)
+    assert [result["full_error"] for result in results] == [None, None]
+    assert [result["full_warnings"] for result in results] == [[], []]  # no RuntimeWarning, ...
+    notice = results[0]["full_notices"]  # ... one "not protected" line, on the main process, naming the reason
+    assert len(notice) == 1 and "state_dict_type is FULL_STATE_DICT" in notice[0] and results[1]["full_notices"] == []
+    # Native Accelerate's full layout, no manifest: nothing claims the save is protected.
+    assert not (root / "full" / "checkpoint_manifest.json").exists() and read_manifest(root / "full") is None
+    assert {"pytorch_model_fsdp.bin", "optimizer.bin"} <= set(results[0]["full_files"])
 
 
 def test_a_flipped_byte_in_a_trainer_adapter_shard_is_refused_before_anything_loads(
