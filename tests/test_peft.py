@@ -21,6 +21,7 @@ make runs native Accelerate, with the library's one "not protected" notice and n
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -213,12 +214,17 @@ def test_a_peft_trainer_checkpoint_exports_the_adapter_peft_from_pretrained_load
     assert [name for name, value in trained.items() if not torch.equal(parameters[name].detach().flatten(), value)] == []
     initial = dict(fresh.named_parameters())
     assert all(not torch.equal(initial[name].detach().flatten(), value) for name, value in trained.items())
+    # The Python API, with the PEFT model as the configuration's source: the same adapter.
+    from accelerate_txn.weights import export_dcp_to_peft
+
+    export_dcp_to_peft(checkpoint, fresh, tmp_path / "api")
+    again = load_file(tmp_path / "api" / "adapter_model.safetensors")
+    assert set(again) == set(exported) and all(torch.equal(again[key], exported[key]) for key in exported)
+    assert json.loads((tmp_path / "api" / "adapter_config.json").read_text())["r"] == 4
 
 
 def test_what_cannot_be_exported_as_a_peft_adapter_is_refused_before_anything_is_written(
         trainer_runs: dict[str, Any], cli: Any, tmp_path: Path) -> None:
-    import json
-
     checkpoint = trainer_runs["reference_root"] / "checkpoint-6"
     config = json.loads((checkpoint / "adapter_config.json").read_text())
     for name, change, message in [("ia3", {"peft_type": "IA3"}, "only LoRA adapters"),
