@@ -218,7 +218,47 @@ def loop_roundtrip(root: str, version: int) -> dict[str, Any]:
     result["corrupt_untouched"] = (_equal_parts(after["params"]["adapter"], before["params"]["adapter"])
                                    and _equal_parts(after["params"]["base"], before["params"]["base"])
                                    and _equal_rows(after["optimizer"], before["optimizer"]))
+    if version == 2:  # (FSDP1: torch 2.13's own FULL_STATE_DICT gather of this LoRA model segfaults on CPU, natively)
+        result.update(_full_state_dict_save(accelerator, Path(root) / "full"))
     return result
+
+
+def _full_state_dict_save(accelerator: Any, directory: Path) -> dict[str, Any]:
+    """The final full save LoRA scripts make (``set_state_dict_type("FULL_STATE_DICT")`` after sharded training): a
+    layout the protected path does not take. Returns the library's warnings and notices, the error (``None``) and the
+    files written."""
+    import logging
+
+    class Notices(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.INFO)
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    plugin = accelerator.state.fsdp_plugin
+    plugin.state_dict_config = plugin.optim_state_dict_config = None  # the FULL configs, as Accelerate sets them
+    plugin.set_state_dict_type("FULL_STATE_DICT")
+    notices, logger = Notices(), logging.getLogger("accelerate_txn")
+    level = logger.level
+    logger.addHandler(notices)
+    logger.setLevel(logging.INFO)
+    error = None
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                accelerator.save_state(str(directory))
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+    finally:
+        logger.removeHandler(notices)
+        logger.setLevel(level)
+    accelerator.wait_for_everyone()
+    return {"full_warnings": [str(w.message) for w in caught if "accelerate-txn" in str(w.message)],
+            "full_notices": [line for line in notices.lines if "NOT protected" in line], "full_error": error,
+            "full_files": sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []}
 
 
 def _equal_parts(one: dict[str, Any], other: dict[str, Any]) -> bool:

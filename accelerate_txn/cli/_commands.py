@@ -689,68 +689,94 @@ def _dtype_name(_ctx: click.Context, _param: click.Parameter, value: str | None)
 
 
 #: --format values: "auto" decides from the config (``weights.config_layout``).
-FORMATS = ("auto", "transformers", "diffusers")
+FORMATS = ("auto", "transformers", "diffusers", "peft")
 
 
-def _export_config(checkpoint: Path | str, source: Path | str, config: Path | None) -> Path:
-    """The config.json to ship with an export: ``config`` (a file, or a directory holding one), else the one the
-    checkpoint carries (a Trainer checkpoint does; ``source`` is the local checkpoint or its downloaded copy); a usage
-    error saying what to pass when there is none."""
+def _config_name(layout: str, directory: Path) -> str:
+    """Which config file ``directory`` offers for ``layout``: a PEFT adapter's for ``peft`` (and for ``auto`` when it
+    has one), else the model's ``config.json``."""
+    if layout == "peft" or (layout == "auto" and (directory / remote.ADAPTER_CONFIG).is_file()):
+        return remote.ADAPTER_CONFIG
+    return remote.CONFIG
+
+
+def _export_config(checkpoint: Path | str, source: Path | str, config: Path | None, layout: str) -> Path:
+    """The config to ship with an export: ``config`` (a file, or a directory holding one), else the one the
+    checkpoint carries (a Trainer checkpoint does: ``config.json`` with a full model save, ``adapter_config.json`` for a
+    PEFT model under accelerate_txn; ``source`` is the local checkpoint or its downloaded copy); a usage error saying
+    what to pass when there is none."""
     if config is not None:
-        found = config / remote.CONFIG if config.is_dir() else config
+        found = config / _config_name(layout, config) if config.is_dir() else config
         if not found.is_file():
-            raise click.UsageError(f"{config} holds no {remote.CONFIG}: pass the model's config.json or its directory")
+            raise click.UsageError(f"{config} holds no {found.name}: pass the model's config.json (the adapter's "
+                                   "adapter_config.json for --format peft) or its directory")
         return found
-    carried = Path(source) / remote.CONFIG
+    name = _config_name(layout, Path(source))
+    carried = Path(source) / name
     if carried.is_file():
         return carried
     raise click.UsageError(
-        f"{checkpoint} carries no {remote.CONFIG} (an Accelerate save_state() checkpoint does not; a Trainer checkpoint "
+        f"{checkpoint} carries no {name} (an Accelerate save_state() checkpoint does not; a Trainer checkpoint "
         f"does): pass the model's config as CONFIG, 'accelerate-txn export {checkpoint} CONFIG OUTPUT', written by "
-        "model.config.save_pretrained(DIR) (transformers) or model.save_config(DIR) (Diffusers)")
+        "model.config.save_pretrained(DIR) (transformers), model.save_config(DIR) (Diffusers) or, for a PEFT "
+        "adapter, model.peft_config['default'].save_pretrained(DIR)")
 
 
 def _export_layout(chosen: str, config: Path) -> str:
-    """The export's file names: the --format given, or (auto) the one ``config`` asks for."""
+    """The export's file names: the --format given, or (auto) the one ``config`` asks for; an adapter config with a
+    model layout is refused (its adapter is exported with --format peft)."""
     import json
 
     from ..weights import config_layout
 
-    if chosen != "auto":
-        return chosen
     try:
         parsed = json.loads(config.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise click.UsageError(f"{config} is not a readable JSON config ({exc}): pass the model's config.json") from None
-    return config_layout(parsed)
+    asked = config_layout(parsed)
+    if chosen == "auto":
+        return asked
+    if asked == "peft" and chosen != "peft":
+        raise click.UsageError(f"{config} is a PEFT adapter's config: export the adapter with --format peft, or pass "
+                               f"the base model's config.json for --format {chosen}")
+    return chosen
 
 
-@click.command("export", short_help="Export a checkpoint's model to transformers or Diffusers safetensors.")
+@click.command("export", short_help="Export a checkpoint's model (or LoRA adapter) to safetensors for from_pretrained.")
 @click.argument("checkpoint", type=_LOCATION)
 @click.argument("paths", nargs=-1, required=True, metavar="[CONFIG] OUTPUT",
                 type=remote.Location(local=click.Path(path_type=Path)))
 @click.option("--format", "layout", type=click.Choice(FORMATS), default="auto", show_default=True,
               help="File names: transformers (model.safetensors, or model-0000i-of-0000n.safetensors + "
-              "model.safetensors.index.json) or diffusers (diffusion_pytorch_model-*). auto: transformers when the "
-              "config has model_type and no _class_name, else diffusers.")
+              "model.safetensors.index.json), diffusers (diffusion_pytorch_model-*) or peft (a LoRA adapter: "
+              "adapter_model.safetensors + adapter_config.json, for PeftModel.from_pretrained). auto: peft for an "
+              "adapter_config.json (given, or carried by the checkpoint), transformers when the config has model_type "
+              "and no _class_name, else diffusers.")
 @click.option("--max-shard-size", default="5GiB", show_default=True,
-              help="Bytes per shard: a number, or with a unit: 5GiB = 5*2**30 (the API default), 5GB = 5*10**9.")
+              help="Bytes per shard: a number, or with a unit: 5GiB = 5*2**30 (the API default), 5GB = 5*10**9. "
+              "Not for --format peft (an adapter is one file).")
 @click.option("--dtype", callback=_dtype_name,
               help="Cast floating tensors: bf16, fp16, fp32 (or bfloat16, float16, half, float32, float, ...).")
+@click.option("--adapter-name", default="default", show_default=True,
+              help="peft: the adapter to export from a checkpoint holding the whole PEFT model (its live names, "
+              "e.g. lora_A.default.weight).")
 @_json_option
-def export_command(checkpoint: Path | str, paths: tuple[Path | str, ...], layout: str, max_shard_size: str,
-                   dtype: str | None, as_json: bool) -> int:
-    """Export a checkpoint's model to sharded safetensors that from_pretrained loads (transformers or Diffusers).
+@click.pass_context
+def export_command(ctx: click.Context, checkpoint: Path | str, paths: tuple[Path | str, ...], layout: str,
+                   max_shard_size: str, dtype: str | None, adapter_name: str, as_json: bool) -> int:
+    """Export a checkpoint's model to sharded safetensors that from_pretrained loads (transformers or Diffusers), or
+    a PEFT model's LoRA adapter to the files PeftModel.from_pretrained loads.
 
     CHECKPOINT is a checkpoint directory (with pytorch_model_fsdp_0/), a DCP directory, or an s3:// checkpoint (its
     model state is downloaded into a temporary directory first, each file verified); CONFIG the model's config.json
-    (or its directory), shipped with the weights: without it, the config.json the checkpoint carries (a Trainer
-    checkpoint does); OUTPUT the export directory (replaced atomically). CONFIG and OUTPUT are local.
+    (or its directory), or the adapter's adapter_config.json, shipped with the weights: without it, the one the
+    checkpoint carries (a Trainer checkpoint does); OUTPUT the export directory (replaced atomically). CONFIG and
+    OUTPUT are local.
     """
     import torch
 
     from ..errors import CheckpointConfigurationError
-    from ..weights import export_dcp_to_diffusers, export_dcp_to_transformers, resolve_shard_size
+    from ..weights import export_dcp_to_diffusers, export_dcp_to_peft, export_dcp_to_transformers, resolve_shard_size
 
     if len(paths) > 2:
         raise click.UsageError(f"export takes CHECKPOINT [CONFIG] OUTPUT: got {len(paths) + 1} paths")
@@ -762,16 +788,27 @@ def export_command(checkpoint: Path | str, paths: tuple[Path | str, ...], layout
     except CheckpointConfigurationError as exc:
         raise click.BadParameter(str(exc), param_hint="'--max-shard-size'") from None
     cast = getattr(torch, dtype) if dtype else None
+    given = ctx.get_parameter_source("max_shard_size") != click.core.ParameterSource.DEFAULT
     with remote.model_copy(str(checkpoint)) if remote.is_url(checkpoint) else contextlib.nullcontext(checkpoint) as source:
-        config_file = _export_config(checkpoint, source, config)  # type: ignore[arg-type]
+        config_file = _export_config(checkpoint, source, config, layout)  # type: ignore[arg-type]
         chosen = _export_layout(layout, config_file)
-        exporter = export_dcp_to_transformers if chosen == "transformers" else export_dcp_to_diffusers
-        result = exporter(source, config_file, output, size, dtype=cast)
+        if chosen == "peft":
+            if given:
+                raise click.UsageError("--max-shard-size does not apply to --format peft: PEFT loads an adapter from "
+                                       "one adapter_model.safetensors, never from shards")
+            result = export_dcp_to_peft(source, config_file, output, adapter_name=adapter_name, dtype=cast)
+        else:
+            exporter = export_dcp_to_transformers if chosen == "transformers" else export_dcp_to_diffusers
+            result = exporter(source, config_file, output, size, dtype=cast)
     files = sorted(p.name for p in Path(result).iterdir())
-    shown_config = str(config) if config is not None else f"{checkpoint}/{remote.CONFIG}"
+    shown_config = str(config) if config is not None else f"{checkpoint}/{config_file.name}"
     if as_json:
         out.emit_json({"checkpoint": str(checkpoint), "output": str(result), "format": chosen, "config": shown_config,
-                       "max_shard_size": size, "dtype": dtype, "files": files})
+                       "max_shard_size": None if chosen == "peft" else size, "dtype": dtype, "files": files,
+                       "adapter_name": adapter_name if chosen == "peft" else None})
+    elif chosen == "peft":
+        out.say(f"exported {checkpoint} -> {result} (PEFT adapter {adapter_name!r}: {', '.join(files)}; config from "
+                f"{shown_config})")
     else:
         out.say(f"exported {checkpoint} -> {result} ({chosen} file names, {len(files)} files, shards of at most "
                 f"{size:,} bytes; config from {shown_config})")

@@ -38,6 +38,8 @@ URL_FORMS = "s3://BUCKET/PREFIX (a prefix of checkpoint_N) or s3://BUCKET/PREFIX
 MODEL_DIR = "pytorch_model_fsdp_0"
 #: The model config a checkpoint may carry (a Trainer's save_model writes it), for ``export`` without CONFIG.
 CONFIG = "config.json"
+#: The adapter config a checkpoint of a PEFT model may carry (a protected Trainer save writes it), for ``export``.
+ADAPTER_CONFIG = "adapter_config.json"
 _STORES: dict[str, ObjectStore] = {}
 
 
@@ -324,15 +326,15 @@ def prune(url: str, run_id: str, keep: int, newest: str) -> list[str]:
 @contextlib.contextmanager
 def model_copy(url: str, model_dir: str = MODEL_DIR) -> Iterator[Path]:
     """A temporary directory holding the DCP model state ``model_dir/`` of the checkpoint at ``url`` and the
-    ``config.json`` it carries, if any (after the listing check, each file verified as it is downloaded), for
-    ``export``."""
+    ``config.json`` and ``adapter_config.json`` it carries, if any (after the listing check, each file verified as it is
+    downloaded), for ``export``."""
     manifest = checkpoint_manifest(url, "export")
     objects.check_listing(store(url), url, manifest, private_patterns(manifest))
     names = sorted(name for name in manifest["files"] if name.startswith(model_dir + "/"))
     if not names:
         raise NoCheckpointError(f"{url} holds no torch.distributed.checkpoint model state ({model_dir}/, Accelerate's "
                                 "FSDP SHARDED_STATE_DICT layout): nothing to export")
-    names += [name for name in (CONFIG,) if name in manifest["files"]]  # the model config a checkpoint carries
+    names += [name for name in (CONFIG, ADAPTER_CONFIG) if name in manifest["files"]]  # the configs it carries
     with tempfile.TemporaryDirectory(prefix="accelerate-txn-export-") as scratch:
         objects.download(store(url), url, manifest, names, Path(scratch), sync=False, listed=True)
         try:

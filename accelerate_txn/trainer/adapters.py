@@ -12,6 +12,11 @@ wrapper of ``transformers.trainer.save_fsdp_model``) saves a PEFT model with ``a
 model, frozen base weights and adapter, which the manifest then lists and verifies like any model shard. On a protected
 FSDP1 resume, :func:`load_arguments` loads such a checkpoint with ``adapter_only=False`` as well (only when its model
 metadata holds tensors: a native adapter-only checkpoint, empty, loads natively). Everything else is unchanged.
+
+Every protected save of a PEFT model (FSDP1 or FSDP2) also writes the active adapter's ``adapter_config.json`` into the
+checkpoint (:func:`write_adapter_config`; Trainer writes it only with a ``FULL_STATE_DICT`` model save, through
+``save_pretrained``), listed and verified like every file: what ``accelerate-txn export --format peft`` needs to
+publish the adapter as ``PeftModel.from_pretrained`` loads it.
 """
 
 from __future__ import annotations
@@ -44,6 +49,24 @@ def _peft_model(model: Any) -> bool:
     from accelerate.utils import is_peft_model
 
     return bool(is_peft_model(model))
+
+
+#: The file PEFT's ``save_pretrained`` writes the adapter's configuration into (``peft.utils.CONFIG_NAME``).
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def write_adapter_config(trainer: Any, tree: Path) -> bool:
+    """Rank 0 of a protected save: write the active adapter's ``adapter_config.json`` into the staged checkpoint
+    ``tree`` when Trainer's model is a PEFT model and the native save wrote none. Returns whether it wrote one."""
+    model = getattr(trainer, "model", None)
+    if model is None or not _peft_model(model) or (tree / ADAPTER_CONFIG).exists():
+        return False
+    adapter = getattr(model, "active_adapter", "default")
+    config = getattr(model, "peft_config", {}).get(adapter)
+    if config is None:
+        return False
+    config.save_pretrained(str(tree))  # writes exactly adapter_config.json, as PeftModel.save_pretrained does
+    return True
 
 
 def _full_save(trainer: Any, bound: dict[str, Any]) -> bool:

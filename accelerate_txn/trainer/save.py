@@ -10,7 +10,8 @@ each step a rank phase (a failure anywhere raises the same error everywhere):
 3. the native save runs with Trainer's run directory pointed at that staging directory (``internals``), so it
    writes ``.../staging/checkpoint-N/`` (model, optimizer, scheduler, scaler, RNG, ``trainer_state.json``) and its
    own rotation finds nothing to delete there; paths Trainer recorded into staging (``best_model_checkpoint``) are
-   mapped to the published path, and rank 0 rewrites ``trainer_state.json`` with them;
+   mapped to the published path, and rank 0 rewrites ``trainer_state.json`` with them; for a PEFT model rank 0
+   adds the adapter's ``adapter_config.json`` (``adapters.write_adapter_config``);
 4. every rank hashes (XXH3-128) and fsyncs the files it wrote (its DCP shards and RNG file; rank 0 the shared ones);
 5. rank 0 checks that the rows cover exactly the staged tree and every file a resume reads (every rank's RNG file,
    the DCP metadata, ``trainer_state.json``) and that every DCP tensor is covered, fsyncs the directories, writes
@@ -65,6 +66,7 @@ from ..store.posix import (
     replace_directory,
     staging_leftovers,
 )
+from .adapters import ADAPTER_CONFIG, write_adapter_config
 from .internals import finalize_trial, output_dir, redirected_output_dir, save_arguments
 from .layout import FRONTEND, RANK_TEMPLATES, TRAINER_STATE, check_files, required_files, training_record
 from .versions import trainer_versions
@@ -230,6 +232,7 @@ def protected_save(wrapped: Any, trainer: Any, args: tuple[Any, ...], kwargs: di
 
         result = run_phase(native, f"Saving the Trainer checkpoint into {tree}")
         run_phase(lambda: _map_recorded_paths(trainer, staging, run_dir, tree), "Recording the published paths")
+        on_main(lambda: write_adapter_config(trainer, tree), f"Writing the adapter's {ADAPTER_CONFIG} into {tree}")
         faults.point("save:after-native-save")
         record = {**training_record(trainer), "versions": trainer_versions()}
         rows = gather_rows(run_phase(lambda: _own_rows(tree), "Hashing and flushing the staged checkpoint"),

@@ -5,7 +5,8 @@ Guarantees (each is pinned by ``tests/test_weights.py``):
 * **Validate everything, then change anything.** Every loader reads the safetensors headers (or, for ``.bin``
   files, the ``weights_only`` payload) of every file first and checks keys, shapes, duplicates and the index
   against the model before a single parameter is touched. Partial checkpoints and adapter (LoRA) files are
-  rejected with a message naming what is missing / unexpected.
+  rejected with a message naming what is missing / unexpected (an adapter is exported with
+  :func:`export_dcp_to_peft`, for PEFT's own loader).
 * **Bounded memory.** Exports consume the state dict shard by shard; loaders read one file at a time; the DCP
   export materialises one shard at a time. Peak extra memory is about one shard, not the model (about two for
   the DCP export with a dtype cast).
@@ -31,11 +32,14 @@ Layout (one concern per private module; this package only re-exports):
   :func:`copy_diffusers_checkpoint`, :func:`load_diffusers_checkpoint`, :func:`is_complete_diffusers_checkpoint`.
 * ``_fingerprint``: :func:`checkpoint_fingerprint`.
 * ``_dcp``: :func:`export_dcp_to_diffusers`, :func:`export_dcp_to_transformers` (transformers' file names:
-  ``model.safetensors``, or ``model-*-of-*`` shards and ``model.safetensors.index.json``) and their DCP helpers.
+  ``model.safetensors``, or ``model-*-of-*`` shards and ``model.safetensors.index.json``),
+  :func:`export_dcp_to_peft` (a LoRA adapter as ``adapter_model.safetensors`` + ``adapter_config.json``) and their DCP
+  helpers.
+* ``_peft``: a LoRA adapter's configuration and entries in a checkpoint, under PEFT's saved names.
 """
 
 from ._dcp import config_layout as config_layout  # for the CLI; not in __all__
-from ._dcp import export_dcp_to_diffusers, export_dcp_to_transformers
+from ._dcp import export_dcp_to_diffusers, export_dcp_to_peft, export_dcp_to_transformers
 from ._export import resolve_shard_size as resolve_shard_size  # for the CLI; not in __all__
 from ._export import save_diffusers_state_dict
 from ._fingerprint import FingerprintEntry, checkpoint_fingerprint
@@ -53,6 +57,7 @@ __all__ = [
     "checkpoint_fingerprint",
     "copy_diffusers_checkpoint",
     "export_dcp_to_diffusers",
+    "export_dcp_to_peft",
     "export_dcp_to_transformers",
     "is_complete_diffusers_checkpoint",
     "load_diffusers_checkpoint",

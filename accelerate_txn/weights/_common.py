@@ -19,8 +19,12 @@ BIN_WEIGHTS_NAME = "diffusion_pytorch_model.bin"
 #: The names ``transformers`` ``from_pretrained`` loads: one file, or shards with their index.
 TRANSFORMERS_WEIGHTS_NAME = "model.safetensors"
 TRANSFORMERS_INDEX_NAME = "model.safetensors.index.json"
-#: Export layouts: file names of Diffusers (``diffusion_pytorch_model*``) or of transformers (``model*``).
-DIFFUSERS, TRANSFORMERS = "diffusers", "transformers"
+#: The names PEFT's ``save_pretrained`` writes and ``PeftModel.from_pretrained`` loads (one file, never sharded).
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+#: Export layouts: file names of Diffusers (``diffusion_pytorch_model*``), of transformers (``model*``) or of a PEFT
+#: adapter (``adapter_model.safetensors``).
+DIFFUSERS, TRANSFORMERS, PEFT = "diffusers", "transformers", "peft"
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
 DCP_MODEL_PREFIX = "model."
 #: The model directory Accelerate's FSDP ``SHARDED_STATE_DICT`` save writes inside a checkpoint.
@@ -28,9 +32,9 @@ ACCELERATE_FSDP_MODEL_DIR = "pytorch_model_fsdp_0"
 
 _EXAMPLES = 5  # how many keys an error message lists before "and N more"
 #: The files of an export besides its ``diffusion_pytorch_model*`` weights (kept by re-exports, fingerprinted).
-EXPORT_FILES = (CONFIG_NAME, SAFETENSORS_INDEX_NAME, BIN_INDEX_NAME, TRANSFORMERS_INDEX_NAME)
-#: How every weight file of an export (either layout) starts: what a re-export may replace.
-EXPORT_WEIGHT_PREFIXES = ("diffusion_pytorch_model", "model-", TRANSFORMERS_WEIGHTS_NAME)
+EXPORT_FILES = (CONFIG_NAME, SAFETENSORS_INDEX_NAME, BIN_INDEX_NAME, TRANSFORMERS_INDEX_NAME, ADAPTER_CONFIG_NAME)
+#: How every weight file of an export (any layout) starts: what a re-export may replace.
+EXPORT_WEIGHT_PREFIXES = ("diffusion_pytorch_model", "model-", TRANSFORMERS_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME)
 
 
 def examples(keys: list[str]) -> str:

@@ -1,5 +1,6 @@
-"""Offline export of a sharded training checkpoint (``torch.distributed.checkpoint``): :func:`export_dcp_to_diffusers`
-and :func:`export_dcp_to_transformers` (the same export under transformers' file names).
+"""Offline export of a sharded training checkpoint (``torch.distributed.checkpoint``): :func:`export_dcp_to_diffusers`,
+:func:`export_dcp_to_transformers` (the same export under transformers' file names) and :func:`export_dcp_to_peft`
+(a PEFT model's LoRA adapter, as PEFT's ``save_pretrained`` writes it; names: :mod:`._peft`).
 
 ``.metadata`` is read with a restricted unpickler (:func:`_read_dcp_metadata`), tensors with ``weights_only=True``;
 the output is planned, written and published exactly as by :func:`~._export.save_diffusers_state_dict`.
@@ -20,10 +21,12 @@ from ..core.manifest import check_dcp_payloads, read_manifest, verify_manifest
 from ..errors import CheckpointConfigurationError, CheckpointIntegrityError, NoCheckpointError
 from ._common import (
     ACCELERATE_FSDP_MODEL_DIR,
+    ADAPTER_CONFIG_NAME,
     CONFIG_NAME,
     DCP_MODEL_PREFIX,
     DEFAULT_MAX_SHARD_SIZE,
     DIFFUSERS,
+    PEFT,
     TRANSFORMERS,
     PathLike,
     check_dtype,
@@ -32,6 +35,7 @@ from ._common import (
     shapes,
 )
 from ._export import ShardPlan, check_layout, config_writer, resolve_shard_size, write_shards
+from ._peft import adapter_entries, check_adapter_config, peft_entries, read_adapter_config
 from ._publish import publish_export
 from ._read import check_matches_model
 
@@ -136,9 +140,11 @@ class _DCPSingleProcessLoader:
 
 
 def config_layout(config: Any) -> str:
-    """The export layout a parsed ``config.json`` asks for: ``"transformers"`` when it has ``model_type`` (every
-    transformers config records it) and not Diffusers' ``_class_name``; else ``"diffusers"`` (the layout every
-    export had before there was a choice)."""
+    """The export layout a parsed config asks for: ``"peft"`` for a PEFT ``adapter_config.json`` (it has
+    ``peft_type``); ``"transformers"`` when it has ``model_type`` (every transformers config records it) and not
+    Diffusers' ``_class_name``; else ``"diffusers"`` (the layout every export had before there was a choice)."""
+    if isinstance(config, dict) and "peft_type" in config:
+        return PEFT
     if isinstance(config, dict) and "model_type" in config and "_class_name" not in config:
         return TRANSFORMERS
     return DIFFUSERS
@@ -226,6 +232,13 @@ def _export_dcp(dcp_dir: PathLike, model_or_config_source: Any, output_dir: Path
     entries = _dcp_tensors(metadata, directory, prefix)
     write_config, expected = _config_source_writer(model_or_config_source, layout)
     names = {fqn[len(prefix):]: fqn for fqn in entries}
+    lora = peft_entries(names)
+    if lora:
+        raise CheckpointConfigurationError(
+            f"{directory} holds a PEFT model's state ({examples(lora)}), which {layout} from_pretrained cannot load "
+            "as the model: export its LoRA adapter with export_dcp_to_peft (accelerate-txn export --format peft) and "
+            "load it with PeftModel.from_pretrained over the base model."
+        )
     if expected is not None:
         check_matches_model({name: tuple(entries[fqn].size) for name, fqn in names.items()}, expected, directory)
     sizes = [
@@ -245,6 +258,66 @@ def _export_dcp(dcp_dir: PathLike, model_or_config_source: Any, output_dir: Path
 
     def write(staging: Path) -> None:
         write_config(staging)
+        write_shards(staging, plan, fetch, dtype)
+
+    return publish_export(output_dir, write)
+
+
+def export_dcp_to_peft(
+    dcp_dir: PathLike,
+    adapter_config_source: Any,
+    output_dir: PathLike,
+    *,
+    adapter_name: str = "default",
+    dtype: torch.dtype | None = None,
+    prefix: str = DCP_MODEL_PREFIX,
+) -> Path:
+    """Export the LoRA adapter of a PEFT model's sharded training checkpoint as PEFT's ``save_pretrained`` writes it:
+    ``adapter_model.safetensors`` (one file: PEFT loads no shards) and ``adapter_config.json``, which
+    ``peft.PeftModel.from_pretrained(base_model, output_dir)`` loads.
+
+    ``dcp_dir``: as for :func:`export_dcp_to_diffusers` (a protected checkpoint is verified against its manifest
+    first). Its model entries may be the adapter alone under PEFT's saved names (Trainer under FSDP2) or the whole
+    PEFT model under its live names (Trainer under FSDP1 with this library): then only the entries of
+    ``adapter_name`` are read, renamed as PEFT saves them (``...lora_A.default.weight`` -> ``...lora_A.weight``).
+    ``adapter_config_source``: ``adapter_config.json`` (or its directory; a protected Trainer checkpoint of a PEFT
+    model carries one), a PEFT config such as ``LoraConfig``, or the PEFT model.
+
+    Refuses with :class:`CheckpointConfigurationError` an adapter that is not LoRA, a LoRA training biases, entries
+    of the adapter that are no LoRA parameter (``modules_to_save``, trainable tokens) and a missing ``adapter_name``
+    (naming the adapters there are); with :class:`CheckpointIntegrityError` a checkpoint holding no adapter (a native
+    FSDP1 Trainer save of a PEFT model holds no tensor at all). Memory: the adapter's tensors only; dtype rule and
+    atomic publish are those of :func:`save_diffusers_state_dict`.
+    """
+    check_dtype(dtype)
+    config, write_config = read_adapter_config(adapter_config_source, adapter_name)
+    check_adapter_config(config, str(dcp_dir))
+    directory = _locate_dcp(Path(dcp_dir))
+    metadata = _read_dcp_metadata(directory)
+    if not metadata.state_dict_metadata:
+        raise CheckpointIntegrityError(
+            f"{directory} holds no tensor: nothing to export. A native FSDP1 Trainer save of a PEFT model writes none "
+            "(Trainer saves it adapter_only, and the adapter's names do not match under FSDP1); a Trainer protected by "
+            "accelerate_txn saves the whole model there. Export from such a checkpoint."
+        )
+    entries = _dcp_tensors(metadata, directory, prefix)
+    names = adapter_entries([fqn[len(prefix):] for fqn in entries], adapter_name, str(directory))
+    stored = {saved: prefix + name for saved, name in names.items()}
+    sizes = [(saved, entries[fqn].size.numel() * output_dtype(dtype, entries[fqn].properties.dtype).itemsize)
+             for saved, fqn in stored.items()]
+    plan = ShardPlan.build(sizes, sum(size for _name, size in sizes) or 1, Path(output_dir), PEFT)
+    loader = _DCPSingleProcessLoader(directory, metadata)
+
+    def fetch(keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        targets = {stored[key]: torch.empty(tuple(entries[stored[key]].size), dtype=entries[stored[key]].properties.dtype)
+                   for key in keys}
+        loader.load(targets)
+        return {key: targets[stored[key]] for key in keys}
+
+    def write(staging: Path) -> None:
+        write_config(staging)
+        if not (staging / ADAPTER_CONFIG_NAME).is_file():
+            raise CheckpointConfigurationError(f"The adapter configuration's save_pretrained wrote no {ADAPTER_CONFIG_NAME}.")
         write_shards(staging, plan, fetch, dtype)
 
     return publish_export(output_dir, write)

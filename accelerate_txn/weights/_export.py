@@ -18,8 +18,10 @@ from safetensors.torch import save_file
 
 from ..errors import CheckpointConfigurationError
 from ._common import (
+    ADAPTER_WEIGHTS_NAME,
     DEFAULT_MAX_SHARD_SIZE,
     DIFFUSERS,
+    PEFT,
     SAFETENSORS_INDEX_NAME,
     TRANSFORMERS,
     TRANSFORMERS_INDEX_NAME,
@@ -49,7 +51,10 @@ def _file_mode() -> int:
 
 def _shard_name(index: int, count: int, layout: str = DIFFUSERS) -> str:
     """A shard's file name: Diffusers' (always numbered, with an index) or transformers' (``model.safetensors``
-    alone, else numbered ``model-0000i-of-0000n.safetensors`` with an index), as each library's loader expects."""
+    alone, else numbered ``model-0000i-of-0000n.safetensors`` with an index) or PEFT's (``adapter_model.safetensors``,
+    one file: PEFT loads no shards), as each library's loader expects."""
+    if layout == PEFT:
+        return ADAPTER_WEIGHTS_NAME
     if layout == TRANSFORMERS:
         return TRANSFORMERS_WEIGHTS_NAME if count == 1 else f"model-{index:05d}-of-{count:05d}.safetensors"
     return f"diffusion_pytorch_model-{index:05d}-of-{count:05d}.safetensors"
@@ -140,7 +145,9 @@ class ShardPlan:
             yield _shard_name(number, len(self.shards), self.layout), keys
 
     def index_name(self) -> str | None:
-        """The index file's name; ``None`` where the layout has none (a single transformers file)."""
+        """The index file's name; ``None`` where the layout has none (a single transformers file, a PEFT adapter)."""
+        if self.layout == PEFT:
+            return None
         if self.layout == TRANSFORMERS:
             return TRANSFORMERS_INDEX_NAME if len(self.shards) > 1 else None
         return SAFETENSORS_INDEX_NAME
