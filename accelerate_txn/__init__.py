@@ -11,6 +11,7 @@ from __future__ import annotations
 from .accelerate.autopatch import install_on_import
 from .errors import (
     CheckpointArrivalError,
+    CheckpointAuthenticationError,
     CheckpointConfigurationError,
     CheckpointError,
     CheckpointExistsError,
@@ -105,6 +106,7 @@ __all__ = [
     "MANIFEST",
     "PROTOCOL",
     "CheckpointArrivalError",
+    "CheckpointAuthenticationError",
     "CheckpointConfigurationError",
     "CheckpointError",
     "CheckpointExistsError",

@@ -36,6 +36,12 @@ class CheckpointIntegrityError(CheckpointError, ValueError):
     """A checkpoint on disk is incomplete, truncated, altered or not a checkpoint at all."""
 
 
+class CheckpointAuthenticationError(CheckpointIntegrityError):
+    """Verification keys are configured and a checkpoint's manifest carries no authenticator, an authenticator that
+    does not match its content, or one made with a key that is not configured: it may be forged. An integrity error
+    too, so automatic selection skips such a candidate as it skips a damaged one."""
+
+
 class CheckpointConfigurationError(CheckpointError, ValueError):
     """The live training configuration does not match the checkpoint, or the library is misconfigured."""
 
@@ -66,6 +72,7 @@ class NonFiniteStateError(CheckpointError, ValueError):
 
 __all__ = [
     "CheckpointArrivalError",
+    "CheckpointAuthenticationError",
     "CheckpointConfigurationError",
     "CheckpointError",
     "CheckpointExistsError",

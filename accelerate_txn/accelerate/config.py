@@ -17,6 +17,7 @@ from weakref import WeakKeyDictionary, ref
 import torch
 
 from ..core.remote import SCHEMES, is_url
+from ..core.signing import Keyring, environment_paths, keyring
 from ..errors import CheckpointConfigurationError, RestoreFailedError
 from ..fsdp.optimizer_state import raw_optimizer
 from .internals import prepared_optimizers
@@ -97,6 +98,10 @@ class CheckpointConfig:
     resharded_from: dict[str, Any] | None = None
     mirror: str | None = None  # an object-store prefix every published checkpoint is uploaded to (``accelerate.remote``)
     cache_dir: Path | None = None  # local copies of object-store checkpoints (None: ``core.remote.default_cache_root``)
+    # Key files (``core.signing``): the paths, and the keys read from them (never logged, stored or compared in clear).
+    signing_key: str | None = None
+    verification_keys: tuple[str, ...] = ()
+    keys: Keyring = field(default_factory=Keyring)
     failed: bool = False
     step_guards: list[Any] = field(default_factory=list)
 
@@ -108,9 +113,11 @@ def checkpoint_config(accelerator: Any) -> CheckpointConfig:
     """The configuration of ``accelerator`` (created with defaults on first use)."""
     config = _CONFIGS.get(accelerator)
     if config is None:
+        signing, verify = environment_paths()  # key files named by the environment (ACCELERATE_TXN_*)
         config = CheckpointConfig(
             check_finite=os.environ.get(FINITE_ENV, "0").strip() == "1", lock_timeout=_lock_timeout_from_env(),
-            arrival_timeout=_arrival_timeout_from_env(),
+            arrival_timeout=_arrival_timeout_from_env(), signing_key=signing, verification_keys=tuple(verify),
+            keys=keyring(signing, verify),
         )
         _CONFIGS[accelerator] = config
     return config
@@ -203,6 +210,8 @@ def configure_checkpointing(
     accept_changes: Iterable[str] | None = None,
     mirror: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    signing_key: str | os.PathLike[str] | None = None,
+    verification_keys: Iterable[str | os.PathLike[str]] | None = None,
 ) -> Any:
     """Configure protected checkpoints of one Accelerator; returns it.
 
@@ -270,6 +279,15 @@ def configure_checkpointing(
       mirror) are kept locally: the save is published there first, then uploaded; a restore downloads into it and
       verifies before anything is loaded. It must be visible to every rank of a node; it holds the newest
       checkpoint of each prefix only. Default ``$XDG_CACHE_HOME/accelerate-txn`` (``~/.cache/accelerate-txn``).
+    * ``signing_key``: the path of a key file (an HMAC secret, or an Ed25519 PEM private key with
+      ``pip install 'accelerate-txn[signing]'``; format: docs/configuration.md, "Authenticated checkpoints"). Every
+      manifest this Accelerator's saves write then carries an authenticator, and the key also verifies. ``""`` turns
+      signing off. Default: the file ``ACCELERATE_TXN_SIGNING_KEY_FILE`` names, else none.
+    * ``verification_keys``: paths of key files (HMAC secrets, Ed25519 public or private keys; several at once for
+      key rotation). Once any verification key (or a signing key) is configured, every restore and automatic
+      selection refuses a checkpoint whose manifest carries no authenticator, a wrong one, or one made with a key
+      not configured (``CheckpointAuthenticationError``, naming the checkpoint and the key id), and a manifest-less
+      checkpoint. ``()`` clears them. Default: the files ``ACCELERATE_TXN_VERIFY_KEYS`` lists (``os.pathsep``-separated).
     """
     config = checkpoint_config(accelerator)
     changes: dict[str, Any] = {}
@@ -336,6 +354,8 @@ def configure_checkpointing(
         changes["mirror"] = _valid_mirror(mirror)
     if cache_dir is not None:
         changes["cache_dir"] = Path(os.fspath(cache_dir)).expanduser().absolute()
+    if signing_key is not None or verification_keys is not None:
+        changes.update(_keys(config, signing_key, verification_keys))
     if lock_timeout is not None:
         changes["lock_timeout"] = _valid_lock_timeout(lock_timeout, "configure_checkpointing(lock_timeout=...)")
     if arrival_timeout is not None:
@@ -344,6 +364,41 @@ def configure_checkpointing(
     for name, value in changes.items():  # everything validated: now change it
         setattr(config, name, value)
     return accelerator
+
+
+def group_keys(group: Mapping[str, Any]) -> Keyring:
+    """The keys of a group of Accelerators (one checkpoint, one manifest, one authenticator): every member must be
+    configured with the same key ids, else a configuration error naming them."""
+    keys = {name: checkpoint_config(owner).keys for name, owner in group.items()}
+    ids = {name: value.key_ids() for name, value in keys.items()}
+    if len({repr(value) for value in ids.values()}) > 1:
+        raise CheckpointConfigurationError(
+            f"The Accelerators of one checkpoint are configured with different keys ({ids}): one manifest carries one "
+            "authenticator. Configure the same signing_key and verification_keys on each.")
+    return next(iter(keys.values()), Keyring())
+
+
+def _keys(config: CheckpointConfig, signing_key: Any, verification_keys: Any) -> dict[str, Any]:
+    """The key settings after ``configure_checkpointing(signing_key=..., verification_keys=...)``: every key file read
+    now (an unreadable or malformed one raises, naming the file, never its content)."""
+    signing = config.signing_key
+    if signing_key is not None:
+        if not isinstance(signing_key, (str, os.PathLike)):
+            raise CheckpointConfigurationError(
+                f"configure_checkpointing(signing_key=...) takes the path of a key file (or '' for none), not a "
+                f"{type(signing_key).__name__}: the key itself is never passed in an argument")
+        signing = os.fspath(signing_key) or None
+    verify = config.verification_keys
+    if verification_keys is not None:
+        if isinstance(verification_keys, (str, bytes, os.PathLike)) or not isinstance(verification_keys, Iterable):
+            raise CheckpointConfigurationError(
+                "configure_checkpointing(verification_keys=...) takes a list of key file paths (() for none)")
+        verify = tuple(path if isinstance(path, str) else os.fspath(path) if isinstance(path, os.PathLike) else None
+                       for path in verification_keys)
+        if not all(isinstance(path, str) and path for path in verify):
+            raise CheckpointConfigurationError(
+                "configure_checkpointing(verification_keys=...): every entry must be the path of a key file")
+    return {"signing_key": signing, "verification_keys": verify, "keys": keyring(signing, verify)}
 
 
 def _valid_mirror(value: Any) -> str | None:

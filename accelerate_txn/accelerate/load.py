@@ -35,6 +35,7 @@ from ..core.manifest import (
 from ..core.ranks import agree, digest, on_main, rank, run_phase, world_size
 from ..core.remote import is_url
 from ..core.select import CHECKPOINT_NAME, numbered_checkpoints, refuse_transient
+from ..core.signing import check_legacy
 from ..errors import CheckpointConfigurationError, CheckpointIntegrityError, NoCheckpointError
 from ..fsdp.internals import uninitialise_grad_scaler
 from ..fsdp.optimizer_state import raw_optimizer
@@ -42,7 +43,7 @@ from ..store.posix import InUse, new_id
 from . import async_save as _async
 from . import remote as _remote
 from .arrival import check_arrival
-from .config import checkpoint_config, mark_failed, read_configs
+from .config import checkpoint_config, group_keys, mark_failed, read_configs
 from .descriptor import backend, check_resume, describe, is_fsdp2_sharded, participants
 from .elastic import plan_ranks
 from .finite import check_finite_state
@@ -141,15 +142,18 @@ def _templates(group: dict[str, Any]) -> list[str]:
 
 
 def _check_manifest(path: Path, manifest: dict[str, Any] | None, group: dict[str, Any]) -> None:
-    """Rank 0: the manifest, the tree against its inventory, DCP metadata, and the versions policy."""
+    """Rank 0: the authenticator (with verification keys), the manifest, the tree against its inventory, DCP
+    metadata, and the versions policy."""
     if manifest is None:
+        check_legacy(path, group_keys(group))  # with verification keys, a manifest-less one is refused
         return
     if set(manifest.get("components", {})) != set(group):
         raise CheckpointConfigurationError(
             f"{path} holds components {sorted(manifest.get('components', {}))}; this load names {sorted(group)}. "
             "Restore the complete named group it was saved with."
         )
-    check_structure(path, manifest, private_patterns=[p for o in group.values() for p in private_patterns(o)])
+    check_structure(path, manifest, private_patterns=[p for o in group.values() for p in private_patterns(o)],
+                    keys=group_keys(group))
     check_dcp_inventory(path, manifest)
     reason = checkpoint_compatibility(manifest.get("versions") or {})
     if reason:
@@ -416,7 +420,8 @@ def _verify(path: Path, group: dict[str, Any], templates: list[str]) -> tuple[di
     policies = {name: [checkpoint_config(o).allow_legacy, checkpoint_config(o).check_finite,
                        checkpoint_config(o).trust_custom_objects, checkpoint_config(o).allow_reshard,
                        sorted((checkpoint_config(o).reshard_rank_map or {}).items()),
-                       list(checkpoint_config(o).accept_changes)] for name, o in group.items()}
+                       list(checkpoint_config(o).accept_changes), checkpoint_config(o).keys.key_ids()]
+                for name, o in group.items()}
     agree({"path": str(path), "manifest": digest(manifest).hex(), "hooks": hooks, "policies": policies},
           "the checkpoint to load")
     agree(descriptors, "the training configuration")

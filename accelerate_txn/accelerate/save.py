@@ -74,7 +74,7 @@ from ..store.posix import (
 from . import async_save as _async
 from . import remote as _remote
 from .arrival import check_arrival
-from .config import checkpoint_config, ensure_not_failed, read_configs
+from .config import checkpoint_config, ensure_not_failed, group_keys, read_configs
 from .descriptor import describe, participants
 from .elastic import POLICY as RESHARD_POLICY
 from .finite import check_finite_state
@@ -183,8 +183,9 @@ def _settings(owners: Any, async_save: bool | None) -> tuple[dict[str, Any], boo
     group = read_configs(participants(owners))
     configs = {name: checkpoint_config(owner) for name, owner in group.items()}
     background = any(c.async_save for c in configs.values()) if async_save is None else bool(async_save)
+    group_keys(group)  # one key for the group's one manifest
     policies = {name: {"finite": c.check_finite, "checksum": c.checksum, "lock_timeout": c.lock_timeout,
-                       "overwrite": c.overwrite} for name, c in configs.items()}
+                       "overwrite": c.overwrite, "keys": c.keys.key_ids()} for name, c in configs.items()}
     hooks = {name: [len(save_state_pre_hooks(o)), len(load_state_pre_hooks(o))] for name, o in group.items()}
     return group, background, policies, hooks
 
@@ -318,7 +319,7 @@ class _Reservation:
             manifest["resharded_from"] = lineage
         if carried:  # the user's own files carried from the checkpoint this one replaces (not checkpoint content)
             manifest["user_files"] = user_file_rows(carried)
-        write_manifest(staging, manifest, store=POSIX)
+        write_manifest(staging, manifest, store=POSIX, signer=group_keys(owners).signer)
         _faults.point("save:after-manifest")
         if self.replacing:
             _faults.point("save:replace-before-swap")
@@ -407,7 +408,8 @@ def _finish(group: Any, owners: dict[str, Any], staging: Path, templates: list[s
     local_limit = 1 if remote is not None else limit  # a save to an object store keeps one local copy (the cache)
     if local_limit is not None:
         try:
-            on_main(lambda: [str(p) for p in prune(path.parent, run_id, local_limit, path, store=POSIX)], "Retention",
+            on_main(lambda: [str(p) for p in prune(path.parent, run_id, local_limit, path, store=POSIX,
+                                                        keys=group_keys(owners))], "Retention",
                     group)
         except CheckpointError as exc:  # the new checkpoint is published: report, don't fail the save ...
             if getattr(exc, "out_of_step", False):

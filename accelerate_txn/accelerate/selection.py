@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import select
+from ..core.signing import Keyring
 
 
 class AcceleratorRules:
@@ -30,6 +31,12 @@ class AcceleratorRules:
         from .config import checkpoint_config
 
         return all(checkpoint_config(owner).allow_legacy for owner in self.group.values())
+
+    def keys(self) -> Keyring:
+        """The verification keys of the Accelerators (``configure_checkpointing``, else the environment's)."""
+        from .config import group_keys
+
+        return group_keys(self.group)
 
     def check_required(self, path: Path, manifest: dict[str, Any] | None) -> None:
         from .required import check_required_files, saved_world_size

@@ -9,6 +9,7 @@ object-store URL instead (``_remote``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -56,6 +57,28 @@ DTYPES = {
 
 def _json_option(function: Callable[..., Any]) -> Callable[..., Any]:
     return click.option("--json", "as_json", is_flag=True, help=JSON_HELP)(function)
+
+
+KEY_HELP = ("A verification key file (HMAC secret, or Ed25519 PEM key); repeat for several (key rotation). A "
+            "checkpoint without a valid authenticator of one of them is refused. Default: the files "
+            "ACCELERATE_TXN_VERIFY_KEYS lists (and ACCELERATE_TXN_SIGNING_KEY_FILE); none: no authenticator required.")
+
+
+def _key_option(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``--key FILE`` (repeatable): the command's checks verify manifests' authenticators with these keys instead of
+    the environment's (``core.signing``)."""
+
+    @functools.wraps(function)
+    def run(*args: Any, keys: tuple[str, ...] = (), **kwargs: Any) -> Any:
+        if not keys:
+            return function(*args, **kwargs)
+        from ..core.signing import keyring, using
+
+        with using(keyring(None, keys)):
+            return function(*args, **kwargs)
+
+    return click.option("--key", "keys", multiple=True, metavar="FILE", type=click.Path(dir_okay=False),
+                        help=KEY_HELP)(run)
 
 
 def _run_directory(path: Path, command: str) -> Path:
@@ -121,6 +144,7 @@ def _checkpoint(path: Path | str, command: str) -> dict[str, Any]:
 @click.command("list", short_help="List a run directory's checkpoints and the one load_state() would pick.")
 @click.argument("directory", type=_LOCATION)
 @_json_option
+@_key_option
 def list_command(directory: Path | str, as_json: bool) -> int:
     """List every checkpoint of a run directory (or an s3:// prefix), newest first.
 
@@ -252,6 +276,7 @@ def _hash_progress(manifest: dict[str, Any], full: bool, *, enabled: bool) -> It
               "(for a URL: download every file into a temporary directory).")
 @click.option("--dcp", is_flag=True, help="Also re-read DCP .metadata files (schemas, payload lists); loads torch.")
 @_json_option
+@_key_option
 def verify_command(checkpoint: Path | str, full: bool, dcp: bool, as_json: bool) -> int:
     """Check a checkpoint against its manifest: exit 0 valid, 1 invalid, 2 usage error.
 
@@ -307,6 +332,8 @@ def verify_command(checkpoint: Path | str, full: bool, dcp: bool, as_json: bool)
         count = report["trainer_required"]
         out.say(f"  the {count} {plural(count, 'file')} a Trainer resume reads (trainer_state.json, every saving rank's "
                 "RNG state, the scheduler, the DCP metadata) in the inventory")
+    if report.get("signed_by"):
+        out.say(f"  the manifest's authenticator, made with key {report['signed_by']}")
     if report.get("dcp_metadata"):
         count = report["dcp_metadata"]
         out.say(f"  DCP metadata of {count} {plural(count, 'directory', 'directories')}: schemas and payload lists")
@@ -638,6 +665,7 @@ def prune_command(directory: Path | str, keep: int, run_id: str | None, dry_run:
 @click.command("latest", short_help="Print the checkpoint load_state() would resume from.")
 @click.argument("directory", type=_LOCATION)
 @_json_option
+@_key_option
 def latest_command(directory: Path | str, as_json: bool) -> int:
     """Print the checkpoint load_state() would resume from: the newest complete checkpoint_N, else a legacy
     (manifest-less) one, as load_state() with the default allow_legacy=True would. In a transformers Trainer output

@@ -31,6 +31,7 @@ from typing import Any
 
 from ..errors import CheckpointIntegrityError
 from ..store.base import HASH, HASHES, Store, hash_file, open_regular
+from .signing import Key, Keyring, check_authenticator, signed
 
 MANIFEST = "checkpoint_manifest.json"
 PROTOCOL = 2
@@ -415,15 +416,17 @@ def parse_manifest(data: bytes, where: str) -> dict[str, Any]:
     return value
 
 
-def manifest_bytes(manifest: dict[str, Any]) -> bytes:
-    """The bytes a manifest is written as (the same on every store)."""
-    return json.dumps(manifest, sort_keys=True, indent=1).encode()
+def manifest_bytes(manifest: dict[str, Any], signer: Key | None = None) -> bytes:
+    """The bytes a manifest is written as (the same on every store). With ``signer`` (a save under a signing key,
+    ``core.signing``) they carry its authenticator over the manifest's canonical bytes; without, the manifest is
+    written as it is (a copy keeps the authenticator it was published with, and an unsigned one stays unsigned)."""
+    return json.dumps(signed(manifest, signer) if signer is not None else manifest, sort_keys=True, indent=1).encode()
 
 
-def write_manifest(directory: Path, manifest: dict[str, Any], *, store: Store) -> None:
+def write_manifest(directory: Path, manifest: dict[str, Any], *, store: Store, signer: Key | None = None) -> None:
     """Write the manifest last, through ``store``'s atomic write (POSIX: a temporary name, fsynced, renamed into
-    place, directory fsynced)."""
-    store.write_atomic(Path(directory) / MANIFEST, manifest_bytes(manifest))
+    place, directory fsynced); ``signer``: see :func:`manifest_bytes`."""
+    store.write_atomic(Path(directory) / MANIFEST, manifest_bytes(manifest, signer))
 
 
 def loader_may_read(name: str, private_patterns: Iterable[re.Pattern[str]] = ()) -> bool:
@@ -471,13 +474,16 @@ def _row_hash(row: dict[str, Any]) -> tuple[str, str] | None:
 
 
 def check_structure(directory: Path, manifest: dict[str, Any], *,
-                    private_patterns: Iterable[re.Pattern[str]] = ()) -> dict[str, Any]:
+                    private_patterns: Iterable[re.Pattern[str]] = (), keys: Keyring | None = None) -> dict[str, Any]:
     """Everything about ``directory`` against its manifest except content hashes; returns a partial report.
 
-    Header (protocol, status, identifiers), inventory entries, no symbolic links, every listed file present with
+    First the authenticator, when verification keys are configured (``keys``; default: the environment's or the
+    command line's, ``core.signing.active_keyring``): nothing of a manifest that may be forged is trusted. Then the
+    header (protocol, status, identifiers), inventory entries, no symbolic links, every listed file present with
     its size, every payload a DCP ``.metadata`` names listed, and no unlisted file that a loader could read.
     """
     where = Path(directory) / MANIFEST
+    signed_by = check_authenticator(manifest, where, keys)
     if "protocol" not in manifest:
         raise CheckpointIntegrityError(f"{where} is not an accelerate-txn manifest (it names no protocol)")
     if manifest.get("protocol") not in READABLE_PROTOCOLS:
@@ -536,7 +542,7 @@ def check_structure(directory: Path, manifest: dict[str, Any], *,
         )
     check_rank_coverage(directory, files, manifest.get("components"), templates)
     return {"files": len(files), "extra": [name for name in extra if name not in user], "integrity": integrity,
-            "user_files": sorted(user),
+            "user_files": sorted(user), "signed_by": signed_by,
             "algorithm": next((a for a in HASHES if any(a in row for row in files.values())), HASH)}
 
 
@@ -750,16 +756,17 @@ def check_hashes(directory: Path, manifest: dict[str, Any], names: Iterable[str]
 
 def verify_manifest(directory: Path, manifest: dict[str, Any], *, full: bool, dcp: bool = True,
                     private_patterns: Iterable[re.Pattern[str]] = (),
-                    progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+                    progress: Callable[[int], None] | None = None, keys: Keyring | None = None) -> dict[str, Any]:
     """Raise :class:`CheckpointIntegrityError` unless ``directory`` matches its manifest; return what was checked.
 
     ``full=True`` checks every recorded hash; ``full=False`` the control files and small payloads only. The
     report: ``files`` (inventory size), ``hashed`` (files whose content was checked), ``size_only`` (checked by
     size only), ``algorithm``, ``integrity`` (the mode it was saved with), ``extra`` (unlisted files no loader
     reads, accepted) and ``dcp_metadata`` (DCP directories whose schema and payload listing were checked; only
-    with ``dcp=True``, which imports torch).
+    with ``dcp=True``, which imports torch) and ``signed_by`` (the key id whose authenticator verified, ``None``
+    when no verification key is configured: ``keys``, see :func:`check_structure`).
     """
-    report = check_structure(directory, manifest, private_patterns=private_patterns)
+    report = check_structure(directory, manifest, private_patterns=private_patterns, keys=keys)
     names = hashed_names(manifest, full=full)
     report["hashed"] = check_hashes(directory, manifest, names, progress)
     report["size_only"] = report["files"] - report["hashed"]

@@ -19,6 +19,7 @@ from ..store.base import Store
 from . import faults
 from .carry import find_user_files, shown
 from .manifest import MANIFEST, READABLE_PROTOCOLS, list_tree, loader_may_read, read_manifest, verify_manifest
+from .signing import Keyring, check_legacy
 
 logger = logging.getLogger(__name__)
 CHECKPOINT_NAME = re.compile(r"checkpoint[-_](\d+)\Z")
@@ -90,14 +91,15 @@ def complete_run_id(path: Path) -> str | None:
     return run_id if isinstance(run_id, str) and run_id else None
 
 
-def _intact(path: Path) -> bool:
-    """Whether a published checkpoint passes the quick check (tree, sizes, control-file hashes): retention counts
-    and deletes only those, so a corrupt checkpoint never takes the place of a good one it would delete."""
+def _intact(path: Path, keys: Keyring | None = None) -> bool:
+    """Whether a published checkpoint passes the quick check (authenticator, tree, sizes, control-file hashes):
+    retention counts and deletes only those, so a corrupt or forged checkpoint never takes the place of a good one it
+    would delete."""
     try:
         manifest = read_manifest(path)
         if manifest is None:
             return False
-        verify_manifest(path, manifest, full=False, dcp=False)
+        verify_manifest(path, manifest, full=False, dcp=False, keys=keys)
     except (CheckpointIntegrityError, OSError) as exc:
         logger.warning("Retention: keeping %s out of the count (it is not intact: %s)", path, exc)
         return False
@@ -193,6 +195,13 @@ class CandidateRules(Protocol):
         ...
 
 
+def _keys(rules: CandidateRules | None) -> Keyring | None:
+    """The verification keys of a front end's rules (``rules.keys()``, when they have one), else ``None``: the
+    environment's (``core.signing.active_keyring``)."""
+    keys = getattr(rules, "keys", None)
+    return keys() if callable(keys) else None
+
+
 def check_candidate(path: Path, rules: CandidateRules | None, *, legacy: bool | None = None
                     ) -> dict[str, Any] | None:
     """Quick check of one candidate (no collectives): the manifest and the tree against its inventory, the hashes
@@ -211,17 +220,20 @@ def check_candidate(path: Path, rules: CandidateRules | None, *, legacy: bool | 
     patterns = rules.private_patterns() if rules is not None else []
     if manifest is not None:
         dcp = rules is not None and getattr(rules, "dcp_coverage", True)
-        verify_manifest(path, manifest, full=False, dcp=dcp, private_patterns=patterns)
+        verify_manifest(path, manifest, full=False, dcp=dcp, private_patterns=patterns, keys=_keys(rules))
         if rules is not None and set(manifest.get("components", {})) != set(rules.components):
             raise CheckpointIntegrityError(
                 f"it holds components {sorted(manifest.get('components', {}))}, not {sorted(rules.components)}"
             )
-    elif rules is not None and not rules.allow_legacy():
-        raise CheckpointIntegrityError(f"it has no completion manifest, and {legacy_resume(False)}")
-    elif rules is None and not legacy:
-        raise CheckpointIntegrityError("it has no completion manifest")
-    elif rules is None and not legacy_files(path):
-        raise CheckpointIntegrityError("it has no completion manifest and no checkpoint files")
+    else:
+        if rules is not None or legacy:  # with verification keys, nothing authenticates a manifest-less directory
+            check_legacy(path, _keys(rules))
+        if rules is not None and not rules.allow_legacy():
+            raise CheckpointIntegrityError(f"it has no completion manifest, and {legacy_resume(False)}")
+        if rules is None and not legacy:
+            raise CheckpointIntegrityError("it has no completion manifest")
+        if rules is None and not legacy_files(path):
+            raise CheckpointIntegrityError("it has no completion manifest and no checkpoint files")
     if rules is not None:
         rules.check_required(path, manifest)
     return manifest
@@ -269,7 +281,7 @@ def latest_checkpoint(output_dir: str | Path, rules: CandidateRules | None = Non
             try:
                 manifest = read_manifest(path)
                 if manifest is not None:
-                    verify_manifest(path, manifest, full=True, dcp=False)
+                    verify_manifest(path, manifest, full=True, dcp=False, keys=_keys(rules))
             except CheckpointIntegrityError as exc:
                 reasons.append(f"{path.name}: {exc}")
                 logger.warning("Skipping checkpoint %s: %s", path, exc)
@@ -305,7 +317,7 @@ def retention_victims(checkpoints: list[Path], limit: int, newest: Path | None =
 
 
 def prune(root: Path, run_id: str, limit: int, newest: Path | None = None, *, store: Store,
-          keep: Iterable[Path] = (), keep_newest: bool = True) -> list[Path]:
+          keep: Iterable[Path] = (), keep_newest: bool = True, keys: Keyring | None = None) -> list[Path]:
     """Delete the oldest complete checkpoints of ``run_id`` beyond ``limit`` (counting ``newest``).
 
     Decides from what it lists itself (call while holding the parent's ``DirectoryLock``: no save publishes
@@ -318,10 +330,11 @@ def prune(root: Path, run_id: str, limit: int, newest: Path | None = None, *, st
     Each checkpoint is first renamed aside to a hidden ``.checkpoint_N.deleting-<run>-<txid>`` (parent fsynced),
     then deleted: a crash mid-delete leaves a retired leftover that the next save's cleanup removes, never a
     manifest-less ``checkpoint_N`` that selection would skip and retention never prune. A checkpoint a restore holds
-    in use (the store's ``retire`` refuses it) is kept this time and deleted by a later retention.
+    in use (the store's ``retire`` refuses it) is kept this time and deleted by a later retention. ``keys``: the
+    verification keys (default: the environment's): a checkpoint whose authenticator fails is not intact.
     """
     ours = [path for _number, path in numbered_checkpoints(root)
-            if not path.is_symlink() and complete_run_id(path) == run_id and _intact(path)]
+            if not path.is_symlink() and complete_run_id(path) == run_id and _intact(path, keys)]
     deleted = []
     for path in retention_victims(ours, limit, newest, keep, keep_newest):
         try:

@@ -51,6 +51,7 @@ from ..core.manifest import (
 )
 from ..core.ranks import agree, gather_rows, on_main, rank, run_phase, world_size
 from ..core.select import complete_run_id, numbered_checkpoints, prune, replace_refusal
+from ..core.signing import Keyring, environment_keyring
 from ..errors import CheckpointError, CheckpointExistsError
 from ..store.posix import (
     POSIX,
@@ -84,8 +85,9 @@ RUN_IDS: WeakKeyDictionary[Any, str] = WeakKeyDictionary()
 class Reservation:
     """Rank 0's side of one Trainer save: the lock on the run directory and the staging directory."""
 
-    def __init__(self, final: Path, run_id: str) -> None:
+    def __init__(self, final: Path, run_id: str, keys: Keyring | None = None) -> None:
         self.final = final
+        self.keys = keys or Keyring()  # the manifest is signed with keys.signer, if any
         self.lock = DirectoryLock(final.parent, LOCK_TIMEOUT)
         self.staged = StagedDirectory(final, run_id)
         self.replacing = False
@@ -155,7 +157,7 @@ class Reservation:
         }
         if carried:
             manifest["user_files"] = user_file_rows(carried)
-        write_manifest(tree, manifest, store=POSIX)
+        write_manifest(tree, manifest, store=POSIX, signer=self.keys.signer)
         faults.point("save:after-manifest")
         if self.replacing and (self.final.exists() or self.final.is_symlink()):
             faults.point("save:replace-before-swap")
@@ -218,9 +220,13 @@ def protected_save(wrapped: Any, trainer: Any, args: tuple[Any, ...], kwargs: di
     final = run_dir / f"{PREFIX}-{trainer.state.global_step}"
     limit = trainer.args.save_total_limit
     limit = limit if isinstance(limit, int) and limit > 0 else None
-    agree({"path": str(final), "limit": limit}, "the Trainer checkpoint path and save_total_limit")
+    # Key files named by the environment (``core.signing``): read by every rank, compared by key id only.
+    keys = run_phase(environment_keyring, "Reading the signing keys (ACCELERATE_TXN_SIGNING_KEY_FILE)")
+    agree({"path": str(final), "limit": limit, "keys": keys.key_ids()},
+          "the Trainer checkpoint path, save_total_limit and signing keys")
     run_id: str = on_main(lambda: RUN_IDS.get(trainer) or new_id(), "Choosing the run id")
-    reservation = run_phase(lambda: Reservation(final, run_id) if rank() == 0 else None, "Preparing the directory lock")
+    reservation = run_phase(lambda: Reservation(final, run_id, keys) if rank() == 0 else None,
+                            "Preparing the directory lock")
     result: Any = None
     try:
         staging = Path(on_main(lambda: reservation.open(), f"Reserving {final}"))  # type: ignore[union-attr]
@@ -243,7 +249,8 @@ def protected_save(wrapped: Any, trainer: Any, args: tuple[Any, ...], kwargs: di
         if limit is not None:
             keep = [Path(trainer.state.best_model_checkpoint)] if trainer.state.best_model_checkpoint else []
             try:
-                on_main(lambda: [str(p) for p in prune(run_dir, run_id, limit, final, store=POSIX, keep=keep)],
+                on_main(lambda: [str(p) for p in prune(run_dir, run_id, limit, final, store=POSIX, keep=keep,
+                                                          keys=keys)],
                         "Retention (save_total_limit)")
             except CheckpointError as exc:  # the new checkpoint is published: report, don't fail the save ...
                 if getattr(exc, "out_of_step", False):
