@@ -279,7 +279,8 @@ def _warn_unprotected_remote(accelerator: Any, location: Any, call: str) -> None
     ``configure_checkpointing(mirror=...)`` uploads nothing. Say so (no error: native behaviour is kept)."""
     if is_url(location):
         warnings.warn(f"accelerate-txn: this {call}() runs native Accelerate, which does not know object stores: "
-                      f"{location!r} is used as a LOCAL path (a directory named 's3:' in the working directory). "
+                      f"{location!r} is used as a LOCAL path (a directory named '{str(location).partition('://')[0]}:' in the "
+                      "working directory). "
                       "Only the protected path (FSDP, or protect='all') reads and writes object storage.",
                       RuntimeWarning, stacklevel=4)
     elif checkpoint_config(accelerator).mirror is not None and accelerator not in _WARNED_MIRROR:

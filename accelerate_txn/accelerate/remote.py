@@ -62,12 +62,18 @@ def object_store(url: str) -> ObjectStore:
     scheme = url.partition("://")[0]
     store = _STORES.get(scheme)
     if store is None:
-        if scheme != "s3":
-            raise CheckpointConfigurationError(f"{url}: accelerate-txn stores checkpoints in S3 (s3://) object storage; "
-                                               f"{scheme}:// is not supported yet")
-        from ..store.s3 import S3Store
+        if scheme == "s3":
+            from ..store.s3 import S3Store
 
-        store = _STORES[scheme] = S3Store()
+            store = S3Store()
+        elif scheme == "az":
+            from ..store.azure import AzureStore
+
+            store = AzureStore()
+        else:
+            raise CheckpointConfigurationError(f"{url}: accelerate-txn stores checkpoints in S3 (s3://) and Azure Blob "
+                                               f"(az://) object storage; {scheme}:// is not supported yet")
+        _STORES[scheme] = store
     return store
 
 

@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 #: A ``checkpoint_N`` with objects under a transaction prefix but no manifest.
 UNFINISHED = "unfinished upload"
-URL_FORMS = "s3://BUCKET/PREFIX (a prefix of checkpoint_N) or s3://BUCKET/PREFIX/checkpoint_N (one checkpoint)"
+URL_FORMS = ("s3://BUCKET/PREFIX or az://CONTAINER/PREFIX (a prefix of checkpoint_N), or .../PREFIX/checkpoint_N "
+             "(one checkpoint)")
 #: The DCP model directory Accelerate's FSDP saves, which ``export`` reads (``weights``' ACCELERATE_FSDP_MODEL_DIR).
 MODEL_DIR = "pytorch_model_fsdp_0"
 #: The model config a checkpoint may carry (a Trainer's save_model writes it), for ``export`` without CONFIG.
@@ -70,23 +71,37 @@ class Location(click.ParamType):
             if not is_url(value):
                 self.fail(f"{value!r}: {value.partition('://')[0]}:// is not supported; use a local path or {URL_FORMS}",
                           param, ctx)
-            from ..store.s3 import S3Url  # parsing only: no client
-
             try:
-                S3Url.parse(value)
+                parse_url(value)
             except CheckpointConfigurationError as exc:
                 self.fail(str(exc), param, ctx)
             return value.rstrip("/")
         return self.local.convert(value, param, ctx)
 
 
+def parse_url(url: str) -> Any:
+    """Check ``url`` with its store's own rules (parsing only: no client is created)."""
+    if url.startswith("az://"):
+        from ..store.azure import AzureUrl
+
+        return AzureUrl.parse(url)
+    from ..store.s3 import S3Url
+
+    return S3Url.parse(url)
+
+
 def store(url: str) -> ObjectStore:
     """The client for ``url`` (one per process), configured from the client library's standard environment."""
     scheme = url.partition("://")[0]
     if scheme not in _STORES:
-        from ..store.s3 import S3Store
+        if scheme == "az":
+            from ..store.azure import AzureStore
 
-        _STORES[scheme] = S3Store()
+            _STORES[scheme] = AzureStore()
+        else:
+            from ..store.s3 import S3Store
+
+            _STORES[scheme] = S3Store()
     return _STORES[scheme]
 
 
@@ -94,8 +109,12 @@ def client_error(exc: BaseException) -> str | None:
     """A message for an error of the object-store client (no credentials, endpoint unreachable, access denied, no
     such bucket) that names the fix; ``None`` for anything else."""
     chain = [exc, exc.__cause__, exc.__context__]  # s3fs raises built-in errors caused by botocore's
-    if not any(type(error).__module__.split(".")[0] in ("botocore", "aiobotocore", "s3fs") for error in chain
-               if error is not None):
+    modules = {type(error).__module__.split(".")[0] for error in chain if error is not None}
+    if "azure" in modules:
+        return (f"the object store refused or could not be reached: {exc}. The client reads its settings from the "
+                "standard Azure environment (AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT with "
+                "AZURE_STORAGE_KEY or AZURE_STORAGE_SAS_TOKEN); check them and the container name")
+    if not modules & {"botocore", "aiobotocore", "s3fs"}:
         return None
     return (f"the object store refused or could not be reached: {exc}. The client reads its settings from the "
             "standard AWS environment (AWS_ENDPOINT_URL for an S3-compatible store, AWS_ACCESS_KEY_ID and "

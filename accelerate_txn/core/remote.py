@@ -1,7 +1,7 @@
 """The checkpoint protocol on an object store: "complete or it does not exist" without rename.
 
-Written against :class:`~..store.base.ObjectStore` (``store.s3`` implements it); which process calls what is the
-front end's decision (rank 0 commits, prunes and cleans up; every rank uploads or downloads its share). No process
+Written against :class:`~..store.base.ObjectStore` (``store.s3`` and ``store.azure`` implement it); which process calls
+what is the front end's decision (rank 0 commits, prunes and cleans up; every rank uploads or downloads its share). No process
 group here.
 
 Layout under a checkpoint URL ``U`` (``s3://bucket/run/checkpoint_12``)::
@@ -52,7 +52,7 @@ from .signing import check_authenticator
 logger = logging.getLogger(__name__)
 
 #: URL schemes an object store serves (the only ones accepted where a path may be a URL).
-SCHEMES = ("s3://",)
+SCHEMES = ("s3://", "az://")
 TXN_DIR = re.compile(r"\.txn-(?P<run>[0-9A-Za-z]+)-(?P<txid>[0-9a-f]+)\Z")
 _ID = re.compile(r"[0-9A-Za-z]{1,64}\Z")
 _TXID = re.compile(r"[0-9a-f]{1,64}\Z")
