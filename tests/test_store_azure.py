@@ -1,0 +1,371 @@
+"""The Azure Blob store end to end against a real Azure Storage server on loopback (Azurite, started by
+``tests._azurite``): create-only commits, block uploads hashed as they are sent, verified downloads, listing bounded
+by the prefix, deletion manifest first, and a real ``kill -9`` in the middle of a block upload. The same operations
+as the S3 store's (tests/test_store_object.py), with Azure's conditions (409 BlobAlreadyExists).
+
+The client reaches the server only through the standard Azure environment (``AZURE_STORAGE_CONNECTION_STRING``), as
+a user's would. Order of requests is read from the server's own access log, not from the client.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from accelerate_txn.errors import (
+    CheckpointConfigurationError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointIntegrityError,
+)
+from accelerate_txn.store.azure import AzureStore, AzureUrl
+from accelerate_txn.store.base import ObjectStore
+from tests._azurite import CONTAINER, Azurite
+
+pytestmark = pytest.mark.timeout(300)  # the first test also installs Azurite with npm where it is not cached
+
+REPO = Path(__file__).resolve().parents[1]
+MANIFEST = "checkpoint_manifest.json"
+BLOCK = 2**20  # small blocks: a 3-block file is 3 MiB
+
+
+@pytest.fixture
+def store(azurite: Azurite) -> AzureStore:
+    return AzureStore(block_size=BLOCK, single_request_size=BLOCK, concurrency=4)
+
+
+@pytest.fixture
+def prefix(azurite: Azurite, request: pytest.FixtureRequest) -> AzureUrl:
+    """A fresh location of this test's own: ``az://CONTAINER/<test>-<id>/checkpoint_1``."""
+    name = re.sub(r"[^A-Za-z0-9_-]", "-", request.node.name)[:60]
+    return AzureUrl.parse(f"az://{CONTAINER}/{name}-{uuid.uuid4().hex[:8]}/checkpoint_1")
+
+
+def _payload(tmp_path: Path, size: int, name: str = "payload.bin") -> tuple[Path, bytes]:
+    data = os.urandom(size)
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path, data
+
+
+def _leftovers(directory: Path) -> list[str]:
+    return sorted(entry.name for entry in directory.iterdir())
+
+
+def _path(url: AzureUrl) -> str:
+    """The request path of ``url`` in Azurite's access log (path-style: account, container, name)."""
+    return f"/devstoreaccount1/{url.container}/{url.key}"
+
+
+# -- URLs and set-up -------------------------------------------------------------------------------------------
+
+def test_url_parsing_accepts_plain_urls_and_names_the_bad_ones() -> None:
+    assert AzureUrl.parse("az://my-container/run/checkpoint_1/") == AzureUrl("my-container", "run/checkpoint_1")
+    assert AzureUrl.parse("az://my-container") == AzureUrl("my-container", "")
+    url = AzureUrl.parse("az://my-container/run")
+    assert (url.prefix, str(url.child("checkpoint_1/model.safetensors"))) == (
+        "run/", "az://my-container/run/checkpoint_1/model.safetensors")
+    refusals = {
+        "/local/path": "Not an Azure Blob URL",
+        "s3://my-container/run": "Not an Azure Blob URL",
+        "az://My-Container/run": "does not name a valid container",
+        "az://a--b/run": "does not name a valid container",
+        "az:///run": "does not name a valid container",
+        "az://my-container/run//checkpoint_1": "empty, '.' or '..' path segment",
+        "az://my-container/run/../other": "empty, '.' or '..' path segment",
+        "az://my-container/run?snapshot=3": "contains '?', '#' or '\\'",
+    }
+    for text, message in refusals.items():
+        with pytest.raises(CheckpointConfigurationError, match=re.escape(message)) as caught:
+            AzureUrl.parse(text)
+        assert repr(text) in str(caught.value)
+
+
+def test_without_the_client_the_module_imports_and_the_error_names_the_extra_to_install() -> None:
+    # A fresh interpreter where `from azure.storage import blob` fails, as where the azure extra is not installed.
+    script = """
+import sys
+sys.modules["azure.storage.blob"] = None
+import accelerate_txn
+from accelerate_txn.errors import CheckpointConfigurationError
+from accelerate_txn.store.azure import AzureStore, AzureUrl
+AzureUrl.parse("az://my-container/run")
+try:
+    AzureStore()
+except CheckpointConfigurationError as exc:
+    print(exc)
+"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=100)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == ("Checkpoints in Azure Blob Storage (az:// URLs) need the azure-storage-blob "
+                                     "client, which is not installed here: pip install 'accelerate-txn[azure]'")
+
+
+def test_without_an_account_in_the_environment_the_error_names_the_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT", "AZURE_STORAGE_KEY",
+                 "AZURE_STORAGE_SAS_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(CheckpointConfigurationError, match="No Azure storage account is configured") as caught:
+        AzureStore()
+    assert "AZURE_STORAGE_CONNECTION_STRING" in str(caught.value) and "AZURE_STORAGE_KEY" in str(caught.value)
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", "not a connection string")
+    with pytest.raises(CheckpointConfigurationError, match="AZURE_STORAGE_CONNECTION_STRING is not a valid"):
+        AzureStore()
+
+
+def test_the_store_is_an_object_store(store: AzureStore) -> None:
+    assert isinstance(store, ObjectStore) and store.name == "azure"
+
+
+# -- the commit --------------------------------------------------------------------------------------------------
+
+def test_create_only_commit_wins_once_and_the_second_writer_is_refused(store: AzureStore, prefix: AzureUrl,
+                                                                       azurite: Azurite) -> None:
+    manifest = prefix.child(MANIFEST)
+    store.write_new(manifest, b'{"transaction_id": "first"}')
+    start = len(azurite.settled())
+    with pytest.raises(CheckpointExistsError) as caught:
+        store.write_new(manifest, b'{"transaction_id": "second"}')
+    assert f"{manifest} already exists (another writer committed it first)" in str(caught.value)
+    assert "nothing was written" in str(caught.value)
+    # The server itself refused the write: 409 on the Put Blob (If-None-Match: *), no unconditional retry.
+    puts = [request for request in azurite.settled()[start:] if request[0] == "PUT"]
+    assert puts == [("PUT", _path(manifest), 409)]
+    assert store.read_bytes(manifest, limit=1024) == b'{"transaction_id": "first"}'
+
+
+def test_create_only_commit_repeated_with_the_same_bytes_succeeds(store: AzureStore, prefix: AzureUrl) -> None:
+    # A retry whose first request landed finds its own bytes: that is this writer's commit, not another's.
+    manifest = prefix.child(MANIFEST)
+    store.write_new(manifest, b'{"transaction_id": "mine"}')
+    store.write_new(manifest, b'{"transaction_id": "mine"}')
+    assert store.read_bytes(manifest, limit=1024) == b'{"transaction_id": "mine"}'
+
+
+def test_create_only_block_upload_is_refused_when_the_blob_exists(store: AzureStore, prefix: AzureUrl,
+                                                                  tmp_path: Path, azurite: Azurite) -> None:
+    first, first_data = _payload(tmp_path, 2 * BLOCK + 100, "first.bin")
+    second, _ = _payload(tmp_path, 2 * BLOCK + 100, "second.bin")
+    url = prefix.child("model.safetensors")
+    size, digest = store.upload_file(first, url, create_only=True)
+    start = len(azurite.settled())
+    with pytest.raises(CheckpointExistsError, match=re.escape(f"{url} already exists")):
+        store.upload_file(second, url, create_only=True)
+    commits = [request for request in azurite.settled()[start:] if "comp=blocklist" in request[1]]
+    assert commits == [("PUT", _path(url) + "?comp=blocklist", 409)]
+    store.download_file(url, tmp_path / "back.bin", size=size, digest=digest)
+    assert (tmp_path / "back.bin").read_bytes() == first_data
+    assert store.incomplete_uploads(prefix) == []
+
+
+# -- uploads and downloads ---------------------------------------------------------------------------------------
+
+def test_block_upload_round_trips_with_the_right_hash(store: AzureStore, prefix: AzureUrl, tmp_path: Path) -> None:
+    path, data = _payload(tmp_path, 2 * BLOCK + 12345)
+    url = prefix.child("pytorch_model_fsdp_0/__0_0.distcp")
+    acknowledged: list[int] = []
+    size, digest = store.upload_file(path, url, progress=acknowledged.append)
+    assert (size, digest) == (len(data), xxhash.xxh3_128_hexdigest(data))
+    assert len(acknowledged) == 3 and max(acknowledged) == len(data)
+    committed, uncommitted = store.client.get_blob_client(url.container, url.key).get_block_list("all")
+    assert (len(committed), uncommitted) == (3, [])  # the server committed a 3-block blob
+    (tmp_path / "down").mkdir()
+    store.download_file(url, tmp_path / "down" / "shard.distcp", size=size, digest=digest)
+    assert (tmp_path / "down" / "shard.distcp").read_bytes() == data
+    assert _leftovers(tmp_path / "down") == ["shard.distcp"]
+
+
+def test_small_file_goes_in_one_request_with_the_right_hash(store: AzureStore, prefix: AzureUrl, tmp_path: Path,
+                                                            azurite: Azurite) -> None:
+    path, data = _payload(tmp_path, 1000)
+    url = prefix.child("random_states_0.pkl")
+    start = len(azurite.settled())
+    assert store.upload_file(path, url) == (1000, xxhash.xxh3_128_hexdigest(data))
+    assert [request for request in azurite.settled()[start:] if request[0] == "PUT"] == [("PUT", _path(url), 201)]
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    assert store.upload_file(empty, prefix.child("empty")) == (0, xxhash.xxh3_128_hexdigest(b""))
+    store.download_file(prefix.child("empty"), tmp_path / "empty-back", size=0, digest=xxhash.xxh3_128_hexdigest(b""))
+    assert (tmp_path / "empty-back").read_bytes() == b""
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated"])
+def test_damaged_blob_is_refused_naming_the_url_and_leaves_no_file(store: AzureStore, prefix: AzureUrl,
+                                                                   tmp_path: Path, damage: str) -> None:
+    path, data = _payload(tmp_path, BLOCK + 777)
+    url = prefix.child("optimizer_0/__1_0.distcp")
+    size, digest = store.upload_file(path, url)
+    altered = bytearray(data)
+    if damage == "flipped byte":
+        altered[len(data) // 2] ^= 0x01
+    else:
+        del altered[-1]
+    # Another writer (or bit rot) replaced the blob.
+    store.client.get_blob_client(url.container, url.key).upload_blob(bytes(altered), overwrite=True)
+    (tmp_path / "down").mkdir()
+    destination = tmp_path / "down" / "shard.distcp"
+    expected = ("does not hold the content the checkpoint lists" if damage == "flipped byte"
+                else f"holds {size - 1} bytes where the checkpoint lists {size}")
+    with pytest.raises(CheckpointIntegrityError, match=re.escape(expected)) as caught:
+        store.download_file(url, destination, size=size, digest=digest)
+    assert str(url) in str(caught.value)
+    assert _leftovers(tmp_path / "down") == []
+    destination.write_bytes(b"an older copy")  # a failed download leaves an existing file as it was
+    with pytest.raises(CheckpointIntegrityError):
+        store.download_file(url, destination, size=size, digest=digest)
+    assert destination.read_bytes() == b"an older copy"
+    # Listed sizes are trusted for the first check only: the hash still refuses the flipped byte.
+    with pytest.raises(CheckpointIntegrityError, match=re.escape("does not hold the content the checkpoint lists")):
+        store.download_file(url, destination, size=size, digest=digest, listed=True)
+    assert destination.read_bytes() == b"an older copy"
+    assert _leftovers(tmp_path / "down") == ["shard.distcp"]
+
+
+def test_missing_blob_is_refused_naming_the_url(store: AzureStore, prefix: AzureUrl, tmp_path: Path) -> None:
+    url = prefix.child("scheduler.bin")
+    with pytest.raises(CheckpointIntegrityError, match=re.escape(f"{url} does not exist")):
+        store.download_file(url, tmp_path / "scheduler.bin", size=10, digest="0" * 32)
+    with pytest.raises(CheckpointIntegrityError, match="the object store has no such blob"):
+        store.download_file(url, tmp_path / "scheduler.bin", size=10, digest=None, listed=True)
+    assert _leftovers(tmp_path) == []
+    with pytest.raises(CheckpointIntegrityError, match=re.escape(f"{url} does not exist")):
+        store.read_bytes(url, limit=1024)
+    assert store.size(url) is None
+
+
+def test_a_local_failure_during_a_download_names_the_local_side_not_the_object_store(
+        store: AzureStore, prefix: AzureUrl, tmp_path: Path) -> None:
+    source, data = _payload(tmp_path, 1000, "scheduler.bin")
+    url = prefix.child("scheduler.bin")
+    size, digest = store.upload_file(source, url)
+    gone = tmp_path / "cache" / "checkpoint_2"  # never created: as if removed under the download
+    for listed in (True, False):
+        with pytest.raises(CheckpointError) as raised:
+            store.download_file(url, gone / "scheduler.bin", size=size, digest=digest, listed=listed)
+        message = str(raised.value)
+        assert not isinstance(raised.value, CheckpointIntegrityError), message  # the checkpoint is not at fault
+        assert "on the local disk, not in the object store" in message and str(gone / "scheduler.bin") in message
+    assert store.size(url) == len(data)
+
+
+def test_a_failed_upload_leaves_no_blob_and_no_staged_blocks(store: AzureStore, prefix: AzureUrl,
+                                                             tmp_path: Path) -> None:
+    path, _ = _payload(tmp_path, 3 * BLOCK)
+    url = prefix.child("big.bin")
+
+    def fail(acknowledged: int) -> None:
+        raise RuntimeError("the caller gave up")
+
+    with pytest.raises(RuntimeError, match="the caller gave up"):
+        store.upload_file(path, url, progress=fail)
+    assert store.size(url) is None
+    assert store.incomplete_uploads(prefix) == []
+    assert store.list(prefix) == {}
+
+
+# -- listing and deletion ----------------------------------------------------------------------------------------
+
+def test_list_holds_exactly_the_blobs_under_the_prefix(store: AzureStore, prefix: AzureUrl) -> None:
+    sibling = AzureUrl(prefix.container, prefix.key + "0")  # checkpoint_10 beside checkpoint_1
+    store.write_new(prefix.child(MANIFEST), b"{}")
+    store.write_new(prefix.child("pytorch_model_fsdp_0/.metadata"), b"12345")
+    store.write_new(sibling.child(MANIFEST), b"{}")
+    open_blob = prefix.child("open.bin")
+    store.client.get_blob_client(open_blob.container, open_blob.key).stage_block("YmxvY2s=", b"staged")
+    assert store.list(prefix) == {MANIFEST: 2, "pytorch_model_fsdp_0/.metadata": 5}
+    assert store.list(sibling) == {MANIFEST: 2}
+    assert store.incomplete_uploads(prefix) == ["open.bin"]
+    assert store.incomplete_uploads(sibling) == []
+
+
+def test_delete_prefix_removes_the_manifest_before_anything_else(store: AzureStore, prefix: AzureUrl,
+                                                                azurite: Azurite) -> None:
+    sibling = AzureUrl(prefix.container, prefix.key + "0")
+    for url in (prefix, sibling):
+        store.write_new(url.child("pytorch_model_fsdp_0/__0_0.distcp"), b"shard")
+        store.write_new(url.child("random_states_0.pkl"), b"rng")
+        store.write_new(url.child(MANIFEST), b"{}")
+
+    start = len(azurite.settled())
+    assert store.delete_prefix(prefix, first=[MANIFEST]) == 2
+    seen = [(method, path) for method, path, _ in azurite.settled()[start:]]
+    deletions = [path for method, path in seen if method == "DELETE"]
+    assert deletions[0] == _path(prefix.child(MANIFEST)), seen
+    assert sorted(deletions[1:]) == sorted(_path(prefix.child(name)) for name in
+                                           ("pytorch_model_fsdp_0/__0_0.distcp", "random_states_0.pkl")), seen
+    listing = next(index for index, (method, path) in enumerate(seen) if method == "GET" and "comp=list" in path)
+    # The manifest's deletion was acknowledged before the rest was even listed; the rest after the listing.
+    assert seen.index(("DELETE", deletions[0])) < listing < min(seen.index(("DELETE", path)) for path in deletions[1:])
+    assert store.list(prefix) == {}
+    assert store.list(sibling) == {MANIFEST: 2, "pytorch_model_fsdp_0/__0_0.distcp": 5, "random_states_0.pkl": 3}
+
+    # The check can fail: without ``first`` the manifest is deleted after the listing, with everything else.
+    start = len(azurite.settled())
+    assert store.delete_prefix(sibling) == 3
+    seen = [(method, path) for method, path, _ in azurite.settled()[start:]]
+    listing = next(index for index, (method, path) in enumerate(seen) if method == "GET" and "comp=list" in path)
+    assert seen.index(("DELETE", _path(sibling.child(MANIFEST)))) > listing
+    assert store.list(sibling) == {}
+
+
+# -- kill -9 -----------------------------------------------------------------------------------------------------
+
+# Uploads argv[1] to argv[2] in 1 MiB blocks, one at a time; after the first block is acknowledged it prints the
+# bytes acknowledged and waits for a line that never comes: the test kills it there with SIGKILL.
+_UPLOADER = """
+import sys
+from accelerate_txn.store.azure import AzureStore
+
+def progress(acknowledged):
+    print(acknowledged, flush=True)
+    sys.stdin.readline()
+
+AzureStore(block_size=2**20, single_request_size=2**20, concurrency=1).upload_file(sys.argv[1], sys.argv[2],
+                                                                                   progress=progress)
+print("completed", flush=True)
+"""
+
+
+def test_kill_9_mid_block_upload_leaves_no_blob_and_the_staged_blocks_are_discarded(
+        store: AzureStore, prefix: AzureUrl, tmp_path: Path) -> None:
+    path, data = _payload(tmp_path, 3 * BLOCK + 1)
+    url = prefix.child("pytorch_model_fsdp_0/__0_0.distcp")
+    elsewhere = AzureUrl(prefix.container, prefix.key + "0")  # another checkpoint's staged blocks: never touched
+    other = elsewhere.child("x")
+    store.client.get_blob_client(other.container, other.key).stage_block("YmxvY2s=", b"staged")
+    uploader = subprocess.Popen([sys.executable, "-c", _UPLOADER, str(path), str(url)], cwd=REPO, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert uploader.stdout is not None
+        ready, _, _ = select.select([uploader.stdout], [], [], 100)  # a hang guard; the line is the signal
+        line = uploader.stdout.readline() if ready else ""
+        if line.strip() != str(BLOCK):
+            uploader.kill()
+            pytest.fail(f"the uploader did not report its first block: {line!r} {uploader.communicate()[1][-3000:]}")
+        os.kill(uploader.pid, signal.SIGKILL)
+        assert uploader.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if uploader.poll() is None:
+            uploader.kill()
+            uploader.wait(timeout=60)
+
+    assert store.size(url) is None
+    assert store.list(prefix) == {}
+    assert store.incomplete_uploads(prefix) == ["pytorch_model_fsdp_0/__0_0.distcp"]
+    assert store.abort_incomplete_uploads(prefix) == ["pytorch_model_fsdp_0/__0_0.distcp"]
+    assert store.incomplete_uploads(prefix) == []
+    assert store.list(prefix) == {}
+    assert store.incomplete_uploads(elsewhere) == ["x"]
+    # The name is free again: a create-only upload of it succeeds and holds exactly its own bytes.
+    size, digest = store.upload_file(path, url, create_only=True)
+    store.download_file(url, tmp_path / "back.bin", size=size, digest=digest)
+    assert (tmp_path / "back.bin").read_bytes() == data
