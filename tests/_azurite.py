@@ -31,7 +31,7 @@ INSTALL_DIR = Path(os.environ.get("AZURITE_DIR") or REPO / ".azurite")
 ACCOUNT = "devstoreaccount1"
 KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 CONTAINER = "accelerate-txn-tests"
-_LISTENING = re.compile(r"listens on (http://127\.0\.0\.1:\d+)")
+LISTENING = re.compile(r"listens on (http://127\.0\.0\.1:\d+)")
 _REQUEST = re.compile(r'"(GET|PUT|POST|DELETE|HEAD) (/\S*) HTTP/[0-9.]+" (\d+)')
 #: Seconds to wait for npm and for Azurite to start: hang guards, not synchronisation.
 INSTALL_TIMEOUT = 240
@@ -99,7 +99,7 @@ def _read_log(process: subprocess.Popen[str], server: Azurite) -> None:
             found = _REQUEST.search(line)
             if found:
                 server.requests.append((found.group(1), found.group(2), int(found.group(3))))
-            elif server.endpoint == "" and (listening := _LISTENING.search(line)):
+            elif server.endpoint == "" and (listening := LISTENING.search(line)):
                 server.endpoint = listening.group(1)
                 server.connection_string = (f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={KEY};"
                                             f"BlobEndpoint={server.endpoint}/{ACCOUNT};")
