@@ -369,3 +369,18 @@ def test_kill_9_mid_block_upload_leaves_no_blob_and_the_staged_blocks_are_discar
     size, digest = store.upload_file(path, url, create_only=True)
     store.download_file(url, tmp_path / "back.bin", size=size, digest=digest)
     assert (tmp_path / "back.bin").read_bytes() == data
+
+
+# -- where az:// URLs are accepted -------------------------------------------------------------------------------
+
+def test_az_urls_are_object_store_urls_everywhere_a_url_is_taken(capsys: pytest.CaptureFixture[str]) -> None:
+    from accelerate_txn.cli import main
+    from accelerate_txn.core.remote import cache_path, is_url
+
+    assert is_url("az://my-container/run/checkpoint_1") and not is_url("gs://bucket/run")
+    assert cache_path(Path("/cache"), "az://my-container/run/checkpoint_1") == Path("/cache/az/my-container/run/checkpoint_1")
+    # The command line checks the URL with the Azure store's rules before any client exists: a usage error (exit 2).
+    assert main(["verify", "az://My_Container/run/checkpoint_1"]) == 2
+    assert "does not name a valid container ('My_Container')" in capsys.readouterr().err
+    assert main(["verify", "az://my-container/run/../checkpoint_1"]) == 2
+    assert "empty, '.' or '..' path segment" in capsys.readouterr().err

@@ -218,7 +218,7 @@ class AzureStore:
         url = AzureUrl.parse(url)
         try:
             self._put(url, data, create_only=True)
-        except self._exceptions.ResourceExistsError as exc:
+        except self._exceptions.ResourceExistsError as exc:  # 409 BlobAlreadyExists (the SDK maps a 412 to it too)
             if self._holds(url, data):
                 return
             raise CheckpointExistsError(
@@ -302,7 +302,7 @@ class AzureStore:
             condition = {"match_condition": _if_missing()} if create_only else {}
             try:
                 blob.commit_block_list(blocks, **condition)
-            except self._exceptions.ResourceExistsError as exc:
+            except (self._exceptions.ResourceExistsError, self._exceptions.ResourceModifiedError) as exc:
                 # The blob exists: its own blocks stay, ours are discarded by Azure within a week (no call can).
                 raise self._exists(url) from exc
         except CheckpointExistsError:
@@ -468,8 +468,7 @@ class AzureStore:
             self.delete(url.child(relative))
         names = list(self.list(url))
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="accelerate-txn-azure") as pool:
-            for done in pool.map(lambda relative: self.delete(url.child(relative)), names):
-                del done
+            list(pool.map(lambda relative: self.delete(url.child(relative)), names))  # raises the first failure
         return len(names)
 
     def incomplete_uploads(self, url: str | AzureUrl) -> list[str]:
