@@ -150,35 +150,35 @@ def save_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return args[1] if len(args) > 1 else kwargs.get("trial")
 
 
+def _bind(names: tuple[str, ...], defaults: dict[str, Any], args: tuple[Any, ...],
+          kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A call's arguments by name: ``defaults``, then ``adapter_only=False`` and ``use_dcp=True`` (every Accelerate
+    FSDP save/load function Trainer calls has them), then the positional ``args`` under ``names``, then ``kwargs``."""
+    bound: dict[str, Any] = {**defaults, "adapter_only": False, "use_dcp": True}
+    bound.update(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
 def optimizer_load_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The arguments of a ``load_fsdp_optimizer(fsdp_plugin, accelerator, optimizer, model, input_dir,
     optimizer_index=0, adapter_only=False, use_dcp=True)`` call (Accelerate 1.15, as Trainer makes it) by name,
     with the defaults filled in."""
-    names = ("fsdp_plugin", "accelerator", "optimizer", "model", "input_dir", "optimizer_index", "adapter_only",
-             "use_dcp")
-    bound: dict[str, Any] = {"optimizer_index": 0, "adapter_only": False, "use_dcp": True}
-    bound.update(zip(names, args))
-    bound.update(kwargs)
-    return bound
+    return _bind(("fsdp_plugin", "accelerator", "optimizer", "model", "input_dir", "optimizer_index", "adapter_only",
+                  "use_dcp"), {"optimizer_index": 0}, args, kwargs)
 
 
 def model_save_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The arguments of a ``save_fsdp_model(fsdp_plugin, accelerator, model, output_dir, model_index=0,
     adapter_only=False, use_dcp=True)`` call (Accelerate 1.15, as Trainer makes it) by name, with the defaults
     filled in."""
-    names = ("fsdp_plugin", "accelerator", "model", "output_dir", "model_index", "adapter_only", "use_dcp")
-    bound: dict[str, Any] = {"model_index": 0, "adapter_only": False, "use_dcp": True}
-    bound.update(zip(names, args))
-    bound.update(kwargs)
-    return bound
+    return _bind(("fsdp_plugin", "accelerator", "model", "output_dir", "model_index", "adapter_only", "use_dcp"),
+                 {"model_index": 0}, args, kwargs)
 
 
 def model_load_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The arguments of a ``load_fsdp_model(fsdp_plugin, accelerator, model, input_dir, model_index=0,
     adapter_only=False, use_dcp=True)`` call (Accelerate 1.15, as Trainer makes it) by name, with the defaults
     filled in."""
-    names = ("fsdp_plugin", "accelerator", "model", "input_dir", "model_index", "adapter_only", "use_dcp")
-    bound: dict[str, Any] = {"model_index": 0, "adapter_only": False, "use_dcp": True}
-    bound.update(zip(names, args))
-    bound.update(kwargs)
-    return bound
+    return _bind(("fsdp_plugin", "accelerator", "model", "input_dir", "model_index", "adapter_only", "use_dcp"),
+                 {"model_index": 0}, args, kwargs)
