@@ -20,10 +20,7 @@ from typing import Any
 import pytest
 
 from accelerate_txn.testing import launch
-from tests import test_cli
 from tests._s3_server import BUCKET, Server
-
-cli = test_cli.cli  # the in-process command-line fixture
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 TIMEOUT = 200

@@ -20,7 +20,6 @@ from accelerate import Accelerator
 
 import accelerate_txn
 from accelerate_txn import MANIFEST, configure_checkpointing, register_checkpoint_state, save_training_checkpoint
-from accelerate_txn.cli import main
 from accelerate_txn.store.posix import POSIX, DirectoryLock
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,17 +35,6 @@ class Result:
 
     def json(self) -> Any:
         return json.loads(self.out)  # the whole of stdout: --json prints nothing else
-
-
-@pytest.fixture
-def cli(capsys: pytest.CaptureFixture[str]) -> Any:
-    def run(*args: str) -> Result:
-        code = main([str(arg) for arg in args])
-        captured = capsys.readouterr()
-        assert "Traceback" not in captured.err, captured.err
-        return Result(code, captured.out, captured.err)
-
-    return run
 
 
 def _subprocess(*args: str, code: str | None = None) -> subprocess.CompletedProcess[str]:

@@ -21,23 +21,9 @@ import torch
 
 from accelerate_txn import MANIFEST
 from accelerate_txn.testing import launch
-from tests.test_cli import Result
 
 TINY = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 32}
-
-
-@pytest.fixture
-def cli(capsys: pytest.CaptureFixture[str]) -> Any:
-    from accelerate_txn.cli import main
-
-    def run(*args: Any) -> Result:
-        code = main([str(arg) for arg in args])
-        captured = capsys.readouterr()
-        assert "Traceback" not in captured.err, captured.err
-        return Result(code, captured.out, captured.err)
-
-    return run
 
 
 def _tiny_llama() -> Any:

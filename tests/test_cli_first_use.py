@@ -44,22 +44,8 @@ from accelerate_txn import (
 from accelerate_txn.core.select import ALLOW_LEGACY_DEFAULT, legacy_resume
 from accelerate_txn.store.posix import POSIX
 from accelerate_txn.testing import launch
-from tests.test_cli import Result
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def cli(capsys: pytest.CaptureFixture[str]) -> Any:
-    from accelerate_txn.cli import main
-
-    def run(*args: Any) -> Result:
-        code = main([str(arg) for arg in args])
-        captured = capsys.readouterr()
-        assert "Traceback" not in captured.err, captured.err
-        return Result(code, captured.out, captured.err)
-
-    return run
 
 
 def _trainer(project_dir: Path | None = None, *, steps: int = 3, metadata: dict[str, Any] | None = None,

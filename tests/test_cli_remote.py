@@ -27,7 +27,6 @@ from accelerate_txn.testing import launch
 from tests import test_cli
 from tests._s3_server import BUCKET, Server
 
-cli = test_cli.cli  # the in-process command-line fixture
 REPO = test_cli.REPO
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]

@@ -35,7 +35,6 @@ from accelerate_txn.testing import launch
 from tests._crash_harness import KILLED, run_to_completion, run_until_crash_point
 from tests._peft_scenarios import tiny_peft
 from tests._trainer_kills import equal, observed, trainer_report
-from tests.test_cli import Result
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 TIMEOUT = 300  # per launch: a hung group fails instead of stalling
@@ -165,19 +164,6 @@ def test_a_flipped_byte_in_a_trainer_adapter_shard_is_refused_before_anything_lo
     assert results[0]["error"] == results[1]["error"]
     assert results[0]["error"].startswith("CheckpointIntegrityError") and "__0_0.distcp" in results[0]["error"]
     assert all(result["untouched"] for result in results)
-
-
-@pytest.fixture
-def cli(capsys: pytest.CaptureFixture[str]) -> Any:
-    from accelerate_txn.cli import main
-
-    def run(*args: Any) -> Result:
-        code = main([str(arg) for arg in args])
-        captured = capsys.readouterr()
-        assert "Traceback" not in captured.err, captured.err
-        return Result(code, captured.out, captured.err)
-
-    return run
 
 
 def _full_adapter(reference: list[dict[str, Any]]) -> dict[str, torch.Tensor]:

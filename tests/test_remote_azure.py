@@ -15,10 +15,7 @@ import pytest
 
 from accelerate_txn import MANIFEST
 from accelerate_txn.testing import LaunchError, launch
-from tests import test_cli
 from tests._azurite import CONTAINER, Azurite
-
-cli = test_cli.cli  # the in-process command-line fixture
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 TIMEOUT = 300

@@ -23,18 +23,28 @@ import xxhash
 
 from accelerate_txn.errors import (
     CheckpointConfigurationError,
-    CheckpointError,
-    CheckpointExistsError,
     CheckpointIntegrityError,
 )
 from accelerate_txn.store.azure import AzureStore, AzureUrl
 from accelerate_txn.store.base import ObjectStore
 from tests._azurite import CONTAINER, Azurite
+from tests._object_store_checks import (
+    MANIFEST,
+    check_chunked_round_trip,
+    check_commit_repeated_with_the_same_bytes,
+    check_create_only_upload_refused,
+    check_damaged_object_refused,
+    check_empty_file_round_trip,
+    check_failed_upload_leaves_nothing,
+    check_local_failure_named,
+    check_second_commit_refused,
+    leftovers,
+    payload,
+)
 
 pytestmark = pytest.mark.timeout(300)  # the first test also installs Azurite with npm where it is not cached
 
 REPO = Path(__file__).resolve().parents[1]
-MANIFEST = "checkpoint_manifest.json"
 BLOCK = 2**20  # small blocks: a 3-block file is 3 MiB
 
 
@@ -50,15 +60,10 @@ def prefix(azurite: Azurite, request: pytest.FixtureRequest) -> AzureUrl:
     return AzureUrl.parse(f"az://{CONTAINER}/{name}-{uuid.uuid4().hex[:8]}/checkpoint_1")
 
 
-def _payload(tmp_path: Path, size: int, name: str = "payload.bin") -> tuple[Path, bytes]:
-    data = os.urandom(size)
-    path = tmp_path / name
-    path.write_bytes(data)
-    return path, data
 
 
-def _leftovers(directory: Path) -> list[str]:
-    return sorted(entry.name for entry in directory.iterdir())
+
+
 
 
 def _path(url: AzureUrl) -> str:
@@ -131,103 +136,65 @@ def test_the_store_is_an_object_store(store: AzureStore) -> None:
 def test_create_only_commit_wins_once_and_the_second_writer_is_refused(store: AzureStore, prefix: AzureUrl,
                                                                        azurite: Azurite) -> None:
     manifest = prefix.child(MANIFEST)
-    store.write_new(manifest, b'{"transaction_id": "first"}')
-    start = len(azurite.settled())
-    with pytest.raises(CheckpointExistsError) as caught:
-        store.write_new(manifest, b'{"transaction_id": "second"}')
-    assert f"{manifest} already exists (another writer committed it first)" in str(caught.value)
-    assert "nothing was written" in str(caught.value)
-    # The server itself refused the write: 409 on the Put Blob (If-None-Match: *), no unconditional retry.
-    puts = [request for request in azurite.settled()[start:] if request[0] == "PUT"]
-    assert puts == [("PUT", _path(manifest), 409)]
-    assert store.read_bytes(manifest, limit=1024) == b'{"transaction_id": "first"}'
+    start: list[int] = []
+
+    def refused() -> None:
+        # The server itself refused the write: 409 on the Put Blob (If-None-Match: *), no unconditional retry.
+        puts = [request for request in azurite.settled()[start[0]:] if request[0] == "PUT"]
+        assert puts == [("PUT", _path(manifest), 409)]
+
+    check_second_commit_refused(store, manifest, lambda: start.append(len(azurite.settled())), refused)
 
 
 def test_create_only_commit_repeated_with_the_same_bytes_succeeds(store: AzureStore, prefix: AzureUrl) -> None:
-    # A retry whose first request landed finds its own bytes: that is this writer's commit, not another's.
-    manifest = prefix.child(MANIFEST)
-    store.write_new(manifest, b'{"transaction_id": "mine"}')
-    store.write_new(manifest, b'{"transaction_id": "mine"}')
-    assert store.read_bytes(manifest, limit=1024) == b'{"transaction_id": "mine"}'
+    check_commit_repeated_with_the_same_bytes(store, prefix)
 
 
 def test_create_only_block_upload_is_refused_when_the_blob_exists(store: AzureStore, prefix: AzureUrl,
                                                                   tmp_path: Path, azurite: Azurite) -> None:
-    first, first_data = _payload(tmp_path, 2 * BLOCK + 100, "first.bin")
-    second, _ = _payload(tmp_path, 2 * BLOCK + 100, "second.bin")
     url = prefix.child("model.safetensors")
-    size, digest = store.upload_file(first, url, create_only=True)
-    start = len(azurite.settled())
-    with pytest.raises(CheckpointExistsError, match=re.escape(f"{url} already exists")):
-        store.upload_file(second, url, create_only=True)
-    commits = [request for request in azurite.settled()[start:] if "comp=blocklist" in request[1]]
-    assert commits == [("PUT", _path(url) + "?comp=blocklist", 409)]
-    store.download_file(url, tmp_path / "back.bin", size=size, digest=digest)
-    assert (tmp_path / "back.bin").read_bytes() == first_data
+    start: list[int] = []
+
+    def refused() -> None:
+        commits = [request for request in azurite.settled()[start[0]:] if "comp=blocklist" in request[1]]
+        assert commits == [("PUT", _path(url) + "?comp=blocklist", 409)]
+
+    check_create_only_upload_refused(store, url, tmp_path, BLOCK, lambda: start.append(len(azurite.settled())),
+                                     refused)
     assert store.incomplete_uploads(prefix) == []
 
 
 # -- uploads and downloads ---------------------------------------------------------------------------------------
 
 def test_block_upload_round_trips_with_the_right_hash(store: AzureStore, prefix: AzureUrl, tmp_path: Path) -> None:
-    path, data = _payload(tmp_path, 2 * BLOCK + 12345)
     url = prefix.child("pytorch_model_fsdp_0/__0_0.distcp")
-    acknowledged: list[int] = []
-    size, digest = store.upload_file(path, url, progress=acknowledged.append)
-    assert (size, digest) == (len(data), xxhash.xxh3_128_hexdigest(data))
-    assert len(acknowledged) == 3 and max(acknowledged) == len(data)
-    committed, uncommitted = store.client.get_blob_client(url.container, url.key).get_block_list("all")
-    assert (len(committed), uncommitted) == (3, [])  # the server committed a 3-block blob
-    (tmp_path / "down").mkdir()
-    store.download_file(url, tmp_path / "down" / "shard.distcp", size=size, digest=digest)
-    assert (tmp_path / "down" / "shard.distcp").read_bytes() == data
-    assert _leftovers(tmp_path / "down") == ["shard.distcp"]
+
+    def uploaded() -> None:
+        committed, uncommitted = store.client.get_blob_client(url.container, url.key).get_block_list("all")
+        assert (len(committed), uncommitted) == (3, [])  # the server committed a 3-block blob
+
+    check_chunked_round_trip(store, url, tmp_path, BLOCK, uploaded)
 
 
 def test_small_file_goes_in_one_request_with_the_right_hash(store: AzureStore, prefix: AzureUrl, tmp_path: Path,
                                                             azurite: Azurite) -> None:
-    path, data = _payload(tmp_path, 1000)
+    path, data = payload(tmp_path, 1000)
     url = prefix.child("random_states_0.pkl")
     start = len(azurite.settled())
     assert store.upload_file(path, url) == (1000, xxhash.xxh3_128_hexdigest(data))
     assert [request for request in azurite.settled()[start:] if request[0] == "PUT"] == [("PUT", _path(url), 201)]
-    empty = tmp_path / "empty"
-    empty.write_bytes(b"")
-    assert store.upload_file(empty, prefix.child("empty")) == (0, xxhash.xxh3_128_hexdigest(b""))
-    store.download_file(prefix.child("empty"), tmp_path / "empty-back", size=0, digest=xxhash.xxh3_128_hexdigest(b""))
-    assert (tmp_path / "empty-back").read_bytes() == b""
+    check_empty_file_round_trip(store, prefix, tmp_path)
 
 
 @pytest.mark.parametrize("damage", ["flipped byte", "truncated"])
 def test_damaged_blob_is_refused_naming_the_url_and_leaves_no_file(store: AzureStore, prefix: AzureUrl,
                                                                    tmp_path: Path, damage: str) -> None:
-    path, data = _payload(tmp_path, BLOCK + 777)
     url = prefix.child("optimizer_0/__1_0.distcp")
-    size, digest = store.upload_file(path, url)
-    altered = bytearray(data)
-    if damage == "flipped byte":
-        altered[len(data) // 2] ^= 0x01
-    else:
-        del altered[-1]
-    # Another writer (or bit rot) replaced the blob.
-    store.client.get_blob_client(url.container, url.key).upload_blob(bytes(altered), overwrite=True)
-    (tmp_path / "down").mkdir()
-    destination = tmp_path / "down" / "shard.distcp"
-    expected = ("does not hold the content the checkpoint lists" if damage == "flipped byte"
-                else f"holds {size - 1} bytes where the checkpoint lists {size}")
-    with pytest.raises(CheckpointIntegrityError, match=re.escape(expected)) as caught:
-        store.download_file(url, destination, size=size, digest=digest)
-    assert str(url) in str(caught.value)
-    assert _leftovers(tmp_path / "down") == []
-    destination.write_bytes(b"an older copy")  # a failed download leaves an existing file as it was
-    with pytest.raises(CheckpointIntegrityError):
-        store.download_file(url, destination, size=size, digest=digest)
-    assert destination.read_bytes() == b"an older copy"
-    # Listed sizes are trusted for the first check only: the hash still refuses the flipped byte.
-    with pytest.raises(CheckpointIntegrityError, match=re.escape("does not hold the content the checkpoint lists")):
-        store.download_file(url, destination, size=size, digest=digest, listed=True)
-    assert destination.read_bytes() == b"an older copy"
-    assert _leftovers(tmp_path / "down") == ["shard.distcp"]
+
+    def replace(altered: bytes) -> None:  # another writer (or bit rot) replaced the blob
+        store.client.get_blob_client(url.container, url.key).upload_blob(altered, overwrite=True)
+
+    check_damaged_object_refused(store, url, tmp_path, BLOCK, damage, replace, listed_too=True)
 
 
 def test_missing_blob_is_refused_naming_the_url(store: AzureStore, prefix: AzureUrl, tmp_path: Path) -> None:
@@ -236,7 +203,7 @@ def test_missing_blob_is_refused_naming_the_url(store: AzureStore, prefix: Azure
         store.download_file(url, tmp_path / "scheduler.bin", size=10, digest="0" * 32)
     with pytest.raises(CheckpointIntegrityError, match="the object store has no such blob"):
         store.download_file(url, tmp_path / "scheduler.bin", size=10, digest=None, listed=True)
-    assert _leftovers(tmp_path) == []
+    assert leftovers(tmp_path) == []
     with pytest.raises(CheckpointIntegrityError, match=re.escape(f"{url} does not exist")):
         store.read_bytes(url, limit=1024)
     assert store.size(url) is None
@@ -244,30 +211,12 @@ def test_missing_blob_is_refused_naming_the_url(store: AzureStore, prefix: Azure
 
 def test_a_local_failure_during_a_download_names_the_local_side_not_the_object_store(
         store: AzureStore, prefix: AzureUrl, tmp_path: Path) -> None:
-    source, data = _payload(tmp_path, 1000, "scheduler.bin")
-    url = prefix.child("scheduler.bin")
-    size, digest = store.upload_file(source, url)
-    gone = tmp_path / "cache" / "checkpoint_2"  # never created: as if removed under the download
-    for listed in (True, False):
-        with pytest.raises(CheckpointError) as raised:
-            store.download_file(url, gone / "scheduler.bin", size=size, digest=digest, listed=listed)
-        message = str(raised.value)
-        assert not isinstance(raised.value, CheckpointIntegrityError), message  # the checkpoint is not at fault
-        assert "on the local disk, not in the object store" in message and str(gone / "scheduler.bin") in message
-    assert store.size(url) == len(data)
+    check_local_failure_named(store, prefix, tmp_path)
 
 
 def test_a_failed_upload_leaves_no_blob_and_no_staged_blocks(store: AzureStore, prefix: AzureUrl,
                                                              tmp_path: Path) -> None:
-    path, _ = _payload(tmp_path, 3 * BLOCK)
-    url = prefix.child("big.bin")
-
-    def fail(acknowledged: int) -> None:
-        raise RuntimeError("the caller gave up")
-
-    with pytest.raises(RuntimeError, match="the caller gave up"):
-        store.upload_file(path, url, progress=fail)
-    assert store.size(url) is None
+    check_failed_upload_leaves_nothing(store, prefix.child("big.bin"), tmp_path, BLOCK)
     assert store.incomplete_uploads(prefix) == []
     assert store.list(prefix) == {}
 
@@ -337,7 +286,7 @@ print("completed", flush=True)
 
 def test_kill_9_mid_block_upload_leaves_no_blob_and_the_staged_blocks_are_discarded(
         store: AzureStore, prefix: AzureUrl, tmp_path: Path) -> None:
-    path, data = _payload(tmp_path, 3 * BLOCK + 1)
+    path, data = payload(tmp_path, 3 * BLOCK + 1)
     url = prefix.child("pytorch_model_fsdp_0/__0_0.distcp")
     elsewhere = AzureUrl(prefix.container, prefix.key + "0")  # another checkpoint's staged blocks: never touched
     other = elsewhere.child("x")

@@ -23,14 +23,26 @@ from typing import Any
 import pytest
 import xxhash
 
-from accelerate_txn.errors import CheckpointConfigurationError, CheckpointExistsError, CheckpointIntegrityError
+from accelerate_txn.errors import CheckpointConfigurationError, CheckpointIntegrityError
 from accelerate_txn.store.s3 import MIN_PART_SIZE, S3Store, S3Url
+from tests._object_store_checks import (
+    MANIFEST,
+    check_chunked_round_trip,
+    check_commit_repeated_with_the_same_bytes,
+    check_create_only_upload_refused,
+    check_damaged_object_refused,
+    check_empty_file_round_trip,
+    check_failed_upload_leaves_nothing,
+    check_local_failure_named,
+    check_second_commit_refused,
+    leftovers,
+    payload,
+)
 from tests._s3_server import BUCKET, Server
 
 pytestmark = pytest.mark.timeout(120)
 
 REPO = Path(__file__).resolve().parents[1]
-MANIFEST = "checkpoint_manifest.json"
 
 
 @pytest.fixture
@@ -45,15 +57,8 @@ def prefix(s3_server: Server, request: pytest.FixtureRequest) -> S3Url:
     return S3Url.parse(f"s3://{BUCKET}/{name}-{uuid.uuid4().hex[:8]}/checkpoint_1")
 
 
-def _payload(tmp_path: Path, size: int, name: str = "payload.bin") -> tuple[Path, bytes]:
-    data = os.urandom(size)
-    path = tmp_path / name
-    path.write_bytes(data)
-    return path, data
 
 
-def _leftovers(directory: Path) -> list[str]:
-    return sorted(entry.name for entry in directory.iterdir())
 
 
 # -- URLs and set-up -------------------------------------------------------------------------------------------
@@ -118,96 +123,54 @@ def test_a_client_that_would_drop_the_condition_is_refused_before_any_request() 
 # -- the commit --------------------------------------------------------------------------------------------------
 
 def test_create_only_commit_wins_once_and_the_second_writer_is_refused(store: S3Store, prefix: S3Url) -> None:
-    manifest = prefix.child(MANIFEST)
-    store.write_new(manifest, b'{"transaction_id": "first"}')
-    with pytest.raises(CheckpointExistsError) as caught:
-        store.write_new(manifest, b'{"transaction_id": "second"}')
-    assert f"{manifest} already exists (another writer committed it first)" in str(caught.value)
-    assert "nothing was written" in str(caught.value)
-    assert store.read_bytes(manifest, limit=1024) == b'{"transaction_id": "first"}'
+    check_second_commit_refused(store, prefix.child(MANIFEST))
 
 
 def test_create_only_commit_repeated_with_the_same_bytes_succeeds(store: S3Store, prefix: S3Url) -> None:
-    # A retry whose first request landed finds its own bytes: that is this writer's commit, not another's.
-    manifest = prefix.child(MANIFEST)
-    store.write_new(manifest, b'{"transaction_id": "mine"}')
-    store.write_new(manifest, b'{"transaction_id": "mine"}')
-    assert store.read_bytes(manifest, limit=1024) == b'{"transaction_id": "mine"}'
+    check_commit_repeated_with_the_same_bytes(store, prefix)
 
 
 def test_create_only_multipart_upload_is_refused_when_the_key_exists(store: S3Store, prefix: S3Url,
                                                                      tmp_path: Path) -> None:
-    first, first_data = _payload(tmp_path, 2 * MIN_PART_SIZE + 100, "first.bin")
-    second, _ = _payload(tmp_path, 2 * MIN_PART_SIZE + 100, "second.bin")
-    url = prefix.child("model.safetensors")
-    size, digest = store.upload_file(first, url, create_only=True)
-    with pytest.raises(CheckpointExistsError, match=re.escape(f"{url} already exists")):
-        store.upload_file(second, url, create_only=True)
-    store.download_file(url, tmp_path / "back.bin", size=size, digest=digest)
-    assert (tmp_path / "back.bin").read_bytes() == first_data
+    check_create_only_upload_refused(store, prefix.child("model.safetensors"), tmp_path, MIN_PART_SIZE)
     assert store.list_incomplete_uploads(prefix) == []  # the refused upload was aborted, not left behind
 
 
 # -- uploads and downloads ---------------------------------------------------------------------------------------
 
 def test_multipart_upload_round_trips_with_the_right_hash(store: S3Store, prefix: S3Url, tmp_path: Path) -> None:
-    path, data = _payload(tmp_path, 2 * MIN_PART_SIZE + 12345)
     url = prefix.child("pytorch_model_fsdp_0/__0_0.distcp")
-    acknowledged: list[int] = []
-    size, digest = store.upload_file(path, url, progress=acknowledged.append)
-    assert (size, digest) == (len(data), xxhash.xxh3_128_hexdigest(data))
-    assert len(acknowledged) == 3 and max(acknowledged) == len(data)
-    assert store.fs.info(str(url))["ETag"].strip('"').endswith("-3")  # the server completed a 3-part upload
-    (tmp_path / "down").mkdir()
-    store.download_file(url, tmp_path / "down" / "shard.distcp", size=size, digest=digest)
-    assert (tmp_path / "down" / "shard.distcp").read_bytes() == data
-    assert _leftovers(tmp_path / "down") == ["shard.distcp"]
+
+    def uploaded() -> None:
+        assert store.fs.info(str(url))["ETag"].strip('"').endswith("-3")  # the server completed a 3-part upload
+
+    check_chunked_round_trip(store, url, tmp_path, MIN_PART_SIZE, uploaded)
 
 
 def test_small_file_goes_in_one_request_with_the_right_hash(store: S3Store, prefix: S3Url, tmp_path: Path) -> None:
-    path, data = _payload(tmp_path, 1000)
+    path, data = payload(tmp_path, 1000)
     url = prefix.child("random_states_0.pkl")
     assert store.upload_file(path, url) == (1000, xxhash.xxh3_128_hexdigest(data))
     assert "-" not in store.fs.info(str(url))["ETag"]
-    empty = tmp_path / "empty"
-    empty.write_bytes(b"")
-    assert store.upload_file(empty, prefix.child("empty")) == (0, xxhash.xxh3_128_hexdigest(b""))
-    store.download_file(prefix.child("empty"), tmp_path / "empty-back", size=0, digest=xxhash.xxh3_128_hexdigest(b""))
-    assert (tmp_path / "empty-back").read_bytes() == b""
+    check_empty_file_round_trip(store, prefix, tmp_path)
 
 
 @pytest.mark.parametrize("damage", ["flipped byte", "truncated"])
 def test_damaged_object_is_refused_naming_the_url_and_leaves_no_file(store: S3Store, prefix: S3Url, tmp_path: Path,
                                                                      damage: str) -> None:
-    path, data = _payload(tmp_path, MIN_PART_SIZE + 777)
     url = prefix.child("optimizer_0/__1_0.distcp")
-    size, digest = store.upload_file(path, url)
-    altered = bytearray(data)
-    if damage == "flipped byte":
-        altered[len(data) // 2] ^= 0x01
-    else:
-        del altered[-1]
-    store.fs.pipe_file(str(url), bytes(altered))  # another writer (or bit rot) replaced the object
-    (tmp_path / "down").mkdir()
-    destination = tmp_path / "down" / "shard.distcp"
-    expected = ("does not hold the content the checkpoint lists" if damage == "flipped byte"
-                else f"holds {size - 1} bytes where the checkpoint lists {size}")
-    with pytest.raises(CheckpointIntegrityError, match=re.escape(expected)) as caught:
-        store.download_file(url, destination, size=size, digest=digest)
-    assert str(url) in str(caught.value)
-    assert _leftovers(tmp_path / "down") == []
-    destination.write_bytes(b"an older copy")  # a failed download leaves an existing file as it was
-    with pytest.raises(CheckpointIntegrityError):
-        store.download_file(url, destination, size=size, digest=digest)
-    assert destination.read_bytes() == b"an older copy"
-    assert _leftovers(tmp_path / "down") == ["shard.distcp"]
+
+    def replace(altered: bytes) -> None:
+        store.fs.pipe_file(str(url), altered)  # another writer (or bit rot) replaced the object
+
+    check_damaged_object_refused(store, url, tmp_path, MIN_PART_SIZE, damage, replace)
 
 
 def test_missing_object_is_refused_naming_the_url(store: S3Store, prefix: S3Url, tmp_path: Path) -> None:
     url = prefix.child("scheduler.bin")
     with pytest.raises(CheckpointIntegrityError, match=re.escape(f"{url} does not exist")):
         store.download_file(url, tmp_path / "scheduler.bin", size=10, digest="0" * 32)
-    assert _leftovers(tmp_path) == []
+    assert leftovers(tmp_path) == []
     with pytest.raises(CheckpointIntegrityError, match=re.escape(f"{url} does not exist")):
         store.read_bytes(url, limit=1024)
 
@@ -216,35 +179,14 @@ def test_a_local_file_not_found_during_a_download_names_the_local_side_not_the_o
         store: S3Store, prefix: S3Url, tmp_path: Path) -> None:
     """Issue 34: a download whose local directory was removed meanwhile (another job sharing the cache) raised
     "the object store has no such object. The checkpoint is incomplete" although the object was there."""
-    from accelerate_txn.errors import CheckpointError
-
-    source, data = _payload(tmp_path, 1000, "scheduler.bin")
-    url = prefix.child("scheduler.bin")
-    size, digest = store.upload_file(source, url)
-    gone = tmp_path / "cache" / "checkpoint_2"  # never created: as if removed under the download
-    for listed in (True, False):
-        with pytest.raises(CheckpointError) as raised:
-            store.download_file(url, gone / "scheduler.bin", size=size, digest=digest, listed=listed)
-        message = str(raised.value)
-        assert not isinstance(raised.value, CheckpointIntegrityError), message  # the checkpoint is not at fault
-        assert "on the local disk, not in the object store" in message and str(gone / "scheduler.bin") in message
-        assert "no such object" not in message and "incomplete" not in message
-    assert store.size(url) == len(data)  # the object is there, as the message says
+    check_local_failure_named(store, prefix, tmp_path, "object")
     # The object store's side is still named as such: a key that is not there.
     with pytest.raises(CheckpointIntegrityError, match="the object store has no such object"):
         store.download_file(prefix.child("missing.bin"), tmp_path / "missing.bin", size=10, digest=None, listed=True)
 
 
 def test_a_failed_upload_is_aborted_and_leaves_no_object(store: S3Store, prefix: S3Url, tmp_path: Path) -> None:
-    path, _ = _payload(tmp_path, 3 * MIN_PART_SIZE)
-    url = prefix.child("big.bin")
-
-    def fail(acknowledged: int) -> None:
-        raise RuntimeError("the caller gave up")
-
-    with pytest.raises(RuntimeError, match="the caller gave up"):
-        store.upload_file(path, url, progress=fail)
-    assert store.size(url) is None
+    check_failed_upload_leaves_nothing(store, prefix.child("big.bin"), tmp_path, MIN_PART_SIZE)
     assert store.list_incomplete_uploads(prefix) == []
 
 
@@ -308,7 +250,7 @@ print("completed", flush=True)
 
 def test_kill_9_mid_multipart_upload_leaves_no_object_and_the_leftover_upload_is_aborted(
         store: S3Store, prefix: S3Url, tmp_path: Path) -> None:
-    path, _ = _payload(tmp_path, 3 * MIN_PART_SIZE + 1)
+    path, _ = payload(tmp_path, 3 * MIN_PART_SIZE + 1)
     url = prefix.child("pytorch_model_fsdp_0/__0_0.distcp")
     elsewhere = S3Url(prefix.bucket, prefix.key + "0")  # another checkpoint's open upload: never touched
     other = store.fs.call_s3("create_multipart_upload", Bucket=prefix.bucket, Key=elsewhere.child("x").key)

@@ -46,14 +46,28 @@ import logging
 import os
 import re
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointConfigurationError, CheckpointError, CheckpointExistsError, CheckpointIntegrityError
-from .base import HASH, hash_file, new_hasher
+from ..errors import CheckpointConfigurationError, CheckpointExistsError, CheckpointIntegrityError
+from ._object import (
+    Progress,
+    check_read,
+    check_readable,
+    check_size,
+    chunk_size_for,
+    chunks,
+    digest_of,
+    download_verified,
+    exists_error,
+    local_failure,
+    missing_message,
+    read_head,
+    upload_in_parallel,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +82,6 @@ DEFAULT_CONCURRENCY = 8
 ENVIRONMENT = ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT", "AZURE_STORAGE_KEY",
                "AZURE_STORAGE_SAS_TOKEN")
 _CONTAINER = re.compile(r"(?!.*--)[a-z0-9][a-z0-9-]{1,61}[a-z0-9]\Z")
-
-#: ``progress(bytes_uploaded_so_far)``: called from the calling thread after each block the store acknowledged.
-Progress = Callable[[int], None]
 
 
 @dataclass(frozen=True)
@@ -170,10 +181,7 @@ def client_from_environment() -> Any:
 def block_size_for(size: int, block_size: int) -> int:
     """The block size to upload ``size`` bytes with: ``block_size``, grown in whole MiB where the file would
     otherwise need more than :data:`MAX_BLOCKS` blocks."""
-    needed = -(-size // MAX_BLOCKS)
-    if needed <= block_size:
-        return block_size
-    return -(-needed // 2**20) * 2**20
+    return chunk_size_for(size, block_size, MAX_BLOCKS)
 
 
 class AzureStore:
@@ -221,10 +229,7 @@ class AzureStore:
         except self._exceptions.ResourceExistsError as exc:  # 409 BlobAlreadyExists (the SDK maps a 412 to it too)
             if self._holds(url, data):
                 return
-            raise CheckpointExistsError(
-                f"{url} already exists (another writer committed it first); it was left as it is and nothing was "
-                f"written. Save under another name, or delete the existing checkpoint first if it is yours to "
-                f"replace.") from exc
+            raise exists_error(url) from exc
 
     def _put(self, url: AzureUrl, data: bytes, *, create_only: bool) -> None:
         # overwrite=False is the SDK's If-None-Match: *; one request (data is at most single_request_size).
@@ -251,19 +256,16 @@ class AzureStore:
         with open(local, "rb") as stream:
             size = os.fstat(stream.fileno()).st_size
             block_size = block_size_for(size, self.block_size)
-            limit = block_size if size > self.single_request_size else max(block_size, size)
-            first = stream.read(limit)
-            second = stream.read(block_size) if len(first) == limit else b""
+            first, second = read_head(stream, size, block_size, self.single_request_size)
             if not second:  # one request: Put Blob
-                hasher = new_hasher(HASH)
-                hasher.update(first)
+                digest = digest_of(first)
                 try:
                     self._put(url, first, create_only=create_only)
                 except self._exceptions.ResourceExistsError as exc:
                     raise self._exists(url) from exc
                 if progress is not None:
                     progress(len(first))
-                return len(first), hasher.hexdigest()
+                return len(first), digest
             return self._upload_blocks(stream, [first, second], url, block_size, create_only, progress)
 
     def _upload_blocks(self, stream: Any, head: list[bytes], url: AzureUrl, block_size: int, create_only: bool,
@@ -271,33 +273,15 @@ class AzureStore:
         blob = self._blob(url)
         token = uuid.uuid4().hex  # this upload's blocks: another upload of the name never commits them
         ids: dict[int, str] = {}
-        acknowledged = 0
         try:
-            hasher = new_hasher(HASH)
+            def send(number: int, block: bytes) -> int:
+                ids[number] = base64.b64encode(f"{token}-{number:06d}".encode()).decode()
+                blob.stage_block(ids[number], block, length=len(block))
+                return len(block)
 
-            def collect(finished: set[Future[int]]) -> None:
-                nonlocal acknowledged
-                for future in finished:
-                    acknowledged += future.result()
-                    if progress is not None:
-                        progress(acknowledged)
-
-            with ThreadPoolExecutor(self.concurrency, thread_name_prefix="accelerate-txn-azure") as pool:
-                pending: set[Future[int]] = set()
-                try:
-                    for number, block in enumerate(_blocks(stream, head, block_size)):
-                        hasher.update(block)
-                        ids[number] = base64.b64encode(f"{token}-{number:06d}".encode()).decode()
-                        pending.add(pool.submit(self._stage, blob, ids[number], block))
-                        del block  # the future holds the only reference: memory is bounded by the blocks in flight
-                        if len(pending) >= self.concurrency:
-                            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                            collect(finished)
-                    finished, pending = wait(pending)
-                    collect(finished)
-                except BaseException:
-                    pool.shutdown(wait=True, cancel_futures=True)
-                    raise
+            acknowledged, digest = upload_in_parallel(chunks(stream, head, block_size), send,
+                                                      concurrency=self.concurrency,
+                                                      thread_name_prefix="accelerate-txn-azure", progress=progress)
             blocks = [self._block(block_id=ids[number]) for number in sorted(ids)]
             condition = {"match_condition": _if_missing()} if create_only else {}
             try:
@@ -310,12 +294,7 @@ class AzureStore:
         except BaseException:
             self._discard_quietly(url)
             raise
-        return acknowledged, hasher.hexdigest()
-
-    @staticmethod
-    def _stage(blob: Any, block_id: str, data: bytes) -> int:
-        blob.stage_block(block_id, data, length=len(data))
-        return len(data)
+        return acknowledged, digest
 
     def _exists(self, url: AzureUrl) -> CheckpointExistsError:
         return CheckpointExistsError(
@@ -357,19 +336,12 @@ class AzureStore:
         """The content of the blob ``url``, refused (:class:`CheckpointIntegrityError`) if it is missing or larger
         than ``limit`` bytes (a manifest is read bounded)."""
         url = AzureUrl.parse(url)
-        size = self.size(url)
-        if size is None:
-            raise CheckpointIntegrityError(f"{url} does not exist.")
-        if size > limit:
-            raise CheckpointIntegrityError(f"{url} holds {size} bytes, more than the {limit} allowed here; it is not "
-                                           f"a file this library wrote.")
+        size = check_readable(url, self.size(url), limit)
         try:
             data = self._blob(url).download_blob(offset=0, length=size, max_concurrency=1).readall() if size else b""
         except self._exceptions.ResourceNotFoundError:
             raise CheckpointIntegrityError(f"{url} does not exist.") from None
-        if len(data) != size:
-            raise CheckpointIntegrityError(f"{url} changed while it was read ({len(data)} bytes instead of {size}).")
-        return bytes(data)
+        return check_read(url, data, size)
 
     def list(self, url: str | AzureUrl) -> dict[str, int]:
         """Every blob under ``url`` (names starting with ``url``'s name and ``/``): its name relative to ``url``
@@ -399,22 +371,15 @@ class AzureStore:
         ``local`` is untouched."""
         url = AzureUrl.parse(url)
         local = Path(local)
-        missing = (f"{url} does not exist: the checkpoint lists it ({size} bytes) but the object store has no such "
-                   f"blob. The checkpoint is incomplete; restore from another one.")
+        missing = missing_message(url, size, "blob")
         if not listed:
-            found = self.size(url)
-            if found is None:
-                raise CheckpointIntegrityError(missing)
-            if found != size:
-                raise CheckpointIntegrityError(
-                    f"{url} holds {found} bytes where the checkpoint lists {size}: it was truncated, extended or "
-                    f"replaced. The checkpoint is damaged; restore from another one.")
-        temporary = local.with_name(f".{local.name}.download-{uuid.uuid4().hex}")
-        try:
+            check_size(url, self.size(url), size, missing)
+
+        def fetch(temporary: Path) -> None:
             try:
                 output = open(temporary, "xb")
             except OSError as exc:
-                raise _local_failure(url, local, exc) from exc
+                raise local_failure(url, local, exc) from exc
             with output:
                 try:
                     self._blob(url).download_blob(max_concurrency=self.concurrency).readinto(output)
@@ -425,23 +390,9 @@ class AzureStore:
                         f"{url} was replaced while it was downloaded; the download was stopped. The checkpoint was "
                         f"altered; restore from another one.") from exc
                 except OSError as exc:  # writing the local file failed (the SDK's own errors are no OSError)
-                    raise _local_failure(url, local, exc) from exc
-            try:
-                received, found_digest = hash_file(temporary, HASH, flush=sync)
-            except CheckpointIntegrityError as exc:  # the downloaded file itself vanished or was replaced
-                raise _local_failure(url, local, exc) from exc
-            if received != size or (digest is not None and found_digest != digest):
-                raise CheckpointIntegrityError(
-                    f"{url} does not hold the content the checkpoint lists: {received} bytes with XXH3-128 "
-                    f"{found_digest}, expected {size} bytes with {digest}. It was altered or replaced; restore from "
-                    f"another checkpoint.")
-            try:
-                os.replace(temporary, local)
-            except OSError as exc:
-                raise _local_failure(url, local, exc) from exc
-        except BaseException:
-            temporary.unlink(missing_ok=True)
-            raise
+                    raise local_failure(url, local, exc) from exc
+
+        download_verified(url, local, fetch, size=size, digest=digest, sync=sync)
 
     # -- deletion and leftovers --------------------------------------------------------------------------------
 
@@ -501,29 +452,3 @@ def _if_unchanged() -> Any:
     from azure.core import MatchConditions
 
     return MatchConditions.IfNotModified
-
-
-def _local_failure(url: AzureUrl, local: Path, exc: BaseException) -> CheckpointError:
-    """The error of a download that failed on the local side: the object store is not at fault."""
-    return CheckpointError(
-        f"Downloading {url} failed on the local disk, not in the object store: writing {local} failed ({exc}). The "
-        f"local directory {local.parent} changed while it was written (another process removed it, e.g. a job "
-        "sharing this cache directory) or the disk failed. Check the local disk and load again; give concurrent "
-        "jobs separate cache directories (configure_checkpointing(accelerator, cache_dir=...)) if this repeats.")
-
-
-def _blocks(stream: Any, head: list[bytes], block_size: int) -> Iterator[bytes]:
-    """The blocks of ``stream``: the ones already read (``head``, emptied as they are handed out), then the rest."""
-    last = block_size
-    while head:
-        block = head.pop(0)
-        last = len(block)
-        yield block
-        del block
-    if last < block_size:
-        return
-    while True:
-        block = stream.read(block_size)
-        if not block:
-            return
-        yield block

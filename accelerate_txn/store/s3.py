@@ -46,16 +46,28 @@ from __future__ import annotations
 import logging
 import os
 import re
-import uuid
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointConfigurationError, CheckpointError, CheckpointExistsError, CheckpointIntegrityError
-from .base import HASH, hash_file, new_hasher
+from ..errors import CheckpointConfigurationError, CheckpointExistsError, CheckpointIntegrityError
+from ._object import (
+    Progress,
+    check_read,
+    check_readable,
+    check_size,
+    chunk_size_for,
+    chunks,
+    digest_of,
+    download_verified,
+    exists_error,
+    local_failure,
+    missing_message,
+    read_head,
+    upload_in_parallel,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +86,6 @@ _DELETE_BATCH = 1000
 _BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,61}[A-Za-z0-9]\Z")
 _EXISTS_CODES = frozenset({"PreconditionFailed", "412"})
 _CONFLICT_CODES = frozenset({"ConditionalRequestConflict", "409"})
-
-#: ``progress(bytes_uploaded_so_far)``: called from the calling thread after each part the store acknowledged.
-Progress = Callable[[int], None]
 
 
 @dataclass(frozen=True)
@@ -166,10 +175,7 @@ def _s3_error_code(exc: BaseException) -> str | None:
 def part_size_for(size: int, part_size: int) -> int:
     """The part size to upload ``size`` bytes with: ``part_size``, grown in whole MiB where the file would
     otherwise need more than :data:`MAX_PARTS` parts."""
-    needed = -(-size // MAX_PARTS)
-    if needed <= part_size:
-        return part_size
-    return -(-needed // 2**20) * 2**20
+    return chunk_size_for(size, part_size, MAX_PARTS)
 
 
 class S3Store:
@@ -245,10 +251,7 @@ class S3Store:
                 raise
             if self._holds(url, data):
                 return
-            raise CheckpointExistsError(
-                f"{url} already exists (another writer committed it first); it was left as it is and nothing was "
-                f"written. Save under another name, or delete the existing checkpoint first if it is yours to "
-                f"replace.") from exc
+            raise exists_error(url) from exc
 
     def _holds(self, url: S3Url, data: bytes) -> bool:
         size = self.size(url)
@@ -272,15 +275,11 @@ class S3Store:
         with open(local, "rb") as stream:
             size = os.fstat(stream.fileno()).st_size
             part_size = part_size_for(size, self.part_size)
-            # One PutObject up to single_request_size: the whole file is the first read (if it grew since fstat,
-            # the second read finds more and it goes as a multipart upload, this read its first part).
-            limit = part_size if size > self.single_request_size else max(part_size, size)
-            first = stream.read(limit)
-            second = stream.read(part_size) if len(first) == limit else b""
+            # One PutObject up to single_request_size (a file grown since fstat goes as a multipart upload).
+            first, second = read_head(stream, size, part_size, self.single_request_size)
             if not second:  # one part: a single PutObject
                 condition = {"IfNoneMatch": "*"} if create_only else {}
-                hasher = new_hasher(HASH)
-                hasher.update(first)
+                digest = digest_of(first)
                 try:
                     self._call("put_object", url, Key=url.key, Body=first, **condition)
                 except Exception as exc:
@@ -288,41 +287,24 @@ class S3Store:
                     raise
                 if progress is not None:
                     progress(len(first))
-                return len(first), hasher.hexdigest()
+                return len(first), digest
             return self._upload_multipart(stream, [first, second], url, part_size, create_only, progress)
 
     def _upload_multipart(self, stream: Any, head: list[bytes], url: S3Url, part_size: int, create_only: bool,
                           progress: Progress | None) -> tuple[int, str]:
         upload_id = self._call("create_multipart_upload", url, Key=url.key)["UploadId"]
         try:
-            hasher = new_hasher(HASH)
             etags: dict[int, str] = {}
-            acknowledged = 0
 
-            def collect(finished: set[Future[tuple[int, str, int]]]) -> None:
-                nonlocal acknowledged
-                for future in finished:
-                    number, etag, length = future.result()
-                    etags[number] = etag
-                    acknowledged += length
-                    if progress is not None:
-                        progress(acknowledged)
+            def send(number: int, part: bytes) -> int:
+                reply = self._call("upload_part", url, Key=url.key, UploadId=upload_id, PartNumber=number + 1,
+                                   Body=part)
+                etags[number + 1] = reply["ETag"]
+                return len(part)
 
-            with ThreadPoolExecutor(self.concurrency, thread_name_prefix="accelerate-txn-s3") as pool:
-                pending: set[Future[tuple[int, str, int]]] = set()
-                try:
-                    for number, part in enumerate(_parts(stream, head, part_size), start=1):
-                        hasher.update(part)
-                        pending.add(pool.submit(self._upload_part, url, upload_id, number, part))
-                        del part  # the future holds the only reference: memory is bounded by the parts in flight
-                        if len(pending) >= self.concurrency:
-                            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                            collect(finished)
-                    finished, pending = wait(pending)
-                    collect(finished)
-                except BaseException:
-                    pool.shutdown(wait=True, cancel_futures=True)
-                    raise
+            acknowledged, digest = upload_in_parallel(chunks(stream, head, part_size), send,
+                                                      concurrency=self.concurrency,
+                                                      thread_name_prefix="accelerate-txn-s3", progress=progress)
             parts = [{"PartNumber": number, "ETag": etags[number]} for number in sorted(etags)]
             condition = {"IfNoneMatch": "*"} if create_only else {}
             try:
@@ -334,11 +316,7 @@ class S3Store:
         except BaseException:
             self._abort_quietly(url, upload_id)
             raise
-        return acknowledged, hasher.hexdigest()
-
-    def _upload_part(self, url: S3Url, upload_id: str, number: int, data: bytes) -> tuple[int, str, int]:
-        reply = self._call("upload_part", url, Key=url.key, UploadId=upload_id, PartNumber=number, Body=data)
-        return number, reply["ETag"], len(data)
+        return acknowledged, digest
 
     def _raise_exists_if_so(self, exc: Exception, url: S3Url) -> None:
         code = _s3_error_code(exc)
@@ -368,16 +346,8 @@ class S3Store:
         """The content of the object ``url``, refused (:class:`CheckpointIntegrityError`) if it is missing or
         larger than ``limit`` bytes (a manifest is read bounded)."""
         url = S3Url.parse(url)
-        size = self.size(url)
-        if size is None:
-            raise CheckpointIntegrityError(f"{url} does not exist.")
-        if size > limit:
-            raise CheckpointIntegrityError(f"{url} holds {size} bytes, more than the {limit} allowed here; it is not "
-                                           f"a file this library wrote.")
-        data = self.fs.cat_file(str(url), start=0, end=size) if size else b""
-        if len(data) != size:
-            raise CheckpointIntegrityError(f"{url} changed while it was read ({len(data)} bytes instead of {size}).")
-        return bytes(data)
+        size = check_readable(url, self.size(url), limit)
+        return check_read(url, self.fs.cat_file(str(url), start=0, end=size) if size else b"", size)
 
     def list(self, url: str | S3Url) -> dict[str, int]:
         """Every object under ``url`` (keys starting with ``url``'s key and ``/``): its key relative to ``url``
@@ -410,42 +380,21 @@ class S3Store:
         removed: nothing is left under either name, and an existing ``local`` is untouched."""
         url = S3Url.parse(url)
         local = Path(local)
-        missing = (f"{url} does not exist: the checkpoint lists it ({size} bytes) but the object store has no such "
-                   f"object. The checkpoint is incomplete; restore from another one.")
+        missing = missing_message(url, size, "object")
         if not listed:
-            found = self.size(url)
-            if found is None:
-                raise CheckpointIntegrityError(missing)
-            if found != size:
-                raise CheckpointIntegrityError(
-                    f"{url} holds {found} bytes where the checkpoint lists {size}: it was truncated, extended or "
-                    f"replaced. The checkpoint is damaged; restore from another one.")
-        temporary = local.with_name(f".{local.name}.download-{uuid.uuid4().hex}")
-        try:
+            check_size(url, self.size(url), size, missing)
+
+        def fetch(temporary: Path) -> None:
             try:
                 self.fs.get_file(str(url), str(temporary))
             except FileNotFoundError as exc:
                 if _local_side(exc, temporary):
-                    raise _local_failure(url, local, exc) from exc
+                    raise local_failure(url, local, exc) from exc
                 raise CheckpointIntegrityError(missing) from None
             if not temporary.is_file():  # the local directory went away under the download
-                raise _local_failure(url, local, FileNotFoundError(2, "No such file or directory", str(temporary)))
-            try:
-                received, found_digest = hash_file(temporary, HASH, flush=sync)
-            except CheckpointIntegrityError as exc:  # the downloaded file itself vanished or was replaced
-                raise _local_failure(url, local, exc) from exc
-            if received != size or (digest is not None and found_digest != digest):
-                raise CheckpointIntegrityError(
-                    f"{url} does not hold the content the checkpoint lists: {received} bytes with XXH3-128 "
-                    f"{found_digest}, expected {size} bytes with {digest}. It was altered or replaced; restore from "
-                    f"another checkpoint.")
-            try:
-                os.replace(temporary, local)
-            except OSError as exc:
-                raise _local_failure(url, local, exc) from exc
-        except BaseException:
-            temporary.unlink(missing_ok=True)
-            raise
+                raise local_failure(url, local, FileNotFoundError(2, "No such file or directory", str(temporary)))
+
+        download_verified(url, local, fetch, size=size, digest=digest, sync=sync)
 
     # -- deletion and leftovers --------------------------------------------------------------------------------
 
@@ -515,30 +464,3 @@ def _local_side(exc: OSError, temporary: Path) -> bool:
     if exc.filename is not None and str(exc.filename) == str(temporary):
         return True
     return not temporary.parent.is_dir()
-
-
-def _local_failure(url: S3Url, local: Path, exc: BaseException) -> CheckpointError:
-    """The error of a download that failed on the local side: the object store is not at fault."""
-    return CheckpointError(
-        f"Downloading {url} failed on the local disk, not in the object store: writing {local} failed ({exc}). The "
-        f"local directory {local.parent} changed while it was written (another process removed it, e.g. a job "
-        "sharing this cache directory) or the disk failed. Check the local disk and load again; give concurrent "
-        "jobs separate cache directories (configure_checkpointing(accelerator, cache_dir=...)) if this repeats.")
-
-
-def _parts(stream: Any, head: list[bytes], part_size: int) -> Iterator[bytes]:
-    """The parts of ``stream``: the ones already read (``head``, emptied as they are handed out, so that no part
-    outlives its upload), then the rest, ``part_size`` bytes each."""
-    last = part_size
-    while head:
-        part = head.pop(0)
-        last = len(part)
-        yield part
-        del part
-    if last < part_size:
-        return
-    while True:
-        part = stream.read(part_size)
-        if not part:
-            return
-        yield part
