@@ -13,16 +13,12 @@ config, no download) under real 2-rank FSDP1 and FSDP2 on CPU (gloo), through th
 
 from __future__ import annotations
 
-import faulthandler
-import json
 import os
-import signal
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
-from tests._trainer_scenarios import optimizer_state
+from tests._trainer_scenarios import crash_entry, optimizer_state
 
 LORA_TARGETS = ["q_proj", "v_proj"]
 
@@ -115,33 +111,12 @@ def trainer_refuse(output_dir: str, checkpoint: str, fsdp_version: int) -> dict[
 
 
 def main(spec_path: str) -> None:
-    """Entry of one rank of a crash-harness job: ``spec`` = ``{"output_dir", "resume", "max_steps", "fsdp_version",
-    "kill", "obs"}``; writes ``obs/rank{R}.began.pt`` when training begins, ``obs/rank{R}.pt`` and
-    ``obs/rank{R}.json`` at the end."""
-    import torch
-
-    torch.set_num_threads(1)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks for stacks before killing a hang
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    spec = json.loads(Path(spec_path).read_text())
-    if spec.get("kill"):
-        from accelerate_txn.core.faults import KILL_ENV
-
-        os.environ[KILL_ENV] = spec["kill"]
-    obs = Path(spec["obs"])
-    obs.mkdir(parents=True, exist_ok=True)
-    rank = os.environ["RANK"]
-    try:
-        result = trainer_train(spec["output_dir"], spec.get("resume"), spec["max_steps"], spec["fsdp_version"],
-                               began_file=str(obs / f"rank{rank}.began.pt"))
-        torch.save(result, obs / f"rank{rank}.pt")
-        (obs / f"rank{rank}.json").write_text(json.dumps({"step": result["step"], "entries": result["entries"]}))
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    sys.stdout.flush()
+    """Entry of one rank of a crash-harness job (``tests._trainer_scenarios.crash_entry``): ``spec`` =
+    ``{"output_dir", "resume", "max_steps", "fsdp_version", "kill", "obs"}``; writes ``obs/rank{R}.began.pt`` when
+    training begins."""
+    crash_entry(spec_path, lambda spec, obs, rank: trainer_train(
+        spec["output_dir"], spec.get("resume"), spec["max_steps"], spec["fsdp_version"],
+        began_file=str(obs / f"rank{rank}.began.pt")))
 
 
 def _loop_build(version: int) -> tuple[Any, Any, Any, list[dict[str, Any]]]:

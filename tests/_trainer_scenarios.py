@@ -16,12 +16,8 @@ unit, so none of its code runs between Trainer's own writes; to kill a rank ther
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import os
-import signal
-import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -206,33 +202,35 @@ def refuse_other_optimizer(output_dir: str, checkpoint: str) -> dict[str, Any]:
     return {"error": error, "untouched": untouched}
 
 
-def main(spec_path: str) -> None:
-    """Entry of one rank of a crash-harness job: ``spec`` = ``{"output_dir", "resume", "max_steps", "fsdp_version",
-    "save_total_limit", "kill", "obs"}``. Arms ``kill`` (``ACCELERATE_TXN_KILL_AT``; none: the harness kills the job
-    at an instant of its own), trains, and writes ``obs/rank{R}.began.pt`` when training begins,
-    ``obs/rank{R}.saved.json`` after each save returns, and ``obs/rank{R}.pt`` plus ``obs/rank{R}.json`` at the end."""
+def crash_entry(spec_path: str, run: Any) -> None:
+    """Entry of one rank of a crash-harness job: reads ``spec``, arms ``spec["kill"]`` (``ACCELERATE_TXN_KILL_AT``;
+    none: the harness kills the job at an instant of its own), calls ``run(spec, obs, rank)`` (a result with ``step``
+    and ``entries``) and writes ``obs/rank{R}.pt`` and ``obs/rank{R}.json`` with it; then ends as
+    ``tests._crash_scenarios.main`` does, without the interpreter's teardown once everything is written."""
     import torch
 
-    torch.set_num_threads(1)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks for stacks before killing a hang
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    spec = json.loads(Path(spec_path).read_text())
-    if spec.get("kill"):
-        from accelerate_txn.core.faults import KILL_ENV
+    from tests._crash_scenarios import main as crash_main
 
-        os.environ[KILL_ENV] = spec["kill"]
-    obs = Path(spec["obs"])
-    obs.mkdir(parents=True, exist_ok=True)
-    rank = os.environ["RANK"]
-    try:
-        result = train(spec["output_dir"], spec.get("resume"), spec["max_steps"], spec.get("fsdp_version", 1),
-                       spec.get("save_total_limit"), began_file=str(obs / f"rank{rank}.began.pt"),
-                       saved_file=str(obs / f"rank{rank}.saved.json"))
+    def scenario(spec: dict[str, Any]) -> None:
+        if spec.get("kill"):
+            from accelerate_txn.core.faults import KILL_ENV
+
+            os.environ[KILL_ENV] = spec["kill"]
+        obs = Path(spec["obs"])
+        obs.mkdir(parents=True, exist_ok=True)
+        rank = os.environ["RANK"]
+        result = run(spec, obs, rank)
         torch.save(result, obs / f"rank{rank}.pt")
         (obs / f"rank{rank}.json").write_text(json.dumps({"step": result["step"], "entries": result["entries"]}))
-    finally:
-        import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    sys.stdout.flush()
+    crash_main(spec_path, scenario)
+
+
+def main(spec_path: str) -> None:
+    """Entry of one rank (:func:`crash_entry`): ``spec`` = ``{"output_dir", "resume", "max_steps", "fsdp_version",
+    "save_total_limit", "kill", "obs"}``; trains, writing ``obs/rank{R}.began.pt`` when training begins and
+    ``obs/rank{R}.saved.json`` after each save returns."""
+    crash_entry(spec_path, lambda spec, obs, rank: train(
+        spec["output_dir"], spec.get("resume"), spec["max_steps"], spec.get("fsdp_version", 1),
+        spec.get("save_total_limit"), began_file=str(obs / f"rank{rank}.began.pt"),
+        saved_file=str(obs / f"rank{rank}.saved.json")))
