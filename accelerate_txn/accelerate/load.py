@@ -121,7 +121,7 @@ def _fetch_and_verify(url: str, root: Path, group: dict[str, Any], templates: li
     cache (not fsynced when downloaded: the restore checks every byte) that fails is downloaded again, once. The
     hold on the copy (no other job sharing the cache removes it while held) is appended to ``holding``: the caller
     releases it after the restore."""
-    path, reused, hold = _remote.fetch(url, root)
+    path, reused, hold = _remote.fetch(url, root, keys=group_keys(group))
     holding.append(hold)
     try:
         manifest, found = _verify(path, group, templates)
@@ -131,7 +131,7 @@ def _fetch_and_verify(url: str, root: Path, group: dict[str, Any], templates: li
         if rank() == 0:
             logger.warning("The cached copy %s of %s failed verification (%s): downloading it again", path, url, exc)
         hold.release()  # every rank, before the new download may replace the copy
-        path, _, hold = _remote.fetch(url, root, reuse=False)
+        path, _, hold = _remote.fetch(url, root, reuse=False, keys=group_keys(group))
         holding.append(hold)
         manifest, found = _verify(path, group, templates)
     return manifest, found, path

@@ -28,6 +28,7 @@ from ..core import remote as objects
 from ..core.manifest import MANIFEST, read_manifest, write_manifest
 from ..core.ranks import any_rank, background_group, on_main, rank, run_phase, world_size
 from ..core.select import CHECKPOINT_NAME, numbered_checkpoints
+from ..core.signing import Keyring
 from ..errors import (
     CheckpointConfigurationError,
     CheckpointError,
@@ -199,13 +200,16 @@ def start_mirror(owners: list[Any], published: Path, run_id: str, limit: int | N
     handle.start([], upload, lambda: None, comm)
 
 
-def fetch(url: str, root: Path, group: Any = None, *, reuse: bool = True) -> tuple[Path, bool, InUse]:
+def fetch(url: str, root: Path, group: Any = None, *, reuse: bool = True,
+          keys: Keyring | None = None) -> tuple[Path, bool, InUse]:
     """Download the checkpoint at ``url`` into the cache ``root`` (collective); returns the local copy, complete
     (manifest last) and verified file by file as downloaded, whether a copy already there was reused (``reuse``,
     only for a checkpoint whose every file is hashed: the restore verifies it byte for byte, and the caller fetches
     again, ``reuse=False``, if that fails), and this rank's hold on the copy (:class:`~..store.posix.InUse`): while
     it is held no other job sharing the cache removes or replaces the copy. The caller releases it when the restore
-    is over (on every path: an exception here releases it already).
+    is over (on every path: an exception here releases it already). ``keys``: the restore's verification keys
+    (default: the environment's); a manifest whose authenticator they refuse is refused before anything is
+    downloaded.
 
     Another job may use the same cache at the same time: each download has a directory of its own, held in use by
     its ranks from before it exists until they hold the published copy, and a copy is replaced only when no one
@@ -218,7 +222,7 @@ def fetch(url: str, root: Path, group: Any = None, *, reuse: bool = True) -> tup
         if manifest is None:
             raise NoCheckpointError(f"{url} holds no committed checkpoint (no {MANIFEST}): a save that did not finish, "
                                     "or a wrong URL. `accelerate-txn list` on its parent shows the checkpoints there.")
-        objects.check_listing(store, url, manifest)
+        objects.check_listing(store, url, manifest, keys=keys)
         return manifest
 
     manifest = on_main(inspect, f"Reading the manifest and listing of {url}", group)

@@ -47,7 +47,7 @@ from .manifest import (
     relative_inside,
 )
 from .select import CHECKPOINT_NAME
-from .signing import check_authenticator
+from .signing import Keyring, check_authenticator
 
 logger = logging.getLogger(__name__)
 
@@ -311,14 +311,14 @@ def remove_leftovers(store: ObjectStore, parent: str, run_id: str) -> list[str]:
 
 
 def check_listing(store: ObjectStore, url: str, manifest: Mapping[str, Any],
-                  private_patterns: Iterable[re.Pattern[str]] = ()) -> dict[str, Any]:
+                  private_patterns: Iterable[re.Pattern[str]] = (), keys: Keyring | None = None) -> dict[str, Any]:
     """The structural check of a committed checkpoint from one listing: a readable protocol with status complete,
     every inventory file present with its size, and no unlisted object a loader could read under the transaction's
     prefix. Raises :class:`CheckpointIntegrityError` naming the object; returns ``files`` and ``extra`` (unlisted
     objects no loader reads, and other transactions' leftovers beside it). First the authenticator, when
-    verification keys are configured (``core.signing``; default: the environment's or the command line's)."""
+    verification keys are configured (``keys``, a restore's; default: the environment's or the command line's)."""
     where = join(url, MANIFEST)
-    check_authenticator(dict(manifest), where)
+    check_authenticator(dict(manifest), where, keys)
     if manifest.get("protocol") not in READABLE_PROTOCOLS or manifest.get("status") != "complete":
         raise CheckpointIntegrityError(f"Checkpoint manifest {where} is not a complete manifest of a protocol this "
                                        f"accelerate-txn reads ({list(READABLE_PROTOCOLS)})")
