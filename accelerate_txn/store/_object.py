@@ -20,6 +20,21 @@ from .base import HASH, hash_file, new_hasher
 Progress = Callable[[int], None]
 
 
+def key_problem(key: str, forbidden: str, length: int, limit: str) -> str | None:
+    """What is wrong with an object key (``None``: nothing): a character of ``forbidden``, a control character, an
+    empty, ``.`` or ``..`` segment, or a ``length`` (as the store counts it) over 1024 (``limit`` says in what)."""
+    if any(char in key for char in forbidden):
+        quoted = [f"'{char}'" for char in forbidden]
+        return f"contains {', '.join(quoted[:-1])} or {quoted[-1]}" if len(quoted) > 1 else f"contains {quoted[0]}"
+    if any(ord(char) < 0x20 or ord(char) == 0x7F for char in key):
+        return "contains a control character"
+    if key and any(part in ("", ".", "..") for part in key.split("/")):
+        return "has an empty, '.' or '..' path segment"
+    if length > 1024:
+        return f"is longer than {limit}"
+    return None
+
+
 def chunk_size_for(size: int, chunk_size: int, max_chunks: int) -> int:
     """The chunk size to upload ``size`` bytes with: ``chunk_size``, grown in whole MiB where the file would
     otherwise need more than ``max_chunks`` chunks."""

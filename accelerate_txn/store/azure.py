@@ -63,6 +63,7 @@ from ._object import (
     digest_of,
     download_verified,
     exists_error,
+    key_problem,
     local_failure,
     missing_message,
     read_head,
@@ -111,15 +112,7 @@ class AzureUrl:
                 f"{url!r} does not name a valid container ({container!r}): a container name has 3 to 63 lowercase "
                 f"letters, digits and single hyphens, starting and ending with a letter or digit. Expected "
                 f"az://CONTAINER/PREFIX.")
-        problem = None
-        if any(char in key for char in "?#\\"):
-            problem = "contains '?', '#' or '\\'"
-        elif any(ord(char) < 0x20 or ord(char) == 0x7F for char in key):
-            problem = "contains a control character"
-        elif key and any(part in ("", ".", "..") for part in key.split("/")):
-            problem = "has an empty, '.' or '..' path segment"
-        elif len(key) > 1024:
-            problem = "is longer than Azure's 1024 characters"
+        problem = key_problem(key, "?#\\", len(key), "Azure's 1024 characters")
         if problem is not None:
             raise CheckpointConfigurationError(f"The blob name of {url!r} {problem}; name the blob plainly, e.g. "
                                                f"az://{container}/run/checkpoint_1.")

@@ -63,6 +63,7 @@ from ._object import (
     digest_of,
     download_verified,
     exists_error,
+    key_problem,
     local_failure,
     missing_message,
     read_head,
@@ -114,15 +115,7 @@ class S3Url:
             raise CheckpointConfigurationError(
                 f"{url!r} does not name a valid bucket ({bucket!r}): a bucket name has 3 to 63 letters, digits, "
                 f"dots, hyphens or underscores. Expected s3://BUCKET/PREFIX.")
-        problem = None
-        if any(char in key for char in "?#"):
-            problem = "contains '?' or '#'"
-        elif any(ord(char) < 0x20 or ord(char) == 0x7F for char in key):
-            problem = "contains a control character"
-        elif key and any(part in ("", ".", "..") for part in key.split("/")):
-            problem = "has an empty, '.' or '..' path segment"
-        elif len(key.encode()) > 1024:
-            problem = "is longer than S3's 1024 bytes"
+        problem = key_problem(key, "?#", len(key.encode()), "S3's 1024 bytes")
         if problem is not None:
             raise CheckpointConfigurationError(f"The key of {url!r} {problem}; name the object plainly, e.g. "
                                                f"s3://{bucket}/run/checkpoint_1.")
