@@ -18,8 +18,9 @@ after job; the environment is deleted when its jobs are done (several GB each) u
 group's environment is installed in the background while the current group's tests run (its log is printed when
 the group starts). The job equal to the default pins (this interpreter's Python, torch and Accelerate from
 constraints.txt) is skipped: ``make test`` already runs the whole suite there. Every job checks that the
-installed versions are the ones asked for and that accelerate_txn itself calls the pair validated, then runs
-pytest with the override variables removed, so the protected path runs because the table says so. pytest's exit
+installed versions are the ones asked for and that accelerate_txn's evidence protects them (every release of the
+table has its evidence recorded in accelerate_txn/evidence.json), then runs pytest with the override variables
+removed, so the protected path runs because the evidence says so. pytest's exit
 code 5 (no tests collected) is a failure.
 
 Pins: the versions in constraints.txt apply, except torch and Accelerate, which come from the table. Some pins
@@ -64,7 +65,7 @@ class Job:
     python: str
     torch: str
     accelerate: str
-    in_table: bool = True  # False: a cell of the rectangle that no table row names (run with the override)
+    in_table: bool = True  # False: a cell of the rectangle that no table row names (protected by the evidence too)
     fsdp2: bool = field(default=False, compare=False)  # its table row says "fsdp2": true (never outside the table)
 
     def __str__(self) -> str:
@@ -281,8 +282,7 @@ class Environment:
         self.sink = sink
 
     def env(self, override: bool = False) -> dict[str, str]:
-        """The environment for the installer and pytest: no override variable set, unless ``override`` (a
-        rectangle cell outside the table runs the protected path through ``VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1``)."""
+        """The environment for the installer and pytest: no override variable set, unless ``override``."""
         env = {key: value for key, value in os.environ.items() if key not in UNSET}
         if override:
             env[OVERRIDE] = "1"
@@ -311,11 +311,11 @@ class Environment:
         return code
 
     def check(self, job: Job) -> str | None:
-        """Why this environment is not the job's pair validated by accelerate_txn, or None."""
+        """Why this environment is not the job's pair, protected by accelerate_txn's evidence, or None."""
         code = ("import json, sys, torch, accelerate\n"
-                "from accelerate_txn.accelerate.versions import unvalidated\n"
+                "from accelerate_txn.accelerate.versions import unprotected\n"
                 "print(json.dumps({'python': '%d.%d' % sys.version_info[:2], 'torch': torch.__version__,"
-                " 'accelerate': accelerate.__version__, 'unvalidated': unvalidated()}))")
+                " 'accelerate': accelerate.__version__, 'unprotected': unprotected()}))")
         probe = subprocess.run([str(self.bin), "-c", code], cwd=ROOT, env=self.env(), capture_output=True, text=True,
                                check=False)
         if probe.returncode != 0:
@@ -324,10 +324,8 @@ class Environment:
         _say(f"installed: Python {seen['python']}, torch {seen['torch']}, accelerate {seen['accelerate']}")
         if (seen["python"], seen["torch"].split("+")[0], seen["accelerate"]) != (job.python, job.torch, job.accelerate):
             return f"expected {job}, found {seen}"
-        if job.in_table and seen["unvalidated"]:
-            return f"accelerate_txn does not call this table pair validated: {seen['unvalidated']}"
-        if not job.in_table and not seen["unvalidated"]:
-            return "accelerate_txn calls this pair validated, but no row of the table names it"
+        if seen["unprotected"]:  # every release of the table and the rectangle has its evidence recorded
+            return f"accelerate_txn's evidence does not protect this pair: {seen['unprotected']}"
         return None
 
     def remove(self) -> None:
@@ -433,7 +431,7 @@ def run_job(env: Environment, code: int, create_s: float, outcome: Outcome, pyte
     for args in runs:
         _say(f"{job}: pytest {shlex.join(args)}")
         rc = _run([str(env.bin), "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
-                  env.env(override=not job.in_table))
+                  env.env())
         outcome.result = {0: "passed", 5: "FAILED: pytest collected no tests (exit 5)"}.get(rc, f"FAILED: pytest exit {rc}")
         if rc:
             if args is not pytest_args:
@@ -459,8 +457,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--envs", type=Path, default=ROOT / ".venv-matrix", help="where environments are created")
     parser.add_argument("--rectangle", action="store_true",
                         help="every torch release of the table with every Accelerate release of the table, on one "
-                             "Python (this interpreter's, or the first --python); cells outside the table run with "
-                             "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1 (make test-matrix-full)")
+                             "Python (this interpreter's, or the first --python); every cell runs without the override: "
+                             "the evidence protects it (make test-matrix-full)")
     parser.add_argument("--record", type=Path,
                         help="write the results, one cell per (torch, Accelerate), as Markdown to this file")
     parser.add_argument("--resume", action="store_true",
@@ -598,8 +596,8 @@ def record(outcomes: list[Outcome], argv: list[str], pending: Sequence[Job] = ()
         f"Cells run {when}: `python3 .ci/matrix.py {shlex.join(argv)}` on Python {', '.join(pythons)}, "
         f"{os.cpu_count()} CPU cores, {minutes:.0f} minutes of installs and tests; "
         f"{len(outcomes) + len(pending)} cells, {passed} passed, {len(outcomes) - passed} not{state}. "
-        "\"(table)\" marks a pair of the validated table; the other cells ran with "
-        "`VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1`.",
+        "\"(table)\" marks a pair of the validated table; every cell ran without "
+        "`VIDEOX_ACCELERATE_ALLOW_UNVALIDATED`, protected by the evidence (accelerate_txn/evidence.json).",
         "",
         "| torch \\ Accelerate | " + " | ".join(accelerates) + " |",
         "| --- |" + " --- |" * len(accelerates),

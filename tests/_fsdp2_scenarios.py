@@ -338,27 +338,43 @@ def refusals(root: str) -> dict[str, Any]:
     return obs
 
 
+_CHANGED_SAVE: list[Any] = []  # the original of changed_save_fsdp_optimizer
+
+
+def changed_save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any, output_dir: Any,
+                                optimizer_index: int = 0, use_dcp: bool = True, staging: Any = None) -> Any:
+    """Accelerate's ``save_fsdp_optimizer`` with one more parameter: a changed piece of the FSDP2 path."""
+    return _CHANGED_SAVE[-1](fsdp_plugin, accelerator, optimizer, model, output_dir, optimizer_index, use_dcp)
+
+
 def unvalidated_and_native(root: str) -> dict[str, Any]:
-    """FSDP2 on versions its path was not validated on runs native with one warning and one INFO line; and what
+    """FSDP2 where a private piece of its path changed runs native with one warning and one INFO line; and what
     native Accelerate itself does with the before-the-first-step checkpoint (for the record)."""
+    from accelerate.utils import fsdp_utils
+
     from accelerate_txn.accelerate import versions as _versions
     from accelerate_txn.accelerate.patch import _protected
+    from accelerate_txn.compat.evidence import forget
     from tests._dispatch_scenarios import _observed
 
     base = Path(root)
     obs: dict[str, Any] = {}
-    # What a user without the override sees (the override would take the protected path: that is its purpose),
-    # also where the suite runs with it set, as make test-matrix-full does outside the table.
+    # What a user without the override sees (the override would take the protected path: that is its purpose).
     os.environ.pop(_versions.OVERRIDE_ENV, None)
-    saved = _versions.FSDP2_VALIDATED
-    _versions.FSDP2_VALIDATED = frozenset({("0.0", "0.0")})  # the installed versions are outside it
+    original = fsdp_utils.save_fsdp_optimizer
+    # Another function in place of the one the protected FSDP2 save replaces (one more parameter), as a release
+    # that changed it would have: the evidence reads the function the name resolves to now.
+    _CHANGED_SAVE.append(original)
+    fsdp_utils.save_fsdp_optimizer = changed_save_fsdp_optimizer
+    forget()
     try:
         acc = _build(0)[0]
         with _observed() as seen:
             obs["protected"] = [_protected(acc), _protected(acc)]
             obs["save_error"] = _error(lambda: acc.save_state(str(base / "native")))
     finally:
-        _versions.FSDP2_VALIDATED = saved
+        fsdp_utils.save_fsdp_optimizer = original
+        forget()
     obs["seen"] = seen
     obs["manifest"] = (base / "native" / accelerate_txn.MANIFEST).is_file()
     obs["model_saved"] = (base / "native" / "pytorch_model_fsdp_0" / ".metadata").is_file()

@@ -95,8 +95,8 @@ def test_each_native_fsdp_setup_logs_one_info_line_naming_the_condition(
 
 @pytest.mark.parametrize("case", ["protected", "fsdp2"])
 def test_a_protected_setup_logs_no_notice(fallbacks: list[dict[str, Any]], case: str) -> None:
-    # FSDP2 SHARDED_STATE_DICT is protected on validated versions (tests/test_fsdp2.py: its native fallback on
-    # unvalidated versions logs "FSDP2 is not validated on these versions (...)").
+    # FSDP2 SHARDED_STATE_DICT is protected where the evidence protects the installed releases (tests/test_fsdp2.py:
+    # its native fallback where a piece changed logs "a private piece it relies on changed (...)").
     for obs in fallbacks:
         assert obs[f"{case}_manifest"] is True and obs[f"{case}_error"] is None
         assert _notices(obs[f"{case}_seen"]) == [] and obs[f"{case}_seen"]["warnings"] == []

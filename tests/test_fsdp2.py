@@ -167,15 +167,18 @@ def test_native_fsdp2_checkpoint_is_checked_against_the_live_optimizer_before_an
         assert obs["legacy_error"] is None and obs["legacy_differences"] == []
 
 
-def test_unvalidated_versions_run_fsdp2_native_with_one_warning_and_one_info_line(tmp_path: Any) -> None:
+def test_a_changed_fsdp2_piece_runs_fsdp2_native_with_one_warning_and_one_info_line(tmp_path: Any) -> None:
     rank0, rank1 = launch("tests._fsdp2_scenarios:unvalidated_and_native", 2, args=(str(tmp_path),),
                           timeout=TIMEOUT)
     for obs in (rank0, rank1):
         assert obs["protected"] == [False, False]
         assert obs["save_error"] is None and obs["manifest"] is False and obs["model_saved"] is True
         (warning,) = obs["seen"]["warnings"]
-        assert warning.startswith("accelerate-txn: FSDP2 checkpoints run native Accelerate save_state/load_state, "
-                                  "UNPROTECTED: the protected FSDP2 path is validated on torch 0.0.x")
+        assert warning.startswith("accelerate-txn: Accelerate FSDP2 checkpoints run native, NOT protected: the "
+                                  "installed releases differ from every release that passed")
+        assert (f"accelerate {accelerate.__version__}: accelerate.utils.fsdp_utils.save_fsdp_optimizer has the "
+                "parameters (fsdp_plugin, accelerator, optimizer, model, output_dir, optimizer_index=, use_dcp=, "
+                "staging=)") in warning
         # Native Accelerate builds its read template from the live optimizer, so a checkpoint without optimizer
         # state (saved before the first step) fails into an optimizer that has state (accelerate #3971; the
         # protected loader restores it: see the before-first-step test) ...
@@ -190,7 +193,7 @@ def test_unvalidated_versions_run_fsdp2_native_with_one_warning_and_one_info_lin
         else:
             assert obs["native_early_adam_error"] is None
     (line,) = [m for m in rank0["seen"]["info"] if m.startswith(NOT_PROTECTED)]
-    assert line.startswith(NOT_PROTECTED + "FSDP2 is not validated on these versions (")
+    assert line.startswith(NOT_PROTECTED + "a private piece it relies on changed (accelerate-txn: Accelerate FSDP2 ")
     assert [m for m in rank1["seen"]["info"] if m.startswith(NOT_PROTECTED)] == []
 
 

@@ -15,14 +15,13 @@ import pytest
 
 from accelerate_txn.core.manifest import writer_rank
 from accelerate_txn.testing import launch
+from tests._overlay import accelerate_with_a_renamed_parameter
 
 REPO = Path(__file__).resolve().parent.parent
 
 _GATE = """
     import json, os, sys, tempfile
-    import accelerate
-    accelerate.__version__ = "1.6.0"  # an unvalidated Accelerate, read through the real attribute
-    import accelerate_txn
+    import accelerate_txn  # with an Accelerate that changed a private piece (tests/_overlay.py) first on the path
     from accelerate import Accelerator
     from accelerate_txn.errors import UnsupportedVersionError
 
@@ -44,14 +43,16 @@ _GATE = """
 """
 
 
-def test_explicit_api_applies_the_version_gate_of_the_patched_methods() -> None:
+def test_explicit_api_applies_the_evidence_gate_of_the_patched_methods(tmp_path: Path) -> None:
     environment = {k: v for k, v in os.environ.items() if k != "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED"}
+    environment["PYTHONPATH"] = str(accelerate_with_a_renamed_parameter(tmp_path))
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(_GATE)], cwd=REPO, env=environment,
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
     obs = json.loads(done.stdout.strip().splitlines()[-1])
     for name in ("save", "load"):
-        assert obs[name] and "accelerate 1.6.0" in obs[name] and "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED" in obs[name]
+        assert obs[name] and "accelerate.utils.fsdp_utils.load_fsdp_optimizer has the parameters" in obs[name]
+        assert "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED" in obs[name]
     assert obs["published_without_override"] is False
     assert obs["published_with_override"] is True
 

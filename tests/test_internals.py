@@ -503,6 +503,23 @@ def test_trainer_private_points_exist_with_the_recorded_signatures() -> None:
     assert _internals.LOAD_RNG == "Trainer._load_rng_state"  # the resume's hold ends there (trainer/restore.py)
 
 
+def test_trainer_pieces_name_the_end_of_training_method_the_installed_trainer_has() -> None:
+    pytest.importorskip("transformers")
+    from transformers import Trainer
+
+    from accelerate_txn.compat.pieces import observe
+
+    pieces = _internals.trainer_pieces(Trainer)
+    finalize = pieces[-1].qualname.split(".", 1)[1]
+    assert finalize == ("_finalize_training" if hasattr(Trainer, "_finalize_training") else "_inner_training_loop")
+    assert all(not observe(piece).startswith("unreadable") for piece in pieces)  # every piece reads here
+
+    class Older:  # a Trainer without _finalize_training (4.57): its run ends in _inner_training_loop
+        def _inner_training_loop(self) -> None: ...
+
+    assert _internals.trainer_pieces(Older)[-1].qualname == "Trainer._inner_training_loop"
+
+
 def test_trainer_end_of_training_method_calls_get_output_dir_only_for_its_removal_listing() -> None:
     # The front end points that listing at a directory that does not exist (trainer/internals.py, FINALIZE): sound
     # only while the method that ends a run calls _get_output_dir for nothing else, and the removal is there.

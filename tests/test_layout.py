@@ -28,18 +28,21 @@ LAYERS: dict[str, set[str]] = {
     "store.base": {"errors"},
     "store": {"errors"},  # every store implementation: the interface and the errors, no front end, no core
     "core": {"errors", "store.base"},  # the transaction: no front end, no FSDP, no store implementation
-    "fsdp": {"errors", "core"},  # FSDP layouts and restores: no front end
-    "accelerate": {"errors", "store", "core", "fsdp"},  # the Accelerate front end
+    # The evidence gate's mechanism (which private pieces changed): the standard library only; each front end and the
+    # FSDP layer declare their own pieces with it.
+    "compat": set(),
+    "fsdp": {"errors", "core", "compat"},  # FSDP layouts and restores: no front end
+    "accelerate": {"errors", "store", "core", "fsdp", "compat"},  # the Accelerate front end
     "weights": {"errors", "store", "core"},
     # The Trainer front end: the Accelerate front end only for the shared import hook and version policy (see
     # accelerate_txn/trainer/__init__.py).
-    "trainer": {"errors", "store", "core", "fsdp", "accelerate"},
-    "cli": {"errors", "store", "core", "fsdp", "accelerate", "weights", "trainer", "__init__"},
+    "trainer": {"errors", "store", "core", "fsdp", "accelerate", "compat"},
+    "cli": {"errors", "store", "core", "fsdp", "accelerate", "weights", "trainer", "compat", "__init__"},
     "testing": {"errors"},
     "__init__": {"errors", "store", "core", "fsdp", "accelerate", "weights", "trainer"},
     "__main__": {"cli"},
 }
-ROOT_FILES = {"__init__.py", "__main__.py", "errors.py", "validated.json"}
+ROOT_FILES = {"__init__.py", "__main__.py", "errors.py", "validated.json", "evidence.json"}
 
 
 def _module_name(path: Path) -> str:

@@ -20,7 +20,7 @@ config), real 2-rank FSDP1 and FSDP2 on CPU (gloo) and real ``kill -9``:
   file, ``trainer_state.json``, a missing file, an extra loader-readable file) is refused with the same error on
   every rank, before anything is loaded; so is a file a resume reads that cannot be read on one rank (a truncated or
   forged ``rng_state_1.pth``, native or under a manifest rewritten to match, and more), in the same launch;
-* an unvalidated transformers runs native Trainer with one warning.
+* a transformers release that changed a piece the front end relies on runs native Trainer with one warning.
 
 Cost on 2 shared CPU cores: two reference runs (module fixtures, reused), a kill chain of 8 jobs, a random-instant
 kill and its restart (about 20 s), two launches of the end-of-training removal (about 25 s), about 7 other launches;
@@ -523,9 +523,8 @@ _UNVALIDATED = """\
 import os, sys, warnings
 import torch
 import accelerate_txn
-from accelerate_txn.trainer import versions
-versions.VALIDATED = frozenset()  # as on a transformers release outside validated.json
-versions.installed_validated.cache_clear()
+import transformers.trainer
+assert transformers.trainer.__file__.startswith(sys.argv[2])  # the changed release (tests/_overlay.py)
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
@@ -541,14 +540,37 @@ print("WARNINGS", len(notes), notes[:1])
 """
 
 
-def test_an_unvalidated_transformers_runs_native_trainer_with_one_warning(tmp_path: Path) -> None:
+_FIRST, _LAST = "self._save_optimizer_and_scheduler(output_dir)", "self._save_rng_state(output_dir)"
+
+
+def _two_writes_swapped(text: str) -> str:
+    """Trainer's ``_save_checkpoint`` writing the RNG state where it wrote the optimizer, and the other way round
+    (each call appears once in transformers' trainer.py)."""
+    assert text.count(_FIRST) == 1 and text.count(_LAST) == 1
+    return text.replace(_FIRST, "\0").replace(_LAST, _FIRST).replace("\0", _LAST)
+
+
+def test_a_transformers_release_whose_save_writes_in_another_order_runs_native_trainer_with_one_warning(
+        tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-c", _UNVALIDATED, str(tmp_path)], capture_output=True, text=True,
-                            timeout=TIMEOUT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    import transformers
+
+    from tests._overlay import overlay
+
+    shadow = overlay("transformers", tmp_path / "release", {"trainer.py": _two_writes_swapped})
+    output = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-c", _UNVALIDATED, str(output), str(shadow)], capture_output=True,
+                            text=True, timeout=TIMEOUT, cwd=Path(__file__).resolve().parents[1],
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(shadow)})
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "WARNINGS 1 " in result.stdout and "has not validated its Trainer front end" in result.stdout, result.stdout
+    assert "WARNINGS 1 " in result.stdout, result.stdout
+    assert "accelerate-txn: transformers Trainer (one-process and DDP) checkpoints run native, NOT protected" \
+        in result.stdout
+    assert (f"transformers {transformers.__version__}: transformers.trainer.Trainer._save_checkpoint (its code) "
+            "differs from every release that passed") in result.stdout
+    assert "the same calls in another order" in result.stdout, result.stdout
     # Native Trainer saved as it does without the library: no manifest, no lock, no staging.
-    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-4"]
-    assert not (tmp_path / "checkpoint-4" / MANIFEST).exists()
+    assert sorted(entry.name for entry in output.iterdir()) == ["checkpoint-2", "checkpoint-4"]
+    assert not (output / "checkpoint-4" / MANIFEST).exists()

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from accelerate_txn.accelerate.patch import PATCH_ENV
 from accelerate_txn.accelerate.versions import OVERRIDE_ENV, checkpoint_compatibility, installed_versions, override_requested
 from accelerate_txn.core.manifest import read_manifest, verify_manifest
 from accelerate_txn.errors import RestoreFailedError
+from tests._overlay import accelerate_with_a_renamed_parameter, overlay
 
 REPO = Path(__file__).resolve().parents[1]
 SUBPROCESS_TIMEOUT = 300  # a hang guard only
@@ -144,11 +147,18 @@ _LIFECYCLE = """
     print(json.dumps(obs))
 """
 
+# A release of Accelerate that renamed one parameter of a function the protected path replaces, and one that changed
+# nothing but its version number: the evidence decides, not the number.
+
+
+def _new_version(text: str) -> str:
+    return re.sub(r'^__version__ = "[^"]+"', '__version__ = "1.99.0"', text, flags=re.MULTILINE)
+
+
 _UNVALIDATED = """
     import json, os, warnings
     import torch
     import accelerate
-    accelerate.__version__ = "1.6.0"  # before accelerate_txn reads it: the real code path, an unvalidated pair
     import accelerate_txn
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from accelerate.state import PartialState
@@ -158,18 +168,20 @@ _UNVALIDATED = """
     from accelerate_txn.accelerate import versions as _versions
     from accelerate_txn.errors import UnsupportedVersionError
 
-    obs = {"versions_ok": _versions.versions_ok(), "unvalidated": _versions.unvalidated()}
+    obs = {"version": accelerate.__version__, "file": accelerate.__file__}
     acc = Accelerator(cpu=True)
+    acc.state.distributed_type = DistributedType.FSDP
+    PartialState().distributed_type = DistributedType.FSDP
+    acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT")
+    acc.state.device = torch.device("cpu")
+    obs["protected_fsdp1"] = _versions.protected("fsdp1")
+    obs["unprotected"] = _versions.unprotected()
     try:
         accelerate_txn.patch_accelerate_fsdp(acc)
         obs["patch_error"] = None
     except UnsupportedVersionError as exc:
         obs["patch_error"] = str(exc)
     obs["opted_in_after_refusal"] = acc in _native.OPTED_IN
-    acc.state.distributed_type = DistributedType.FSDP
-    PartialState().distributed_type = DistributedType.FSDP
-    acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT")
-    acc.state.device = torch.device("cpu")
     import logging
     notices = []
     handler = logging.Handler(level=logging.INFO)
@@ -183,7 +195,7 @@ _UNVALIDATED = """
     obs["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     obs["notices"] = notices
     os.environ["VIDEOX_ACCELERATE_ALLOW_UNVALIDATED"] = "1"
-    obs["versions_ok_with_override"] = _versions.versions_ok()
+    obs["protected_fsdp1_with_override"] = _versions.protected("fsdp1")
     obs["protected_with_override"] = _patch._protected(acc)
     accelerate_txn.patch_accelerate_fsdp(acc)
     obs["opted_in_with_override"] = acc in _native.OPTED_IN
@@ -197,8 +209,15 @@ def lifecycle() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def unvalidated() -> dict[str, Any]:
-    return _python(_UNVALIDATED)
+def unvalidated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    shadow = accelerate_with_a_renamed_parameter(tmp_path_factory.mktemp("renamed"))
+    return _python(_UNVALIDATED, PYTHONPATH=str(shadow))
+
+
+@pytest.fixture(scope="module")
+def new_release(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    shadow = overlay("accelerate", tmp_path_factory.mktemp("new"), {"__init__.py": _new_version})
+    return _python(_UNVALIDATED, PYTHONPATH=str(shadow))
 
 
 def test_importing_accelerate_txn_wraps_save_state_load_state_and_fsdp_loaders(lifecycle: dict[str, Any]) -> None:
@@ -234,39 +253,55 @@ def test_dispatch_patch_env_off_is_native_unless_opted_in_and_opt_out_wins(lifec
     assert lifecycle["fsdp_protected_opted_out"] is False
 
 
-def test_unvalidated_versions_are_detected_from_the_real_attribute(unvalidated: dict[str, Any]) -> None:
-    assert unvalidated["versions_ok"] is False
-    assert unvalidated["unvalidated"] == ["accelerate 1.6.0"]
+def test_a_release_that_changed_a_piece_is_detected_from_its_installed_source(unvalidated: dict[str, Any]) -> None:
+    assert unvalidated["file"].startswith(tempfile.gettempdir())  # the changed release was imported
+    assert unvalidated["protected_fsdp1"] is False
+    (reason,) = unvalidated["unprotected"]["fsdp1"]
+    assert reason.startswith(f"accelerate {unvalidated['version']}: accelerate.utils.fsdp_utils.load_fsdp_optimizer "
+                             "has the parameters (fsdp_plugin, accelerator, optimizer, model, input_dir, index=, ")
+    assert "optimizer_index=" in reason  # what the releases that passed have
+    assert set(unvalidated["unprotected"]) == {"fsdp1", "common", "fsdp2"}
 
 
-def test_patch_accelerate_fsdp_refuses_unvalidated_versions_naming_the_override(unvalidated: dict[str, Any]) -> None:
+def test_patch_accelerate_fsdp_refuses_a_changed_piece_naming_it_and_the_override(unvalidated: dict[str, Any]) -> None:
     message = unvalidated["patch_error"]
     assert message is not None
-    assert message.startswith("accelerate-txn has not been validated with accelerate 1.6.0 (validated: ")
-    assert f"set {OVERRIDE_ENV}=1" in message
+    assert message.startswith("accelerate-txn: Accelerate FSDP1 checkpoints run native, NOT protected: the installed "
+                              "releases differ from every release that passed accelerate-txn's tests in a private "
+                              "piece it relies on (accelerate ")
+    assert "accelerate.utils.fsdp_utils.load_fsdp_optimizer has the parameters" in message
+    assert f"set {OVERRIDE_ENV}=1" in message and "accelerate-txn doctor" in message
     assert unvalidated["opted_in_after_refusal"] is False
 
 
-def test_automatic_dispatch_stays_native_for_fsdp_on_unvalidated_versions_with_one_warning(
+def test_automatic_dispatch_stays_native_for_fsdp_on_a_changed_piece_with_one_warning(
         unvalidated: dict[str, Any]) -> None:
     assert unvalidated["protected"] is False and unvalidated["protected_again"] is False
     (warning,) = unvalidated["warnings"]
-    assert "not been validated with accelerate 1.6.0" in warning
-    assert warning.endswith("Using native save_state/load_state.")
+    assert warning == unvalidated["patch_error"]
 
 
-def test_unvalidated_versions_log_one_info_line_naming_them(unvalidated: dict[str, Any]) -> None:
+def test_a_changed_piece_logs_one_info_line_naming_it(unvalidated: dict[str, Any]) -> None:
     # Two decisions, one line for this Accelerator (the override's own warning comes later in the script).
     (notice,) = [line for line in unvalidated["notices"] if "are NOT protected" in line]
     assert notice.startswith("accelerate-txn: FSDP checkpoints of this Accelerator are NOT protected (native "
-                             "save_state/load_state): versions not validated (accelerate-txn has not been validated "
-                             "with accelerate 1.6.0")
+                             "save_state/load_state): a private piece it relies on changed (accelerate-txn: Accelerate "
+                             "FSDP1 checkpoints run native")
+    assert "load_fsdp_optimizer" in notice
 
 
-def test_override_env_var_enables_the_protected_path_on_unvalidated_versions(unvalidated: dict[str, Any]) -> None:
-    assert unvalidated["versions_ok_with_override"] is True
+def test_override_env_var_enables_the_protected_path_on_a_changed_piece(unvalidated: dict[str, Any]) -> None:
+    assert unvalidated["protected_fsdp1_with_override"] is True
     assert unvalidated["protected_with_override"] is True
     assert unvalidated["opted_in_with_override"] is True
+
+
+def test_a_release_that_changed_no_piece_is_protected_whatever_its_version(new_release: dict[str, Any]) -> None:
+    # Release day: an Accelerate no table row names, its private pieces unchanged.
+    assert new_release["version"] == "1.99.0" and new_release["file"].startswith(tempfile.gettempdir())
+    assert new_release["protected_fsdp1"] is True and new_release["unprotected"] == {}
+    assert new_release["patch_error"] is None
+    assert new_release["protected"] is True and new_release["warnings"] == []
 
 
 # --- a single-process NO-backend Accelerator ----------------------------------------------------------------

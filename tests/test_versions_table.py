@@ -19,14 +19,10 @@ import torch
 
 from accelerate_txn.accelerate import versions as _versions
 from accelerate_txn.accelerate.versions import (
-    OVERRIDE_ENV,
     TESTED,
     describe_table,
-    is_validated,
     is_validated_pair,
     markdown_table,
-    unsupported_message,
-    unvalidated,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,13 +59,10 @@ def test_table_covers_the_promised_slice() -> None:
     assert {python for pair in TESTED for python in pair.python} == set(PYTHONS)
 
 
-def test_fsdp2_is_validated_only_on_pairs_of_the_table() -> None:
-    assert _versions.FSDP2_VALIDATED <= _versions.VALIDATED, "an FSDP2 pair that CI's matrix does not install"
-    assert {(f"2.{minor}", "1.15") for minor in range(8, 15)} <= _versions.FSDP2_VALIDATED
-    assert ("2.13", "1.16") in _versions.FSDP2_VALIDATED
+def test_every_row_of_the_table_passed_the_fsdp2_tests() -> None:
     # Every Accelerate of the table (1.7 and later) supports FSDP2 (fsdp_version=2), and every row passed the FSDP2
-    # tests: FSDP2 is protected wherever FSDP1 is (docs/versions.md, runs on record).
-    assert _versions.FSDP2_VALIDATED == _versions.VALIDATED
+    # tests: the FSDP2 evidence is recorded for every release of the table (tests/test_evidence.py).
+    assert all(pair.fsdp2 for pair in TESTED)
 
 
 def test_transformers_rows_are_exact_releases_on_validated_pairs_each_keyed_in_the_trainer_internals() -> None:
@@ -154,51 +147,12 @@ def test_pair_is_validated_by_minor_series(torch_version: str, accelerate_versio
     assert is_validated_pair(torch_version, accelerate_version) is expected
 
 
-@pytest.mark.parametrize("package, version, expected", [
-    ("accelerate", "1.7.0", True), ("accelerate", "1.8.0", True), ("accelerate", "1.14.5", True),
-    ("accelerate", "1.6.2", False), ("accelerate", "1.16.0", True), ("accelerate", "1.17.0", False),
-    ("accelerate", "2.0.0", False),
-    ("torch", "2.7.1", True), ("torch", "2.13.0+cpu", True), ("torch", "2.15.2", True),
-    ("torch", "2.14.1", True), ("torch", "2.8.0", True), ("torch", "2.12.1", True), ("torch", "2.6.0", False),
-    ("torch", "2.16.0", False),
-])
-def test_package_is_validated_when_its_series_is_in_some_pair(package: str, version: str, expected: bool) -> None:
-    assert is_validated(package, version) is expected
-
-
 def test_describe_table_names_every_pair_by_series() -> None:
     assert describe_table() == (
         "torch 2.7 with accelerate 1.7; torch 2.8 with accelerate 1.8, 1.15; torch 2.9 with accelerate 1.9, 1.15; "
         "torch 2.10 with accelerate 1.10, 1.15; torch 2.11 with accelerate 1.11, 1.15; torch 2.12 with accelerate "
         "1.12, 1.15; torch 2.13 with accelerate 1.7 to 1.16; torch 2.14 with accelerate 1.14, 1.15; torch 2.15 with "
         "accelerate 1.15, 1.16 (any patch release)")
-
-
-@pytest.mark.parametrize("torch_version, accelerate_version, named", [
-    ("2.13.0", "1.13.2", []),
-    ("2.13.0+cpu", "1.17.0", ["accelerate 1.17.0"]),
-    ("2.16.0", "1.15.0", ["torch 2.16.0"]),  # an unknown future minor
-    ("2.7.0", "1.15.0", ["accelerate 1.15.0", "torch 2.7.0"]),  # each validated, not together: name both
-])
-def test_unvalidated_names_what_to_change_from_the_real_attributes(
-        monkeypatch: pytest.MonkeyPatch, torch_version: str, accelerate_version: str, named: list[str]) -> None:
-    monkeypatch.setattr(accelerate, "__version__", accelerate_version)
-    monkeypatch.setattr(torch, "__version__", torch_version)
-    assert unvalidated() == named
-
-
-def test_unsupported_message_names_the_pair_the_table_and_the_override(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(accelerate, "__version__", "1.15.0")
-    monkeypatch.setattr(torch, "__version__", "2.7.0")
-    assert unsupported_message() == (
-        "accelerate-txn has not been validated with accelerate 1.15.0 and torch 2.7.0 (validated: "
-        f"{describe_table()}). Install a validated pair, or set {OVERRIDE_ENV}=1 to use the protected path at your "
-        "own risk.")
-
-
-def test_installed_pair_decision_matches_the_policy() -> None:
-    installed = _versions.installed_versions()
-    assert _versions._installed_validated() is is_validated_pair(installed["torch"], installed["accelerate"])
 
 
 # --- CI reads the same table --------------------------------------------------------------------------------
@@ -361,7 +315,8 @@ def test_full_matrix_resume_keeps_only_cells_that_passed_with_the_same_tests(tmp
 def test_fsdp2_rows_of_the_table_are_the_fsdp2_validated_series_and_ci_runs_the_fsdp2_tests_there() -> None:
     raw = json.loads((REPO / "accelerate_txn" / "validated.json").read_text(encoding="utf-8"))["pairs"]
     marked = {(row["torch"], row["accelerate"]) for row in raw if row.get("fsdp2")}
-    assert {pair.series for pair in TESTED if (pair.torch, pair.accelerate) in marked} == _versions.FSDP2_VALIDATED
+    assert {pair.series for pair in TESTED if (pair.torch, pair.accelerate) in marked} == \
+        {pair.series for pair in TESTED if pair.fsdp2}
     assert all(isinstance(row.get("fsdp2", False), bool) for row in raw), "\"fsdp2\" is true or false, not a string"
     makefile = (REPO / "Makefile").read_text(encoding="utf-8")
     for target in ("test-matrix", "test-matrix-table"):

@@ -71,6 +71,14 @@ def is_fsdp_sharded(accelerator: Any) -> bool:
     return _sharded_fsdp_version(accelerator) in (1, 2)
 
 
+def path_of(accelerator: Any) -> str:
+    """The protected path an Accelerator's checkpoints take (``accelerate.versions.PATHS``): "fsdp2" for FSDP2,
+    "fsdp1" for other FSDP setups, "common" for one process and DDP (``protect="all"``)."""
+    if accelerator.distributed_type.name != "FSDP":
+        return "common"
+    return "fsdp2" if _sharded_fsdp_version(accelerator) == 2 else "fsdp1"
+
+
 PROTECTED_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 _NATIVE_FIX = "Unpatch it (unpatch_accelerate_fsdp) to use native save_state/load_state."
 

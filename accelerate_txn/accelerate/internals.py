@@ -41,6 +41,8 @@ from collections.abc import Callable, Iterator, MutableMapping
 from types import ModuleType
 from typing import Any
 
+from ..compat.pieces import Piece
+
 # --- Accelerator state ------------------------------------------------------------------------------------------
 # What ``accelerator.prepare()`` and ``register_for_checkpointing()`` collected: the lists ``save_state`` and
 # ``load_state`` iterate, in their order (index i of each is ``<kind>_<i>`` in a checkpoint). Public Accelerate
@@ -141,3 +143,44 @@ def custom_state_loader(loader: Callable[..., None]) -> Iterator[bool]:
         yield True
     finally:
         module.load_custom_state = original
+
+
+# --- The evidence ------------------------------------------------------------------------------------------------
+# What the front end needs of each private Accelerate piece, checked against the values recorded for every
+# Accelerate release that passed the library's tests (accelerate_txn/evidence.json; ``compat.evidence``): a release
+# that changed none of them is protected the day it ships. ``code`` pieces are the functions whose behaviour the
+# protected path depends on (what a native save writes, and where; what a load reads), not only their names.
+
+_FSDP_UTILS = "accelerate.utils.fsdp_utils"
+ACCELERATE_COMMON: tuple[Piece, ...] = (
+    Piece("accelerate", "accelerate.accelerator", "Accelerator.__init__", "assigns",
+          "the prepared objects and checkpoint hooks save_state/load_state iterate",
+          ("_models", "_optimizers", "_schedulers", "_dataloaders", "_custom_objects",
+           "_save_model_state_pre_hook", "_load_model_state_pre_hook")),
+    Piece("accelerate", "accelerate.accelerator", "Accelerator.save_state", "code",
+          "the native save the protected path runs into its staging directory: its files and their names"),
+    Piece("accelerate", "accelerate.accelerator", "Accelerator.load_state", "code",
+          "the native restore the protected path runs after verification, and the bindings it calls"),
+    Piece("accelerate", "accelerate.checkpointing", "save_accelerator_state", "code",
+          "the RNG, scheduler, sampler and scaler files of a checkpoint"),
+    Piece("accelerate", "accelerate.checkpointing", "load_accelerator_state", "code",
+          "what a restore reads of them"),
+    Piece("accelerate", "accelerate.checkpointing", "load_custom_state", "signature",
+          "replaced by a safe loader during a protected restore"),
+    *(Piece("accelerate", "accelerate.accelerator", name, "exists",
+            "a module binding Accelerator.save_state/load_state call, wrapped by the front end")
+      for name in ("load_fsdp_model", "load_fsdp_optimizer", "save_fsdp_optimizer", "load_custom_state")),
+    Piece("accelerate", _FSDP_UTILS, "save_fsdp_model", "code", "the model's DCP files of a sharded save"),
+    Piece("accelerate", _FSDP_UTILS, "load_fsdp_model", "signature", "wrapped: routed to the exact directory"),
+    Piece("accelerate", _FSDP_UTILS, "load_fsdp_optimizer", "signature", "replaced by the library's restore"),
+    Piece("accelerate", "accelerate.data_loader", "DataLoaderShard.__iter__", "signature",
+          "wrapped: where each prepared loader's epochs start"),
+)
+ACCELERATE_FSDP1: tuple[Piece, ...] = (
+    Piece("accelerate", _FSDP_UTILS, "save_fsdp_optimizer", "code", "the FSDP1 optimizer's DCP files"),
+    Piece("accelerate", _FSDP_UTILS, "_get_model_state_dict", "signature",
+          "wrapped: an asynchronous FSDP1 save captures the model state without collectives"),
+)
+ACCELERATE_FSDP2: tuple[Piece, ...] = (
+    Piece("accelerate", _FSDP_UTILS, "save_fsdp_optimizer", "signature", "replaced by the library's FSDP2 save"),
+)

@@ -44,7 +44,7 @@ from . import async_save as _async
 from . import remote as _remote
 from .arrival import check_arrival
 from .config import checkpoint_config, group_keys, mark_failed, read_configs
-from .descriptor import backend, check_resume, describe, is_fsdp2_sharded, participants
+from .descriptor import backend, check_resume, describe, is_fsdp2_sharded, participants, path_of
 from .elastic import plan_ranks
 from .finite import check_finite_state
 from .internals import (
@@ -313,7 +313,8 @@ def load_training_checkpoint(owners: Any, input_dir: str | Path | None = None, *
     # Everything that can differ between ranks (environment, configuration, arguments) is read inside a rank phase.
     group = run_phase(lambda: read_configs(participants(owners)), "Checking checkpoint participants")
     _async.settle(list(group.values()))  # an asynchronous save in flight is published (or raises) first
-    run_phase(require_supported_versions, "Checking the installed versions")
+    run_phase(lambda: [require_supported_versions(path_of(owner)) for owner in group.values()],
+              "Checking the installed releases against the evidence")
     primary = next(iter(group.values()))
     candidates, automatic = on_main(lambda: _candidates(primary, group, input_dir), "Selecting the checkpoint")
     templates = _templates(group)

@@ -43,10 +43,10 @@ from ..errors import CheckpointConfigurationError, UnsupportedVersionError
 from . import data_order
 from .arrival import arrived, check_arrival, install_leaving_notice
 from .config import checkpoint_config, protect_mode, read_configs
-from .descriptor import is_fsdp1_sharded, is_fsdp2_sharded, is_fsdp_sharded, unsupported_reason
+from .descriptor import is_fsdp2_sharded, is_fsdp_sharded, path_of, unsupported_reason
 from .internals import accelerator_module, prepared_optimizers
 from .native import OPTED_IN, OPTED_OUT, ORIGINALS, fsdp_routing, routed
-from .versions import override_requested, unsupported_message, versions_ok
+from .versions import override_requested, protected, unsupported_message
 
 logger = logging.getLogger(__name__)
 notices = logging.getLogger("accelerate_txn")  # the "protection is off" line: one per Accelerator
@@ -58,8 +58,7 @@ _TARGETS = ("Accelerator.save_state", "Accelerator.load_state", "load_fsdp_model
 #: The distributed types beyond FSDP that ``protect="all"`` routes through the protected path (what the explicit API
 #: supports: ``accelerate.descriptor.SUPPORTED_BACKENDS``).
 BROADER_BACKENDS = ("NO", "MULTI_CPU", "MULTI_GPU")
-_warned_versions = False
-_warned_fsdp2 = False
+_WARNED_PATHS: set[str] = set()  # protected paths whose native run was warned about (once per process)
 
 
 def automatic_dispatch_requested() -> bool:
@@ -74,16 +73,12 @@ def _native_condition(accelerator: Any, enabled: bool, eligible: bool, validated
         return f"automatic dispatch is off ({PATCH_ENV}={os.environ.get(PATCH_ENV, '')!r})"
     if not eligible:
         plugin = accelerator.state.fsdp_plugin
-        if is_fsdp2_sharded(accelerator):
-            from .versions import fsdp2_validated_message
-
-            return f"FSDP2 is not validated on these versions ({fsdp2_validated_message()})"
         if plugin is not None and getattr(plugin, "fsdp_version", 1) not in (1, 2):
             return f"FSDP{plugin.fsdp_version} is not protected (FSDP1 and FSDP2 only)"
         kind = getattr(getattr(plugin, "state_dict_type", None), "name", None)
         return f"state_dict_type is {kind} (protected: SHARDED_STATE_DICT only)"
     if not validated:
-        return f"versions not validated ({unsupported_message()})"
+        return f"a private piece it relies on changed ({unsupported_message(path_of(accelerator))})"
     return "unsupported setup"
 
 
@@ -167,22 +162,6 @@ def _agreed_reason(accelerator: Any, input_dir: Any, loading: bool, output_dir: 
     return next(((f"rank {r}: {text}", call) for r, (text, call) in enumerate(gathered) if text), (None, False))
 
 
-def _fsdp2_eligible() -> bool:
-    """FSDP2 is protected only on the versions its path was validated on (or with the override); elsewhere it
-    runs native after one warning (asked only when dispatch is on for this Accelerator: the user expects
-    protection)."""
-    global _warned_fsdp2
-    from .versions import fsdp2_validated, fsdp2_validated_message
-
-    if fsdp2_validated() or override_requested():
-        return True
-    if not _warned_fsdp2:
-        _warned_fsdp2 = True
-        warnings.warn(f"accelerate-txn: FSDP2 checkpoints run native Accelerate save_state/load_state, UNPROTECTED: "
-                      f"{fsdp2_validated_message()}.", RuntimeWarning, stacklevel=7)
-    return False
-
-
 def _broader(accelerator: Any, kind: str) -> bool:
     """Whether ``protect="all"`` routes this non-FSDP Accelerator through the protected path; warns once per
     Accelerator when it is asked for a distributed type it does not cover (which runs native)."""
@@ -201,9 +180,8 @@ def _broader(accelerator: Any, kind: str) -> bool:
 def _eligibility(accelerator: Any) -> tuple[bool, bool]:
     """(eligible, validated) on this rank, with the settings the protected path will use read now (inside the
     caller's rank phase: a setting invalid on one rank raises the same error on every rank)."""
-    eligible = (is_fsdp1_sharded(accelerator) or (is_fsdp2_sharded(accelerator) and _fsdp2_eligible())
-                or accelerator.distributed_type.name in BROADER_BACKENDS)
-    validated = versions_ok()
+    eligible = is_fsdp_sharded(accelerator) or accelerator.distributed_type.name in BROADER_BACKENDS
+    validated = protected(path_of(accelerator))
     if eligible and validated:
         read_configs({"": accelerator})
     return eligible, validated
@@ -213,7 +191,6 @@ def _protected(accelerator: Any, input_dir: Any = None, *, loading: bool = False
     """The dispatch decision; for FSDP (and, with ``protect="all"``, one process and DDP) with dispatch on, a
     collective (all ranks must agree), preceded by the collective-free check that every rank reached this call
     (``accelerate.arrival``)."""
-    global _warned_versions
     kind = accelerator.distributed_type.name
     opted_in = accelerator in OPTED_IN
     enabled = (opted_in or automatic_dispatch_requested()) and accelerator not in OPTED_OUT
@@ -234,10 +211,9 @@ def _protected(accelerator: Any, input_dir: Any = None, *, loading: bool = False
                                     "Deciding whether to use the protected checkpoint path")
     agree({"enabled": enabled, "eligible": eligible, "validated": validated,
            "backend": accelerator.distributed_type.name}, "whether to use the protected checkpoint path")
-    if enabled and eligible and not validated:
-        if not _warned_versions:
-            _warned_versions = True
-            warnings.warn(f"{unsupported_message()} Using native save_state/load_state.", RuntimeWarning, stacklevel=4)
+    if enabled and eligible and not validated and path_of(accelerator) not in _WARNED_PATHS:
+        _WARNED_PATHS.add(path_of(accelerator))
+        warnings.warn(unsupported_message(path_of(accelerator)), RuntimeWarning, stacklevel=4)
     if not (enabled and eligible and validated):
         _note_native(accelerator, _native_condition(accelerator, enabled, eligible, validated))
         return False
@@ -331,11 +307,10 @@ def _load_fsdp_model(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
         kwargs["input_dir"] = os.path.join(kwargs["input_dir"], f"pytorch_model_fsdp_{index}")
     if is_fsdp2_sharded(accelerator):
         from .optimizers import load_fsdp2_model
-        from .versions import fsdp2_validated
 
         names = ("fsdp_plugin", "accelerator", "model", "input_dir", "model_index", "adapter_only", "use_dcp")
         bound = {**dict(zip(names, args)), **kwargs}
-        if ((fsdp2_validated() or override_requested()) and not bound.get("adapter_only", False)
+        if (protected("fsdp2") and not bound.get("adapter_only", False)
                 and bound.get("use_dcp", True)):
             # Accelerate's own sharded FSDP2 model load, reading each tensor into the parameter in place.
             return load_fsdp2_model(bound["fsdp_plugin"], bound["model"], bound["input_dir"])
@@ -352,9 +327,8 @@ def _load_fsdp_optimizer(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
         return wrapped(*args, **kwargs)
     if is_fsdp2_sharded(accelerator):
         from .optimizers import load_fsdp2_optimizer
-        from .versions import fsdp2_validated
 
-        if not (fsdp2_validated() or override_requested()):
+        if not protected("fsdp2"):
             return wrapped(*args, **kwargs)
         return load_fsdp2_optimizer(accelerator, bound["optimizer"], bound["model"], bound["input_dir"],
                                     bound.get("optimizer_index", 0))
@@ -377,9 +351,8 @@ def _save_fsdp_optimizer(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
             or not bound.get("use_dcp", True)):
         return wrapped(*args, **kwargs)
     from ..fsdp.fsdp2 import save_fsdp2_optimizer
-    from .versions import fsdp2_validated
 
-    if not (fsdp2_validated() or override_requested()):
+    if not protected("fsdp2"):
         return wrapped(*args, **kwargs)
     return save_fsdp2_optimizer(bound["optimizer"], bound["model"], bound["output_dir"],
                                 bound.get("optimizer_index", 0))
@@ -436,8 +409,8 @@ def patch_accelerate_fsdp(accelerator: Any) -> Any:
     Raises :class:`UnsupportedVersionError` outside the validated version table unless
     ``VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1``.
     """
-    if not versions_ok():
-        raise UnsupportedVersionError(unsupported_message())
+    if not protected(path_of(accelerator)):
+        raise UnsupportedVersionError(unsupported_message(path_of(accelerator)))
     if override_requested():
         logger.warning("accelerate-txn: unvalidated versions allowed by override; you accept the risk")
     install()

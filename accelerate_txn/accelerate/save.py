@@ -75,7 +75,7 @@ from . import async_save as _async
 from . import remote as _remote
 from .arrival import check_arrival
 from .config import checkpoint_config, ensure_not_failed, group_keys, read_configs
-from .descriptor import describe, participants
+from .descriptor import describe, participants, path_of
 from .elastic import POLICY as RESHARD_POLICY
 from .finite import check_finite_state
 from .internals import load_state_pre_hooks, prepared_models, prepared_optimizers, save_state_pre_hooks
@@ -454,7 +454,8 @@ def save_training_checkpoint(
     group, background, policies, hooks = run_phase(lambda: _settings(owners, async_save),
                                                    "Checking checkpoint participants and settings")
     _async.settle(list(group.values()))  # at most one save in flight: wait, or raise its error (on every rank)
-    run_phase(require_supported_versions, "Checking the installed versions")
+    run_phase(lambda: [require_supported_versions(path_of(owner)) for owner in group.values()],
+              "Checking the installed releases against the evidence")
     primary = next(iter(group.values()))
     path, limit, remote = run_phase(lambda: _resolve_destination(primary, output_dir, checkpoint_limit),
                                     "Resolving the path")

@@ -1,12 +1,17 @@
-"""The validated version table, the version policy and its override.
+"""The version policy: evidence about the private pieces decides protection; the table records what ran.
 
-The table is ``accelerate_txn/validated.json`` (the package root): the one list of (torch, Accelerate) pairs on
-which the distributed matrix subset passed with exactly those releases (``make test-matrix-table`` runs every row;
-CI runs a covering set of them, ``make test-matrix``), also shown in the README (a test keeps the two equal). A
-tested pair validates its *minor series*: torch 2.13.0 with Accelerate 1.10.1 in the table
-means any torch 2.13.x with any Accelerate 1.10.x, since patch releases do not change the private internals
-this library relies on. Outside the table, automatic dispatch runs native Accelerate after one warning and the
-explicit API refuses, unless the user sets ``VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1`` and accepts the risk.
+Protection is decided by evidence, not version numbers (:mod:`..compat.evidence`): each protected path (FSDP1, FSDP2,
+and the one-process/DDP path of ``protect="all"``) declares the private Accelerate and torch pieces it relies on
+(``accelerate.internals``, ``fsdp.internals``); the installed releases are protected on a path when every one of its
+pieces has a value recorded for a release that passed the library's tests (``accelerate_txn/evidence.json``),
+whatever their version numbers. Elsewhere automatic dispatch runs native Accelerate after one warning naming the
+piece, the release and what changed, and the explicit API refuses, unless the user sets
+``VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1`` and accepts the risk.
+
+The table ``accelerate_txn/validated.json`` stays the record of what ran: the (torch, Accelerate) pairs on which the
+distributed matrix subset passed with exactly those releases (``make test-matrix-table`` runs every row; CI runs a
+covering set, ``make test-matrix``), also shown in the README (a test keeps the two equal). Its releases, and those of
+``.ci/matrix-full-run.md``, are the ones whose evidence is recorded.
 
 Checkpoint compatibility across versions is decided by :func:`checkpoint_compatibility`, not by equality of
 the recorded versions (see docs/protocol.md, "Versions").
@@ -14,7 +19,6 @@ the recorded versions (see docs/protocol.md, "Versions").
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import os
@@ -22,6 +26,11 @@ from dataclasses import dataclass
 from importlib import resources
 
 from packaging.version import Version
+
+from ..compat.evidence import Difference, differences, explain
+from ..compat.pieces import Piece
+from ..fsdp.internals import TORCH_COMMON, TORCH_FSDP1, TORCH_FSDP2
+from .internals import ACCELERATE_COMMON, ACCELERATE_FSDP1, ACCELERATE_FSDP2
 
 OVERRIDE_ENV = "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED"
 TABLE_FILE = "validated.json"
@@ -76,39 +85,55 @@ VALIDATED: frozenset[tuple[str, str]] = frozenset(pair.series for pair in TESTED
 
 
 def is_validated_pair(torch_version: str, accelerate_version: str) -> bool:
-    """True when the two releases' minor series were tested together (any patch release of a tested pair)."""
+    """True when the two releases' minor series were tested together as a row of the table (the record of what
+    ran; protection itself is decided by the evidence: :func:`protected`)."""
     return (series(torch_version), series(accelerate_version)) in VALIDATED
-
-
-def is_validated(package: str, version: str) -> bool:
-    """True when ``version``'s minor series of ``package`` ("torch" or "accelerate") is part of some validated
-    pair. Protection needs the installed *pair* validated: see :func:`is_validated_pair`."""
-    index = ("torch", "accelerate").index(package)
-    return series(version) in {pair[index] for pair in VALIDATED}
-
-
-def unvalidated() -> list[str]:
-    """The installed releases that make the pair unvalidated ("accelerate 1.16.0"); both when each is validated
-    with something else but not with the other; empty when the installed pair is validated."""
-    installed = installed_versions()
-    if is_validated_pair(installed["torch"], installed["accelerate"]):
-        return []
-    unknown = [f"{name} {version}" for name, version in installed.items() if not is_validated(name, version)]
-    return unknown or [f"{name} {version}" for name, version in installed.items()]
 
 
 def override_requested() -> bool:
     return os.environ.get(OVERRIDE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-@functools.lru_cache(maxsize=1)
-def _installed_validated() -> bool:
-    return not unvalidated()
+# --- The evidence gate -------------------------------------------------------------------------------------------
+
+#: The protected paths of the Accelerate front end and the private pieces each relies on.
+PATHS: dict[str, tuple[Piece, ...]] = {
+    "fsdp1": (*ACCELERATE_COMMON, *ACCELERATE_FSDP1, *TORCH_COMMON, *TORCH_FSDP1),
+    "fsdp2": (*ACCELERATE_COMMON, *ACCELERATE_FSDP2, *TORCH_COMMON, *TORCH_FSDP2),
+    "common": (*ACCELERATE_COMMON, *TORCH_COMMON),  # one process and DDP (protect="all")
+}
+PATH_NAMES = {"fsdp1": "FSDP1", "fsdp2": "FSDP2", "common": "one-process and DDP"}
 
 
-def versions_ok() -> bool:
-    """True when the installed pair is validated or the user accepted the risk."""
-    return _installed_validated() or override_requested()
+def differing(path: str = "fsdp1") -> list[Difference]:
+    """The pieces of ``path`` whose installed value no release that passed had (empty: protected by evidence)."""
+    return differences(PATHS[path])
+
+
+def protected(path: str = "fsdp1") -> bool:
+    """Whether ``path`` takes the protected path here: the evidence protects the installed releases, or the user
+    accepted the risk (:data:`OVERRIDE_ENV`)."""
+    return override_requested() or not differing(path)
+
+
+def unsupported_message(path: str = "fsdp1") -> str:
+    """The one warning for a path the evidence does not protect: each differing piece, its release, what changed."""
+    return explain(f"Accelerate {PATH_NAMES[path]}", differing(path))
+
+
+def unprotected() -> dict[str, list[str]]:
+    """Each path the evidence does not protect here -> why (one line per differing piece); empty: all protected."""
+    return {path: [difference.describe() for difference in found]
+            for path in PATHS if (found := differing(path))}
+
+
+def require_supported_versions(path: str = "fsdp1") -> None:
+    """Raise :class:`UnsupportedVersionError` where the evidence does not protect ``path`` (unless the override is
+    set): the explicit API applies the same gate as the patched methods."""
+    if not protected(path):
+        from ..errors import UnsupportedVersionError
+
+        raise UnsupportedVersionError(unsupported_message(path))
 
 
 def _adjacent(earlier: str, later: str) -> bool:
@@ -141,13 +166,6 @@ def describe_table() -> str:
     return f"{pairs} (any patch release)"
 
 
-def unsupported_message() -> str:
-    return (
-        f"accelerate-txn has not been validated with {' and '.join(unvalidated())} (validated: {describe_table()}). "
-        f"Install a validated pair, or set {OVERRIDE_ENV}=1 to use the protected path at your own risk."
-    )
-
-
 def markdown_table() -> str:
     """The README's table of validated pairs, generated from the same file."""
     lines = ["| PyTorch | Accelerate | Protected | Validated with | on Python |", "| --- | --- | --- | --- | --- |"]
@@ -177,32 +195,3 @@ def checkpoint_compatibility(saved: dict[str, str]) -> str | None:
             "(torch.distributed.checkpoint is not forward compatible): upgrade torch to load it"
         )
     return None
-
-
-def require_supported_versions() -> None:
-    """Raise :class:`UnsupportedVersionError` outside the validated table (unless the override is set): the
-    explicit API applies the same gate as the patched methods."""
-    if not versions_ok():
-        from ..errors import UnsupportedVersionError
-
-        raise UnsupportedVersionError(unsupported_message())
-
-
-# --- FSDP2 -------------------------------------------------------------------------------------------------------
-
-#: (torch minor series, Accelerate minor series) on which the protected FSDP2 path was validated: the rows of the
-#: table marked ``"fsdp2": true`` (each passed the FSDP2 tests as well as the matrix subset, with that pair installed).
-FSDP2_VALIDATED: frozenset[tuple[str, str]] = frozenset(pair.series for pair in TESTED if pair.fsdp2)
-
-
-def fsdp2_validated() -> bool:
-    """Whether the installed torch and Accelerate belong to a series the FSDP2 path was validated on."""
-    versions = installed_versions()
-    return (series(versions["torch"]), series(versions["accelerate"])) in FSDP2_VALIDATED
-
-
-def fsdp2_validated_message() -> str:
-    versions = installed_versions()
-    validated = ", ".join(f"torch {t}.x with Accelerate {a}.x" for t, a in sorted(FSDP2_VALIDATED))
-    return (f"the protected FSDP2 path is validated on {validated}; installed: torch {versions['torch']}, "
-            f"Accelerate {versions['accelerate']}")

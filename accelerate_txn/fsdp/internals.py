@@ -52,6 +52,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..compat.pieces import Piece
+
 # --- FSDP1 flat parameters --------------------------------------------------------------------------------------
 # FSDP1 (``FullyShardedDataParallel``) keeps each unit's parameters in one ``FlatParameter`` owned by a
 # ``FlatParamHandle``; public torch exposes neither the handle nor the layout of the flat parameter.
@@ -326,3 +328,49 @@ def numpy_reconstruct() -> Callable[..., Any]:
     except ImportError:  # NumPy < 2
         from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
     return _reconstruct
+
+
+# --- The evidence ------------------------------------------------------------------------------------------------
+# What the library needs of each private torch piece above, checked against the values recorded for every torch
+# release that passed its tests (accelerate_txn/evidence.json; ``compat.evidence``): a release that changed none of
+# them is protected the day it ships. ``FSDP1`` and ``FSDP2``: the pieces of each path; ``COMMON``: of both.
+
+_FSDP = "torch.distributed.fsdp"
+_DCP = "torch.distributed.checkpoint"
+TORCH_COMMON: tuple[Piece, ...] = (
+    Piece("torch", f"{_DCP}._nested_dict", "unflatten_state_dict", "code", "rebuilds nested state from DCP's flat keys"),
+    Piece("torch", f"{_DCP}._traverse", "set_element", "code", "stores a loaded value at its path in the state"),
+    Piece("torch", f"{_DCP}.default_planner", "DefaultLoadPlanner.load_bytes", "code",
+          "what a planner does with a non-tensor item (the direct reader replaces it exactly)"),
+    Piece("torch", f"{_DCP}.filesystem", "_StorageInfo", "exists", "where each DCP item lives in its file"),
+    Piece("torch", "torch.distributed.distributed_c10d", "_get_default_store", "exists",
+          "the default store (fallback where ProcessGroup.get_group_store is absent)"),
+    Piece("torch", "torch.optim.optimizer", "Optimizer.__init__", "assigns",
+          "load-state-dict pre-hooks are detected to refuse a restore they would change",
+          ("_optimizer_load_state_dict_pre_hooks",)),
+    Piece("torch", "torch.optim.lr_scheduler", "OneCycleLR.__init__", "assigns",
+          "a resized OneCycleLR schedule is recomputed from its phases",
+          ("_schedule_phases", "_anneal_func_type")),
+    Piece("torch", "torch.amp.grad_scaler", "GradScaler.__init__", "assigns",
+          "a restored scaler is reset to its lazily initialised state", ("_scale",)),
+    Piece("torch", "torch.serialization", "_get_layout", "exists", "a pickle global of DCP .metadata"),
+)
+TORCH_FSDP1: tuple[Piece, ...] = (
+    Piece("torch", f"{_FSDP}._common_utils", "_get_param_to_fqns", "code",
+          "maps flat parameters to their original names"),
+    Piece("torch", f"{_FSDP}._common_utils", "clean_tensor_name", "code", "FSDP1's parameter names in checkpoints"),
+    Piece("torch", f"{_FSDP}._init_utils", "_init_core_state", "assigns",
+          "an FSDP unit's handle and use_orig_params", ("_handle", "_use_orig_params")),
+    Piece("torch", f"{_FSDP}._flat_param", "FlatParameter._init_metadata", "assigns",
+          "the layout of a flat parameter: original shapes, padding",
+          ("_params", "_shapes", "_numels_with_padding", "_is_padding_mask")),
+    Piece("torch", f"{_FSDP}._flat_param", "FlatParamHandle._init_shard_metadata", "code",
+          "each original parameter's place in the local flat shard (_shard_param_infos)"),
+    Piece("torch", "torch.distributed._shard.sharded_tensor.api",
+          "ShardedTensor._init_from_local_shards_and_global_metadata", "signature",
+          "builds the ShardedTensors an FSDP1 optimizer restore loads into"),
+)
+TORCH_FSDP2: tuple[Piece, ...] = (
+    Piece("torch", "torch.distributed.tensor._api", "DTensor", "exists",
+          "host copies of FSDP2 parameters as DTensors with the live spec (DTensor(local, spec, requires_grad=))"),
+)

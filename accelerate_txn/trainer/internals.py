@@ -45,6 +45,8 @@ import inspect
 from collections.abc import Iterator
 from typing import Any
 
+from ..compat.pieces import Piece
+
 #: transformers minor series -> the private points of the Trainer class, as ``{attribute: parameter names}``.
 POINTS: dict[str, dict[str, tuple[str, ...]]] = {
     "4.57": {"_save_checkpoint": ("self", "model", "trial"), "_get_output_dir": ("self", "trial"),
@@ -182,3 +184,47 @@ def model_load_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[
     filled in."""
     return _bind(("fsdp_plugin", "accelerator", "model", "input_dir", "model_index", "adapter_only", "use_dcp"),
                  {"model_index": 0}, args, kwargs)
+
+
+# --- The evidence ------------------------------------------------------------------------------------------------
+# What the front end needs of each private transformers piece, checked against the values recorded for every
+# transformers release that passed the Trainer tests (accelerate_txn/evidence.json; ``compat.evidence``). ``code``:
+# the functions whose behaviour the protected save and resume depend on (the order of Trainer's writes, what a
+# resume reads and when, which checkpoint ``get_last_checkpoint`` selects).
+
+_TRAINER = "transformers.trainer"
+TRAINER_PIECES: tuple[Piece, ...] = (
+    Piece("transformers", _TRAINER, "Trainer.train", "signature", "wrapped: resume_from_checkpoint is resolved"),
+    Piece("transformers", _TRAINER, "Trainer._save_checkpoint", "code",
+          "the whole native save runs inside it, into the staging directory: its writes and their order"),
+    Piece("transformers", _TRAINER, "Trainer._get_output_dir", "code", "redirected to the staging directory"),
+    Piece("transformers", _TRAINER, "Trainer._save_optimizer_and_scheduler", "code",
+          "the optimizer, scheduler and FSDP model files of a save"),
+    Piece("transformers", _TRAINER, "Trainer._save_rng_state", "code", "each rank's RNG file"),
+    Piece("transformers", _TRAINER, "Trainer._load_from_checkpoint", "code",
+          "the model restore, checked against the optimizer before it loads"),
+    Piece("transformers", _TRAINER, "Trainer._load_optimizer_and_scheduler", "code",
+          "the optimizer restore, routed to the library's sharded restore"),
+    Piece("transformers", _TRAINER, "Trainer._load_rng_state", "code", "a resume's last read"),
+    *(Piece("transformers", _TRAINER, name, "exists", "a module binding Trainer calls, wrapped by the front end")
+      for name in ("load_fsdp_optimizer", "load_fsdp_model", "save_fsdp_model")),
+    Piece("transformers", "transformers.trainer_utils", "get_last_checkpoint", "code",
+          "resume_from_checkpoint=True: which checkpoint Trainer itself would select"),
+)
+#: The method that ends a run with Trainer's own removal of old checkpoints, by where the installed Trainer has it.
+FINALIZE_PIECES: dict[str, Piece] = {
+    name: Piece("transformers", _TRAINER, f"Trainer.{name}", "code",
+                "its removal of every checkpoint but the best is done by the library instead")
+    for name in ("_finalize_training", "_inner_training_loop")}
+
+
+def trainer_pieces(trainer_class: type | None = None) -> tuple[Piece, ...]:
+    """The pieces of the installed Trainer: :data:`TRAINER_PIECES` and the method that ends a run
+    (``_finalize_training`` where it exists, 5.x; else ``_inner_training_loop``, 4.57)."""
+    if trainer_class is None:
+        import transformers.trainer as module
+
+        trainer_class = module.Trainer
+    name = "_finalize_training" if callable(getattr(trainer_class, "_finalize_training", None)) \
+        else "_inner_training_loop"
+    return (*TRAINER_PIECES, FINALIZE_PIECES[name])

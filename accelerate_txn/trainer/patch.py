@@ -37,7 +37,7 @@ from .layout import backend
 from .restore import check_before_model_load, loaded, restore_optimizer, resuming, rng_loaded
 from .resume import resolve_resume
 from .save import RUN_IDS, protected_finalize, protected_save
-from .versions import transformers_series, unsupported_message, versions_ok
+from .versions import path_of_trainer, protected, transformers_series, unsupported_message
 
 logger = logging.getLogger(__name__)
 MODULE = "transformers.trainer"
@@ -51,11 +51,13 @@ def native_reason(trainer: Any) -> str | None:
     """Why this Trainer's checkpoints run native (``None``: protected); warns once per process for versions."""
     if os.environ.get(PATCH_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
         return f"automatic dispatch is off ({PATCH_ENV}={os.environ.get(PATCH_ENV)!r})"
-    if not versions_ok():
-        if "versions" not in _WARNED:
-            _WARNED.add("versions")
-            warnings.warn(unsupported_message(), RuntimeWarning, stacklevel=4)
-        return "unvalidated versions"
+    path = path_of_trainer(trainer)
+    if not protected(type(trainer), path):
+        message = unsupported_message(type(trainer), path)
+        if path not in _WARNED:
+            _WARNED.add(path)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+        return message
     missing = missing_points(type(trainer), transformers_series())
     if missing:
         message = (f"accelerate-txn: this transformers Trainer lacks {', '.join(missing)} (or has another signature): "

@@ -1,20 +1,26 @@
-"""The Trainer front end's version gate: the ``"transformers"`` rows of ``accelerate_txn/validated.json``.
+"""The Trainer front end's gate: evidence about the private pieces it relies on decides, not version numbers.
 
-A row names the exact transformers, torch and Accelerate releases ``tests/test_trainer.py`` passed with; it validates
-their three minor series together (Trainer's private save and resume points change between transformers minors:
-:mod:`.internals`). Outside the rows, Trainer runs native after one warning naming the versions, exactly as the
-Accelerate front end does outside its table; ``VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1`` takes the protected path at
-the user's own risk.
+The Trainer is protected where every private transformers piece it relies on (``trainer.internals.trainer_pieces``)
+and every Accelerate and torch piece of the FSDP path it uses (``accelerate.versions.PATHS``) has a value recorded
+for a release that passed the Trainer tests (``accelerate_txn/evidence.json``), each through the same mechanism
+(``compat.evidence``): a transformers release that changed none of them is protected the day it ships, whatever
+the torch and Accelerate releases beside it, as long as their own pieces match. Elsewhere Trainer runs native after
+one warning naming the piece, the release and what changed; ``VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1`` takes the
+protected path at the user's own risk. The ``"transformers"`` rows of ``accelerate_txn/validated.json`` record the
+(transformers, torch, Accelerate) releases the Trainer tests ran on: the record whose evidence is kept.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any
 
-from ..accelerate.versions import OVERRIDE_ENV, TABLE_FILE, installed_versions, override_requested, series
+from ..accelerate.descriptor import path_of
+from ..accelerate.versions import PATH_NAMES, PATHS, TABLE_FILE, installed_versions, override_requested, series
+from ..compat.evidence import Difference, differences, explain
+from .internals import trainer_pieces
 
 
 @dataclass(frozen=True)
@@ -52,21 +58,24 @@ def transformers_series() -> str:
     return series(trainer_versions()["transformers"])
 
 
-@functools.lru_cache(maxsize=1)
-def installed_validated() -> bool:
-    versions = trainer_versions()
-    return (series(versions["transformers"]), series(versions["torch"]), series(versions["accelerate"])) in VALIDATED
+def path_of_trainer(trainer: Any) -> str:
+    """The Accelerate front end's path whose pieces a Trainer's checkpoints rely on (``fsdp1``, ``fsdp2``, or
+    ``common`` for one process and DDP)."""
+    accelerator = getattr(trainer, "accelerator", None)
+    return "common" if accelerator is None else path_of(accelerator)
 
 
-def versions_ok() -> bool:
-    """True when the installed triple is validated or the user accepted the risk."""
-    return installed_validated() or override_requested()
+def differing(trainer_class: type | None = None, path: str = "fsdp1") -> list[Difference]:
+    """The pieces (transformers', and the Accelerate/torch ones of ``path``) whose installed value no release that
+    passed had; empty: the evidence protects the Trainer here."""
+    return differences((*trainer_pieces(trainer_class), *PATHS[path]))
 
 
-def unsupported_message() -> str:
-    versions = trainer_versions()
-    validated = "; ".join(f"transformers {t}.x with torch {o}.x and accelerate {a}.x" for t, o, a in sorted(VALIDATED))
-    return (f"accelerate-txn has not validated its Trainer front end with transformers {versions['transformers']}, "
-            f"torch {versions['torch']} and accelerate {versions['accelerate']} (validated: {validated or 'none'}): "
-            "Trainer checkpoints are saved and resumed natively, NOT protected. Install a validated combination, or "
-            f"set {OVERRIDE_ENV}=1 to use the protected path at your own risk.")
+def protected(trainer_class: type | None = None, path: str = "fsdp1") -> bool:
+    """Whether the Trainer takes the protected path: the evidence protects the installed releases, or the user
+    accepted the risk."""
+    return override_requested() or not differing(trainer_class, path)
+
+
+def unsupported_message(trainer_class: type | None = None, path: str = "fsdp1") -> str:
+    return explain(f"transformers Trainer ({PATH_NAMES[path]})", differing(trainer_class, path))

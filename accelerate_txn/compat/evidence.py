@@ -1,0 +1,143 @@
+"""Evidence, not version numbers, decides protection.
+
+``accelerate_txn/evidence.json`` records, for every piece a front end declares (:class:`.pieces.Piece`), the values it
+had in each release that passed the library's tests (``.ci/record_evidence.py`` writes it from those releases'
+sources). The installed releases are protected when every piece of a front end has a recorded value, whatever their
+version numbers: a release that changed none of them is protected the day it ships, and one that changed a piece
+runs native with one warning naming the piece, the release and what changed.
+
+Checked lazily, once per process and front end (the pieces' sources are parsed then: tens of milliseconds, never at
+import). :func:`forget` starts over (tests, and a process that replaced a piece on purpose).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata, resources
+
+from .pieces import Piece, observe_all, outline
+
+EVIDENCE_FILE = "evidence.json"
+
+
+@functools.lru_cache(maxsize=1)
+def recorded() -> dict:
+    """The evidence file: ``{"releases": {package: [versions]}, "pieces": {key: {value: [versions]}},
+    "outlines": {key: {value: [calls]}}}``."""
+    text = resources.files("accelerate_txn").joinpath(EVIDENCE_FILE).read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+def installed_release(package: str) -> str:
+    """The release of ``package`` Python imports (its ``__version__`` once imported: the one whose sources are
+    read), else the installed distribution's."""
+    module = sys.modules.get(package)
+    version = getattr(module, "__version__", None)
+    if isinstance(version, str):
+        return version
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One piece whose installed value no release that passed had."""
+
+    piece: Piece
+    found: str
+    release: str
+    accepted: dict[str, list[str]] = field(default_factory=dict)
+    outline_here: tuple[str, ...] | None = None
+    outline_there: tuple[str, ...] | None = None
+
+    def describe(self) -> str:
+        """"transformers 5.26.0: transformers.trainer.Trainer._save_checkpoint (its code) differs from every release
+        that passed (4.57.6 to 5.24.0): the same calls in another order (...)"."""
+        piece = self.piece
+        releases = sorted({release for group in self.accepted.values() for release in group}, key=_release_key)
+        passed = _span(releases) if releases else "none recorded"
+        head = f"{self.release}: {piece.name}"
+        if self.found.startswith("unreadable: "):
+            return f"{head} cannot be checked ({self.found[len('unreadable: '):]}); the releases that passed: {passed}"
+        if piece.kind == "signature":
+            return (f"{head} has the parameters {self.found}; the releases that passed ({passed}) have "
+                    f"{' or '.join(sorted(self.accepted)) or 'none recorded'}")
+        if piece.kind == "assigns":
+            return f"{head} {self.found} (the releases that passed: {passed})"
+        return f"{head} (its code) differs from every release that passed ({passed}){self._changes()}"
+
+    def _changes(self) -> str:
+        here, there = self.outline_here, self.outline_there
+        if here is None or there is None:
+            return ""
+        added = [call for call in dict.fromkeys(here) if call not in there]
+        removed = [call for call in dict.fromkeys(there) if call not in here]
+        if added or removed:
+            parts = ([f"calls added: {', '.join(added[:6])}"] if added else []) + \
+                    ([f"calls removed: {', '.join(removed[:6])}"] if removed else [])
+            return ": " + "; ".join(parts)
+        if list(here) != list(there):
+            return f": the same calls in another order ({', '.join(dict.fromkeys(here))})"
+        return ": other statements, the same calls in the same order"
+
+
+def _release_key(version: str) -> tuple:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return (0, Version(version))
+    except InvalidVersion:
+        return (1, version)
+
+
+def _span(releases: Sequence[str]) -> str:
+    return releases[0] if len(releases) == 1 else f"{releases[0]} to {releases[-1]}, {len(releases)} releases"
+
+
+@functools.lru_cache(maxsize=16)
+def _differences(pieces: tuple[Piece, ...]) -> tuple[Difference, ...]:
+    evidence = recorded()
+    values = observe_all(pieces)
+    found: list[Difference] = []
+    for piece in pieces:
+        accepted: dict[str, list[str]] = evidence.get("pieces", {}).get(piece.key, {})
+        value = values[piece.key]
+        if value in accepted:
+            continue
+        there = None
+        outlines = evidence.get("outlines", {}).get(piece.key, {})
+        if outlines:  # the newest release's outline
+            newest = max(accepted, key=lambda v: max((_release_key(r) for r in accepted[v]), default=(0,)),
+                         default=None)
+            there = tuple(outlines.get(newest, ())) if newest in outlines else None
+        here = outline(piece)
+        found.append(Difference(piece, value, f"{piece.package} {installed_release(piece.package)}", accepted,
+                                tuple(here) if here is not None else None, there))
+    return tuple(found)
+
+
+def differences(pieces: Iterable[Piece]) -> list[Difference]:
+    """The pieces whose installed value no release that passed had (empty: the evidence protects this
+    combination). Computed once per process for a given set of pieces."""
+    return list(_differences(tuple(pieces)))
+
+
+def forget() -> None:
+    """Check again at the next call (after a piece was replaced, or the evidence file changed)."""
+    _differences.cache_clear()
+    recorded.cache_clear()
+
+
+def explain(front_end: str, found: Sequence[Difference]) -> str:
+    """The one warning for a front end that runs native: each differing piece, the release and what changed."""
+    listed = "; ".join(difference.describe() for difference in found)
+    return (f"accelerate-txn: {front_end} checkpoints run native, NOT protected: the installed releases differ from "
+            f"every release that passed accelerate-txn's tests in a private piece it relies on ({listed}). Run "
+            "`accelerate-txn doctor` for the details; set VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1 to use the protected "
+            "path at your own risk.")

@@ -1,0 +1,340 @@
+"""The private pieces of Accelerate, torch and transformers the library relies on, and what it needs of each.
+
+A :class:`Piece` names one private (or otherwise unstable) thing by where it is defined (``module`` and
+``qualname``) and says what the library needs of it (``kind``):
+
+* ``"exists"``: the module defines or imports the name (a function, class, or a binding another function calls);
+* ``"signature"``: the function's parameters (names, order, which have defaults, ``*``/``**``), nothing else;
+* ``"code"``: the function's code: its signature and body, ignoring comments, docstrings, annotations, logging
+  (``logger.*``, ``logging.*``, ``warnings.warn``, ``print``) and formatting. For functions whose behaviour the
+  library depends on (the order of Trainer's writes, what a native save puts where);
+* ``"assigns"``: the function assigns every attribute in ``attributes`` (``self.x = ...``, ``state.x = ...``: the
+  private attributes of an object the library reads, e.g. ``Accelerator._models`` set in ``Accelerator.__init__``).
+
+:func:`observe` computes the piece's *value* (a short string: a fingerprint, a signature, ``"present"``) from the
+source of the running object (resolved through any wrapper), and :func:`observe_source` the same from a source tree
+(an unpacked wheel) without importing anything, so the evidence of a release can be recorded from its files. The
+two agree by construction: both read the function's definition from its source file.
+
+The fingerprint is computed from a canonical form of the syntax tree that is the same on every Python this library
+supports (``ast.dump``'s output is not: 3.13 leaves empty fields out, 3.12 added ``type_params``).
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import functools
+import hashlib
+import importlib
+import inspect
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+KINDS = ("exists", "signature", "code", "assigns")
+PRESENT = "present"
+#: Statements whose call starts from one of these names are logging, not behaviour (dropped from fingerprints).
+LOGGING_ROOTS = frozenset({"logger", "logging", "log", "_logger", "LOGGER", "warnings", "print"})
+#: Syntax-tree fields that carry no behaviour or differ between Pythons for the same source.
+IGNORED_FIELDS = frozenset({"type_comment", "type_params", "kind", "ctx"})
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One private piece a front end relies on: ``package`` (the distribution: ``torch``, ``accelerate``,
+    ``transformers``), the defining ``module`` and ``qualname``, what is needed of it (``kind``), and why."""
+
+    package: str
+    module: str
+    qualname: str
+    kind: str
+    why: str
+    attributes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown piece kind {self.kind!r} (known: {', '.join(KINDS)})")
+
+    @property
+    def key(self) -> str:
+        """The piece's key in the evidence file: ``module:qualname#kind``."""
+        return f"{self.module}:{self.qualname}#{self.kind}"
+
+    @property
+    def name(self) -> str:
+        """``module.qualname`` as a user reads it."""
+        return f"{self.module}.{self.qualname}"
+
+
+class Unreadable(Exception):
+    """The piece's source cannot be found or read (a missing name, a compiled module, a function built at run
+    time): its value is then the reason, which no recorded evidence holds."""
+
+
+# --- Canonical syntax trees --------------------------------------------------------------------------------------
+
+
+def _root_name(node: ast.AST) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Call, ast.Subscript)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _is_noise(statement: ast.stmt) -> bool:
+    """A docstring-like string, or a logging call (``logger.warning(...)``, ``warnings.warn(...)``, ``print``)."""
+    if not isinstance(statement, ast.Expr):
+        return False
+    value = statement.value
+    if isinstance(value, ast.Constant) and isinstance(value.value, str):
+        return True
+    return isinstance(value, ast.Call) and _root_name(value.func) in LOGGING_ROOTS
+
+
+class _Normalise(ast.NodeTransformer):
+    """Drops docstrings, logging statements and annotations; an emptied block becomes ``pass``."""
+
+    def generic_visit(self, node: ast.AST) -> ast.AST:
+        super().generic_visit(node)
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(node, field, None)
+            if isinstance(block, list) and block and all(isinstance(s, ast.stmt) for s in block):
+                kept = [statement for statement in block if not _is_noise(statement)]
+                if not kept and field == "body":
+                    kept = [ast.Pass()]
+                setattr(node, field, kept)
+        if isinstance(node, ast.arg):
+            node.annotation = None
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            node.returns = None
+        return node
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> ast.AST | None:
+        self.generic_visit(node)
+        if node.value is None:
+            return None  # a bare annotation does nothing at run time
+        return ast.Assign(targets=[node.target], value=node.value)
+
+
+def _canonical(node: Any, out: list[str]) -> None:
+    if isinstance(node, ast.AST):
+        out.append(type(node).__name__ + "(")
+        for field, value in ast.iter_fields(node):
+            if field in IGNORED_FIELDS or value is None or value == []:
+                continue
+            out.append(field + "=")
+            _canonical(value, out)
+            out.append(",")
+        out.append(")")
+    elif isinstance(node, list):
+        out.append("[")
+        for item in node:
+            _canonical(item, out)
+            out.append(",")
+        out.append("]")
+    else:
+        out.append(repr(node))
+
+
+def fingerprint(function: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+    """A 16-hex-digit fingerprint of a function's code, blind to comments, docstrings, annotations, logging and
+    formatting, and the same on every Python."""
+    out: list[str] = []
+    _canonical(_Normalise().visit(copy.deepcopy(function)), out)
+    return hashlib.sha256("".join(out).encode()).hexdigest()[:16]
+
+
+def signature(function: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+    """The parameters as ``(self, a, b=, *args, c=, **kwargs)``: names, order, defaults, ``/``, ``*``, ``**``."""
+    arguments = function.args
+    positional = [*arguments.posonlyargs, *arguments.args]
+    first_default = len(positional) - len(arguments.defaults)
+    parts = [arg.arg + ("=" if index >= first_default else "") for index, arg in enumerate(positional)]
+    if arguments.posonlyargs:
+        parts.insert(len(arguments.posonlyargs), "/")
+    if arguments.vararg is not None:
+        parts.append("*" + arguments.vararg.arg)
+    elif arguments.kwonlyargs:
+        parts.append("*")
+    parts += [arg.arg + ("" if default is None else "=")
+              for arg, default in zip(arguments.kwonlyargs, arguments.kw_defaults)]
+    if arguments.kwarg is not None:
+        parts.append("**" + arguments.kwarg.arg)
+    return "(" + ", ".join(parts) + ")"
+
+
+def calls(function: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    """The names the function calls, in source order, logging left out (``save_model``, ``self._save_rng_state``):
+    an outline of what it does, to say what changed when its fingerprint differs."""
+    tree = _Normalise().visit(copy.deepcopy(function))
+    return [ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and isinstance(node.func, (ast.Name, ast.Attribute))]
+
+
+def _assigned(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(function):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        for target in targets:
+            for element in ast.walk(target):
+                if isinstance(element, ast.Attribute) and isinstance(element.value, ast.Name):
+                    names.add(element.attr)  # ``self.x = ...`` or ``state.x = ...``
+    return names
+
+
+# --- Finding a definition in a file ------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(path: str, stamp: tuple[int, int]) -> ast.Module:
+    return ast.parse(Path(path).read_text(encoding="utf-8"), filename=path)
+
+
+def parse_file(path: str | Path) -> ast.Module:
+    """The file's syntax tree (parsed once per process while the file is unchanged)."""
+    stat = Path(path).stat()
+    return _parsed(str(path), (stat.st_mtime_ns, stat.st_size))
+
+
+def _children(node: ast.AST) -> Iterator[ast.stmt]:
+    """The statements directly in a module or class body, looking inside top-level ``if``/``try`` blocks (where
+    libraries define version-dependent code)."""
+    for statement in getattr(node, "body", []):
+        if isinstance(statement, (ast.If, ast.Try)):
+            yield from _children(statement)
+            for block in ("orelse", "finalbody"):
+                yield from getattr(statement, block, [])
+            for handler in getattr(statement, "handlers", []):
+                yield from _children(handler)
+        else:
+            yield statement
+
+
+def find_definition(tree: ast.Module, qualname: str) -> ast.AST:
+    """The last definition of ``qualname`` ("Class.method", "function") in ``tree`` (the one that wins at import)."""
+    node: ast.AST = tree
+    for part in qualname.split("."):
+        found = [child for child in _children(node)
+                 if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and child.name == part]
+        if not found:
+            raise Unreadable(f"{qualname} is not defined in the source")
+        node = found[-1]
+    return node
+
+
+def binds(tree: ast.Module, name: str) -> bool:
+    """Whether a module's top level defines, assigns or imports ``name``."""
+    for statement in _children(tree):
+        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and statement.name == name:
+            return True
+        if isinstance(statement, (ast.Import, ast.ImportFrom)):
+            if any((alias.asname or alias.name.split(".")[0]) == name for alias in statement.names):
+                return True
+        if isinstance(statement, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name
+                                                     for t in statement.targets):
+            return True
+    return False
+
+
+def value_of(piece: Piece, definition: ast.AST) -> str:
+    """The piece's value from its definition's syntax tree."""
+    if piece.kind == "exists":
+        return PRESENT
+    if not isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        raise Unreadable(f"{piece.name} is not a function")
+    if piece.kind == "signature":
+        return signature(definition)
+    if piece.kind == "code":
+        return fingerprint(definition)
+    missing = sorted(set(piece.attributes) - _assigned(definition))
+    return PRESENT if not missing else "lacks " + ", ".join(missing)
+
+
+# --- Observing a piece ---------------------------------------------------------------------------------------------
+
+
+def _resolve(piece: Piece) -> Any:
+    try:
+        target: Any = importlib.import_module(piece.module)
+    except ImportError as exc:
+        raise Unreadable(f"{piece.module} cannot be imported ({exc})") from exc
+    for part in piece.qualname.split("."):
+        target = inspect.getattr_static(target, part, None) if inspect.isclass(target) else getattr(target, part, None)
+        if target is None:
+            raise Unreadable(f"{piece.name} does not exist")
+        if isinstance(target, (staticmethod, classmethod)):
+            target = target.__func__
+    return inspect.unwrap(target)  # through wrapt's and functools' wrappers (``__wrapped__``): the original
+
+
+def observe(piece: Piece) -> str:
+    """The piece's value in the running interpreter: read from the source of the object its name resolves to now
+    (the original under any wrapper; another function put in its place is read as that function)."""
+    target = _resolve(piece)
+    if piece.kind == "exists":
+        return PRESENT
+    try:
+        path = inspect.getsourcefile(target)
+    except TypeError as exc:
+        raise Unreadable(f"{piece.name} has no Python source ({exc})") from exc
+    qualname = getattr(target, "__qualname__", "")
+    if path is None or "<locals>" in qualname:
+        raise Unreadable(f"{piece.name} has no source file to read")
+    try:
+        return value_of(piece, find_definition(parse_file(path), qualname))
+    except (OSError, SyntaxError, UnicodeDecodeError) as exc:
+        raise Unreadable(f"{piece.name}'s source {path} cannot be read ({exc})") from exc
+
+
+def module_file(root: Path, module: str) -> Path:
+    """The source file of ``module`` in a source tree (an unpacked wheel): ``a/b.py`` or ``a/b/__init__.py``."""
+    base = root.joinpath(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    raise Unreadable(f"{module} is not in {root}")
+
+
+def observe_source(piece: Piece, root: Path) -> str:
+    """The piece's value in the source tree ``root`` (nothing imported). For ``exists`` the module must define or
+    import the name at its top level (or, for ``Class.attr``, the class must define it)."""
+    tree = parse_file(module_file(root, piece.module))
+    if piece.kind == "exists" and "." not in piece.qualname:
+        if not binds(tree, piece.qualname):
+            raise Unreadable(f"{piece.name} does not exist")
+        return PRESENT
+    return value_of(piece, find_definition(tree, piece.qualname))
+
+
+def observe_all(pieces: Iterable[Piece]) -> dict[str, str]:
+    """Each piece's key -> its value here, or ``"unreadable: <why>"``."""
+    values: dict[str, str] = {}
+    for piece in pieces:
+        try:
+            values[piece.key] = observe(piece)
+        except Unreadable as exc:
+            values[piece.key] = f"unreadable: {exc}"
+    return values
+
+
+def outline(piece: Piece) -> list[str] | None:
+    """The calls of a ``code`` piece in the running interpreter (``None`` where it cannot be read)."""
+    if piece.kind != "code":
+        return None
+    try:
+        target = _resolve(piece)
+        path = inspect.getsourcefile(target)
+        definition = find_definition(parse_file(path or ""), target.__qualname__)
+    except (Unreadable, TypeError, OSError, SyntaxError, AttributeError):
+        return None
+    return calls(definition) if isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+
+
+def outline_source(piece: Piece, root: Path) -> list[str] | None:
+    """The calls of a ``code`` piece in a source tree."""
+    if piece.kind != "code":
+        return None
+    definition = find_definition(parse_file(module_file(root, piece.module)), piece.qualname)
+    return calls(definition) if isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
