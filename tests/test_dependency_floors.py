@@ -19,6 +19,7 @@ The ``s3`` extra's floors, in a fresh ``/tmp/floors`` set up the same way (venv 
     /tmp/floors/bin/python -m pytest -q tests/test_store_object.py
 
 The ``azure`` extra's floors are the releases its tests ran on (``tests/test_store_azure.py``, Azurite 3.37.0).
+The ``model-signing`` extra's floors are the releases its tests ran on (``tests/test_export_signing.py``).
 
 The ``trainer`` extra's floor is the transformers release of its row in ``accelerate_txn/validated.json`` (the
 Trainer front end protects only validated releases; others run native Trainer with a warning): tests/test_trainer.py
@@ -42,7 +43,7 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 REPO = Path(__file__).resolve().parents[1]
 #: Extras that are part of the library (an optional feature's client, imported only when the feature is used), as
 #: opposed to the tools of its development (``test``, ``bench``).
-LIBRARY_EXTRAS = ("s3", "azure", "signing", "trainer")
+LIBRARY_EXTRAS = ("s3", "azure", "signing", "model-signing", "trainer")
 
 
 def _dependencies(extras: tuple[str, ...] = ()) -> dict[str, Requirement]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -788,10 +789,15 @@ def _export_layout(chosen: str, config: Path) -> str:
 @click.option("--adapter-name", default="default", show_default=True,
               help="peft: the adapter to export from a checkpoint holding the whole PEFT model (its live names, "
               "e.g. lora_A.default.weight).")
+@click.option("--sign-key", metavar="FILE", type=click.Path(dir_okay=False, path_type=Path),
+              help="Sign the export with this private key (PEM, ECDSA P-256/384/521): OUTPUT/model.sig, published with "
+              "the export, which OpenSSF's model_signing verifies (model_signing verify key OUTPUT --signature "
+              "OUTPUT/model.sig --public_key PUBLIC_KEY). Needs pip install 'accelerate-txn[model-signing]'.")
 @_json_option
 @click.pass_context
 def export_command(ctx: click.Context, checkpoint: Path | str, paths: tuple[Path | str, ...], layout: str,
-                   max_shard_size: str, dtype: str | None, adapter_name: str, as_json: bool) -> int:
+                   max_shard_size: str, dtype: str | None, adapter_name: str, sign_key: Path | None,
+                   as_json: bool) -> int:
     """Export a checkpoint's model to sharded safetensors that from_pretrained loads (transformers or Diffusers), or
     a PEFT model's LoRA adapter to the files PeftModel.from_pretrained loads.
 
@@ -804,7 +810,14 @@ def export_command(ctx: click.Context, checkpoint: Path | str, paths: tuple[Path
     import torch
 
     from ..errors import CheckpointConfigurationError
-    from ..weights import export_dcp_to_diffusers, export_dcp_to_peft, export_dcp_to_transformers, resolve_shard_size
+    from ..weights import (
+        SIGNATURE_NAME,
+        export_dcp_to_diffusers,
+        export_dcp_to_peft,
+        export_dcp_to_transformers,
+        export_signer,
+        resolve_shard_size,
+    )
 
     if len(paths) > 2:
         raise click.UsageError(f"export takes CHECKPOINT [CONFIG] OUTPUT: got {len(paths) + 1} paths")
@@ -817,6 +830,7 @@ def export_command(ctx: click.Context, checkpoint: Path | str, paths: tuple[Path
         raise click.BadParameter(str(exc), param_hint="'--max-shard-size'") from None
     cast = getattr(torch, dtype) if dtype else None
     given = ctx.get_parameter_source("max_shard_size") != click.core.ParameterSource.DEFAULT
+    export_signer(sign_key)  # a key that cannot sign fails now, before an object-store checkpoint is downloaded
     with remote.model_copy(str(checkpoint)) if remote.is_url(checkpoint) else contextlib.nullcontext(checkpoint) as source:
         config_file = _export_config(checkpoint, source, config, layout)  # type: ignore[arg-type]
         chosen = _export_layout(layout, config_file)
@@ -824,22 +838,29 @@ def export_command(ctx: click.Context, checkpoint: Path | str, paths: tuple[Path
             if given:
                 raise click.UsageError("--max-shard-size does not apply to --format peft: PEFT loads an adapter from "
                                        "one adapter_model.safetensors, never from shards")
-            result = export_dcp_to_peft(source, config_file, output, adapter_name=adapter_name, dtype=cast)
+            result = export_dcp_to_peft(source, config_file, output, adapter_name=adapter_name, dtype=cast,
+                                        sign_key=sign_key)
         else:
             exporter = export_dcp_to_transformers if chosen == "transformers" else export_dcp_to_diffusers
-            result = exporter(source, config_file, output, size, dtype=cast)
+            result = exporter(source, config_file, output, size, dtype=cast, sign_key=sign_key)
     files = sorted(p.name for p in Path(result).iterdir())
     shown_config = str(config) if config is not None else f"{checkpoint}/{config_file.name}"
+    signature = Path(output) / SIGNATURE_NAME if sign_key is not None else None
     if as_json:
         out.emit_json({"checkpoint": str(checkpoint), "output": str(result), "format": chosen, "config": shown_config,
                        "max_shard_size": None if chosen == "peft" else size, "dtype": dtype, "files": files,
-                       "adapter_name": adapter_name if chosen == "peft" else None})
-    elif chosen == "peft":
+                       "adapter_name": adapter_name if chosen == "peft" else None,
+                       "signature": None if signature is None else str(signature)})
+        return 0
+    if chosen == "peft":
         out.say(f"exported {checkpoint} -> {result} (PEFT adapter {adapter_name!r}: {', '.join(files)}; config from "
                 f"{shown_config})")
     else:
         out.say(f"exported {checkpoint} -> {result} ({chosen} file names, {len(files)} files, shards of at most "
                 f"{size:,} bytes; config from {shown_config})")
+    if signature is not None:
+        out.say(f"signed with {sign_key}: {signature}; verify with: model_signing verify key {shlex.quote(str(output))} "
+                f"--signature {shlex.quote(str(signature))} --public_key PUBLIC_KEY")
     return 0
 
 

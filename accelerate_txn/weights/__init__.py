@@ -36,8 +36,11 @@ Layout (one concern per private module; this package only re-exports):
   :func:`export_dcp_to_peft` (a LoRA adapter as ``adapter_model.safetensors`` + ``adapter_config.json``) and their DCP
   helpers.
 * ``_peft``: a LoRA adapter's configuration and entries in a checkpoint, under PEFT's saved names.
+* ``_signature``: ``sign_key=`` of the exports, a ``model.sig`` in OpenSSF model_signing's format (key-based: ECDSA
+  P-256/384/521), written into the staged export so that it is published with it.
 """
 
+from ._common import SIGNATURE_NAME as SIGNATURE_NAME  # for the CLI; not in __all__
 from ._dcp import config_layout as config_layout  # for the CLI; not in __all__
 from ._dcp import export_dcp_to_diffusers, export_dcp_to_peft, export_dcp_to_transformers
 from ._export import resolve_shard_size as resolve_shard_size  # for the CLI; not in __all__
@@ -51,6 +54,7 @@ from ._loaders import (
     load_model_checkpoint,
     read_diffusers_state_dict,
 )
+from ._signature import export_signer as export_signer  # for the CLI; not in __all__
 
 __all__ = [
     "FingerprintEntry",

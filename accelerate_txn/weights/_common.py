@@ -35,6 +35,9 @@ _EXAMPLES = 5  # how many keys an error message lists before "and N more"
 EXPORT_FILES = (CONFIG_NAME, SAFETENSORS_INDEX_NAME, BIN_INDEX_NAME, TRANSFORMERS_INDEX_NAME, ADAPTER_CONFIG_NAME)
 #: How every weight file of an export (any layout) starts: what a re-export may replace.
 EXPORT_WEIGHT_PREFIXES = ("diffusion_pytorch_model", "model-", TRANSFORMERS_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME)
+#: The signature an export signed with ``sign_key`` carries (:mod:`._signature`): OpenSSF model_signing's default
+#: name. A re-export may replace it; it is not fingerprinted (a signature is no content of the model).
+SIGNATURE_NAME = "model.sig"
 
 
 def examples(keys: list[str]) -> str:

@@ -38,6 +38,7 @@ from ._export import ShardPlan, check_layout, config_writer, resolve_shard_size,
 from ._peft import adapter_entries, check_adapter_config, peft_entries, read_adapter_config
 from ._publish import publish_export
 from ._read import check_matches_model
+from ._signature import export_signer
 
 
 def _read_dcp_metadata(directory: PathLike) -> Any:
@@ -181,6 +182,7 @@ def export_dcp_to_diffusers(
     *,
     dtype: torch.dtype | None = None,
     prefix: str = DCP_MODEL_PREFIX,
+    sign_key: PathLike | None = None,
 ) -> Path:
     """Export a sharded training checkpoint's model (DCP) as a Diffusers sharded-safetensors directory, offline.
 
@@ -195,10 +197,11 @@ def export_dcp_to_diffusers(
 
     Runs on one process with no process group; chunks written by any number of ranks are reassembled by DCP.
     Memory: one shard of tensors at a time (about two with ``dtype``: stored and cast copies). Output layout, dtype
-    rule and atomic publish are those of :func:`save_diffusers_state_dict`. ``.metadata`` is read with a restricted
-    unpickler, tensors with ``weights_only=True``.
+    rule, atomic publish and ``sign_key`` (a ``model.sig`` OpenSSF model_signing verifies) are those of
+    :func:`save_diffusers_state_dict`. ``.metadata`` is read with a restricted unpickler, tensors with
+    ``weights_only=True``.
     """
-    return _export_dcp(dcp_dir, model_or_config_source, output_dir, max_shard_size, dtype, prefix, DIFFUSERS)
+    return _export_dcp(dcp_dir, model_or_config_source, output_dir, max_shard_size, dtype, prefix, DIFFUSERS, sign_key)
 
 
 def export_dcp_to_transformers(
@@ -209,24 +212,27 @@ def export_dcp_to_transformers(
     *,
     dtype: torch.dtype | None = None,
     prefix: str = DCP_MODEL_PREFIX,
+    sign_key: PathLike | None = None,
 ) -> Path:
     """Export a sharded training checkpoint's model (DCP) under the file names transformers' ``from_pretrained``
     loads: ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards and ``model.safetensors.index.json``
     when it takes more than one shard of ``max_shard_size``; plus ``config.json``.
 
     As :func:`export_dcp_to_diffusers` in every other respect (verification, validation, memory, dtype, atomic
-    publish), except that a model given as ``model_or_config_source`` is a transformers ``PreTrainedModel``, whose
+    publish, ``sign_key``), except that a model given as ``model_or_config_source`` is a transformers ``PreTrainedModel``, whose
     ``config.save_pretrained`` writes ``config.json``.
     """
-    return _export_dcp(dcp_dir, model_or_config_source, output_dir, max_shard_size, dtype, prefix, TRANSFORMERS)
+    return _export_dcp(dcp_dir, model_or_config_source, output_dir, max_shard_size, dtype, prefix, TRANSFORMERS,
+                       sign_key)
 
 
 def _export_dcp(dcp_dir: PathLike, model_or_config_source: Any, output_dir: PathLike, max_shard_size: int | str,
-                dtype: torch.dtype | None, prefix: str, layout: str) -> Path:
+                dtype: torch.dtype | None, prefix: str, layout: str, sign_key: PathLike | None) -> Path:
     where = Path(output_dir)
     check_layout(layout)
     check_dtype(dtype)
     shard_size = resolve_shard_size(max_shard_size)
+    signer = export_signer(sign_key)
     directory = _locate_dcp(Path(dcp_dir))
     metadata = _read_dcp_metadata(directory)
     entries = _dcp_tensors(metadata, directory, prefix)
@@ -260,7 +266,7 @@ def _export_dcp(dcp_dir: PathLike, model_or_config_source: Any, output_dir: Path
         write_config(staging)
         write_shards(staging, plan, fetch, dtype)
 
-    return publish_export(output_dir, write)
+    return publish_export(output_dir, write, signer)
 
 
 def export_dcp_to_peft(
@@ -271,6 +277,7 @@ def export_dcp_to_peft(
     adapter_name: str = "default",
     dtype: torch.dtype | None = None,
     prefix: str = DCP_MODEL_PREFIX,
+    sign_key: PathLike | None = None,
 ) -> Path:
     """Export the LoRA adapter of a PEFT model's sharded training checkpoint as PEFT's ``save_pretrained`` writes it:
     ``adapter_model.safetensors`` (one file: PEFT loads no shards) and ``adapter_config.json``, which
@@ -286,10 +293,11 @@ def export_dcp_to_peft(
     Refuses with :class:`CheckpointConfigurationError` an adapter that is not LoRA, a LoRA training biases, entries
     of the adapter that are no LoRA parameter (``modules_to_save``, trainable tokens) and a missing ``adapter_name``
     (naming the adapters there are); with :class:`CheckpointIntegrityError` a checkpoint holding no adapter (a native
-    FSDP1 Trainer save of a PEFT model holds no tensor at all). Memory: the adapter's tensors only; dtype rule and
-    atomic publish are those of :func:`save_diffusers_state_dict`.
+    FSDP1 Trainer save of a PEFT model holds no tensor at all). Memory: the adapter's tensors only; dtype rule,
+    atomic publish and ``sign_key`` are those of :func:`save_diffusers_state_dict`.
     """
     check_dtype(dtype)
+    signer = export_signer(sign_key)
     config, write_config = read_adapter_config(adapter_config_source, adapter_name)
     check_adapter_config(config, str(dcp_dir))
     directory = _locate_dcp(Path(dcp_dir))
@@ -320,4 +328,4 @@ def export_dcp_to_peft(
             raise CheckpointConfigurationError(f"The adapter configuration's save_pretrained wrote no {ADAPTER_CONFIG_NAME}.")
         write_shards(staging, plan, fetch, dtype)
 
-    return publish_export(output_dir, write)
+    return publish_export(output_dir, write, signer)

@@ -32,6 +32,7 @@ from ._common import (
     output_dtype,
 )
 from ._publish import publish_export
+from ._signature import export_signer
 
 
 def _file_mode() -> int:
@@ -245,6 +246,7 @@ def save_diffusers_state_dict(
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     *,
     dtype: torch.dtype | None = None,
+    sign_key: PathLike | None = None,
 ) -> Path:
     """Export ``state_dict`` as bounded Diffusers shards plus the index and ``model``'s config, atomically.
 
@@ -258,11 +260,16 @@ def save_diffusers_state_dict(
     * ``dtype``: floating tensors are cast to it; integer and boolean tensors never are. ``None`` keeps every dtype.
     * Re-export over an earlier export replaces it completely (stale shards disappear) and atomically: until the
       new export is complete, readers see the old one. A directory holding other files is refused.
+    * ``sign_key``: an ECDSA (P-256, P-384, P-521) private key file; the export then also holds ``model.sig``, its
+      signature in OpenSSF model_signing's format (``model_signing verify key`` verifies it; ``pip install
+      'accelerate-txn[model-signing]'``), written before the publish: the export appears with its signature or not
+      at all.
 
-    Raises :class:`CheckpointConfigurationError` for an empty dict, non-tensor values, a bad ``dtype`` or a tensor
-    larger than ``max_shard_size``; :class:`CheckpointExistsError` if ``output_dir`` holds foreign files;
-    :class:`CheckpointLockedError` if another writer is exporting into the same parent directory.
-    Returns ``output_dir`` as an absolute path. Call it on one process (rank 0, after gathering).
+    Raises :class:`CheckpointConfigurationError` for an empty dict, non-tensor values, a bad ``dtype``, a tensor
+    larger than ``max_shard_size``, or a ``sign_key`` that is unreadable or no such key (or model_signing missing);
+    :class:`CheckpointExistsError` if ``output_dir`` holds foreign files; :class:`CheckpointLockedError` if another
+    writer is exporting into the same parent directory. Returns ``output_dir`` as an absolute path. Call it on one
+    process (rank 0, after gathering).
     """
     where = Path(output_dir)
     check_dtype(dtype)
@@ -271,9 +278,10 @@ def save_diffusers_state_dict(
     write_config = config_writer(model)
     sizes = [(key, value.numel() * output_dtype(dtype, value.dtype).itemsize) for key, value in state_dict.items()]
     plan = ShardPlan.build(sizes, shard_size, where)
+    signer = export_signer(sign_key)
 
     def write(staging: Path) -> None:
         write_config(staging)  # first: a failing save_config must not cost the caller's state dict
         write_shards(staging, plan, lambda keys: {key: state_dict.pop(key) for key in keys}, dtype)
 
-    return publish_export(output_dir, write)
+    return publish_export(output_dir, write, signer)

@@ -3,6 +3,7 @@
 An export is written into a hidden staging sibling (``accelerate_txn._staging``) and published by a rename.
 Re-exporting over an earlier export swaps the two directories with one atomic ``renameat2(RENAME_EXCHANGE)`` on
 Linux (two renames elsewhere, recovered by the next export if interrupted): ``store.posix.replace_directory``.
+An export's signature (``sign_key=``, :mod:`._signature`) is written into the staging directory before the publish.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ..store.posix import (
     replace_directory,
     staging_leftovers,
 )
-from ._common import EXPORT_FILES, EXPORT_WEIGHT_PREFIXES, PathLike, examples
+from ._common import EXPORT_FILES, EXPORT_WEIGHT_PREFIXES, SIGNATURE_NAME, PathLike, examples
 
 logger = logging.getLogger(__name__.rpartition(".")[0])  # "accelerate_txn.weights", as before the split
 
@@ -51,7 +52,8 @@ def _check_replaceable(final: Path) -> None:
     foreign = sorted(
         entry.name + ("/" if entry.is_dir() else "")
         for entry in final.iterdir()
-        if entry.is_dir() or not (entry.name in EXPORT_FILES or entry.name.startswith(EXPORT_WEIGHT_PREFIXES))
+        if entry.is_dir() or not (entry.name in (*EXPORT_FILES, SIGNATURE_NAME)
+                                  or entry.name.startswith(EXPORT_WEIGHT_PREFIXES))
     )
     if foreign:
         raise CheckpointExistsError(
@@ -60,8 +62,10 @@ def _check_replaceable(final: Path) -> None:
         )
 
 
-def publish_export(output_dir: PathLike, write: Callable[[Path], None]) -> Path:
-    """Run ``write(staging)`` and publish the staged directory onto ``output_dir`` atomically.
+def publish_export(output_dir: PathLike, write: Callable[[Path], None],
+                   sign: Callable[[Path, str], None] | None = None) -> Path:
+    """Run ``write(staging)`` (then ``sign(staging, NAME)``, NAME being ``output_dir``'s name: the export's
+    signature, :class:`._signature.ExportSigner`) and publish the staged directory onto ``output_dir`` atomically.
 
     Holds ``DirectoryLock(parent)`` throughout, so two exporters never interleave (the second raises
     :class:`~accelerate_txn.errors.CheckpointLockedError`). The previous export, if any, stays untouched until the
@@ -80,6 +84,8 @@ def publish_export(output_dir: PathLike, write: Callable[[Path], None]) -> Path:
         staged.staging.mkdir()
         try:
             write(staged.staging)
+            if sign is not None:
+                sign(staged.staging, final.name)
             if replacing:
                 fsync_tree(staged.staging)
                 replace_directory(staged.staging, final, staged.txid)
