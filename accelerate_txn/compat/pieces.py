@@ -83,7 +83,11 @@ def _root_name(node: ast.AST) -> str | None:
 
 
 def _is_noise(statement: ast.stmt) -> bool:
-    """A docstring-like string, or a logging call (``logger.warning(...)``, ``warnings.warn(...)``, ``print``)."""
+    """A docstring-like string, a logging call (``logger.warning(...)``, ``warnings.warn(...)``, ``print``), or an
+    ``if`` without calls in its test whose blocks held only such statements (``if verbose: logger.info(...)``)."""
+    if isinstance(statement, ast.If):
+        empty = all(isinstance(inner, ast.Pass) for inner in [*statement.body, *statement.orelse])
+        return empty and not any(isinstance(node, ast.Call) for node in ast.walk(statement.test))
     if not isinstance(statement, ast.Expr):
         return False
     value = statement.value
