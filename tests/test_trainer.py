@@ -563,7 +563,8 @@ def test_a_transformers_release_whose_save_writes_in_another_order_runs_native_t
     output = tmp_path / "run"
     result = subprocess.run([sys.executable, "-c", _UNVALIDATED, str(output), str(shadow)], capture_output=True,
                             text=True, timeout=TIMEOUT, cwd=Path(__file__).resolve().parents[1],
-                            env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(shadow)})
+                            env={**{k: v for k, v in os.environ.items() if k != "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED"},
+                                 "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(shadow)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "WARNINGS 1 " in result.stdout, result.stdout
     assert "accelerate-txn: transformers Trainer (one-process and DDP) checkpoints run native, NOT protected" \

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata, resources
 
-from .pieces import Piece, observe_all, outline
+from .pieces import Piece, forget_observed, observe_all, outline
 
 EVIDENCE_FILE = "evidence.json"
 
@@ -132,6 +132,7 @@ def forget() -> None:
     """Check again at the next call (after a piece was replaced, or the evidence file changed)."""
     _differences.cache_clear()
     recorded.cache_clear()
+    forget_observed()
 
 
 def explain(front_end: str, found: Sequence[Difference]) -> str:

@@ -23,11 +23,11 @@ supports (``ast.dump``'s output is not: 3.13 leaves empty fields out, 3.12 added
 from __future__ import annotations
 
 import ast
-import copy
 import functools
 import hashlib
 import importlib
 import inspect
+import textwrap
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,12 +82,18 @@ def _root_name(node: ast.AST) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
+BLOCKS = ("body", "orelse", "finalbody")
+
+
 def _is_noise(statement: ast.stmt) -> bool:
-    """A docstring-like string, a logging call (``logger.warning(...)``, ``warnings.warn(...)``, ``print``), or an
-    ``if`` without calls in its test whose blocks held only such statements (``if verbose: logger.info(...)``)."""
+    """A statement that does nothing the library could depend on: a docstring-like string, a logging call
+    (``logger.warning(...)``, ``warnings.warn(...)``, ``print``), ``pass``, a bare annotation, or an ``if`` without calls
+    in its test whose blocks hold only such statements (``if verbose: logger.info(...)``)."""
+    if isinstance(statement, ast.Pass) or (isinstance(statement, ast.AnnAssign) and statement.value is None):
+        return True
     if isinstance(statement, ast.If):
-        empty = all(isinstance(inner, ast.Pass) for inner in [*statement.body, *statement.orelse])
-        return empty and not any(isinstance(node, ast.Call) for node in ast.walk(statement.test))
+        return (not _kept(statement.body) and not _kept(statement.orelse)
+                and not any(isinstance(node, ast.Call) for node in ast.walk(statement.test)))
     if not isinstance(statement, ast.Expr):
         return False
     value = statement.value
@@ -96,37 +102,34 @@ def _is_noise(statement: ast.stmt) -> bool:
     return isinstance(value, ast.Call) and _root_name(value.func) in LOGGING_ROOTS
 
 
-class _Normalise(ast.NodeTransformer):
-    """Drops docstrings, logging statements and annotations; an emptied block becomes ``pass``."""
+def _kept(block: list[Any]) -> list[Any]:
+    return [statement for statement in block if not _is_noise(statement)]
 
-    def generic_visit(self, node: ast.AST) -> ast.AST:
-        super().generic_visit(node)
-        for field in ("body", "orelse", "finalbody"):
-            block = getattr(node, field, None)
-            if isinstance(block, list) and block and all(isinstance(s, ast.stmt) for s in block):
-                kept = [statement for statement in block if not _is_noise(statement)]
-                if not kept and field == "body":
-                    kept = [ast.Pass()]
-                setattr(node, field, kept)
-        if isinstance(node, ast.arg):
-            node.annotation = None
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            node.returns = None
-        return node
 
-    def visit_AnnAssign(self, node: ast.AnnAssign) -> ast.AST | None:
-        self.generic_visit(node)
-        if node.value is None:
-            return None  # a bare annotation does nothing at run time
-        return ast.Assign(targets=[node.target], value=node.value)
+def _fields(node: ast.AST) -> Iterator[tuple[str, Any]]:
+    """The fields of ``node`` that carry behaviour, as they are canonically compared: noise statements left out of
+    blocks (an emptied body is one ``pass``), annotations and return annotations left out, an annotated assignment
+    read as a plain one."""
+    for field, value in ast.iter_fields(node):
+        if field in IGNORED_FIELDS or (field == "annotation" and isinstance(node, (ast.arg, ast.AnnAssign))):
+            continue
+        if field == "returns" and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if field in BLOCKS and isinstance(value, list) and value and isinstance(value[0], ast.stmt):
+            value = _kept(value) or ([ast.Pass()] if field == "body" else [])
+        if field == "simple" and isinstance(node, ast.AnnAssign):
+            continue
+        yield field, value
 
 
 def _canonical(node: Any, out: list[str]) -> None:
     if isinstance(node, ast.AST):
-        out.append(type(node).__name__ + "(")
-        for field, value in ast.iter_fields(node):
-            if field in IGNORED_FIELDS or value is None or value == []:
+        out.append(("Assign" if isinstance(node, ast.AnnAssign) else type(node).__name__) + "(")
+        for field, value in _fields(node):
+            if value is None or value == []:
                 continue
+            if isinstance(node, ast.AnnAssign) and field == "target":
+                field, value = "targets", [value]
             out.append(field + "=")
             _canonical(value, out)
             out.append(",")
@@ -141,11 +144,20 @@ def _canonical(node: Any, out: list[str]) -> None:
         out.append(repr(node))
 
 
+def _walk(node: ast.AST) -> Iterator[ast.AST]:
+    """``ast.walk`` without the noise statements (depth first, in source order)."""
+    yield node
+    for _field, value in _fields(node):
+        for child in value if isinstance(value, list) else [value]:
+            if isinstance(child, ast.AST):
+                yield from _walk(child)
+
+
 def fingerprint(function: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
     """A 16-hex-digit fingerprint of a function's code, blind to comments, docstrings, annotations, logging and
     formatting, and the same on every Python."""
     out: list[str] = []
-    _canonical(_Normalise().visit(copy.deepcopy(function)), out)
+    _canonical(function, out)
     return hashlib.sha256("".join(out).encode()).hexdigest()[:16]
 
 
@@ -171,8 +183,7 @@ def signature(function: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
 def calls(function: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
     """The names the function calls, in source order, logging left out (``save_model``, ``self._save_rng_state``):
     an outline of what it does, to say what changed when its fingerprint differs."""
-    tree = _Normalise().visit(copy.deepcopy(function))
-    return [ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)
+    return [ast.unparse(node.func) for node in _walk(function) if isinstance(node, ast.Call)
             and isinstance(node.func, (ast.Name, ast.Attribute))]
 
 
@@ -287,9 +298,23 @@ def observe(piece: Piece) -> str:
     if path is None or "<locals>" in qualname:
         raise Unreadable(f"{piece.name} has no source file to read")
     try:
-        return value_of(piece, find_definition(parse_file(path), qualname))
+        return value_of(piece, _definition(target, path, qualname))
     except (OSError, SyntaxError, UnicodeDecodeError) as exc:
         raise Unreadable(f"{piece.name}'s source {path} cannot be read ({exc})") from exc
+
+
+def _definition(target: Any, path: str, qualname: str) -> ast.AST:
+    """The definition of a function from its own lines (``inspect.getsourcelines``: no need to parse its whole
+    file), or from its file where those lines do not parse alone; the same node either way."""
+    if inspect.isfunction(target):
+        try:
+            lines, _start = inspect.getsourcelines(target)
+            node = ast.parse(textwrap.dedent("".join(lines))).body[0]
+        except (OSError, SyntaxError, IndexError):
+            node = None
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == target.__name__:
+            return node
+    return find_definition(parse_file(path), qualname)
 
 
 def module_file(root: Path, module: str) -> Path:
@@ -312,15 +337,26 @@ def observe_source(piece: Piece, root: Path) -> str:
     return value_of(piece, find_definition(tree, piece.qualname))
 
 
+_OBSERVED: dict[Piece, str] = {}  # observe_all's values in this process (forget_observed() clears it)
+
+
 def observe_all(pieces: Iterable[Piece]) -> dict[str, str]:
-    """Each piece's key -> its value here, or ``"unreadable: <why>"``."""
+    """Each piece's key -> its value here, or ``"unreadable: <why>"``; each piece is read once per process (the
+    paths share most of their pieces)."""
     values: dict[str, str] = {}
     for piece in pieces:
-        try:
-            values[piece.key] = observe(piece)
-        except Unreadable as exc:
-            values[piece.key] = f"unreadable: {exc}"
+        if piece not in _OBSERVED:
+            try:
+                _OBSERVED[piece] = observe(piece)
+            except Unreadable as exc:
+                _OBSERVED[piece] = f"unreadable: {exc}"
+        values[piece.key] = _OBSERVED[piece]
     return values
+
+
+def forget_observed() -> None:
+    """Read every piece again at the next :func:`observe_all` (a piece was replaced on purpose)."""
+    _OBSERVED.clear()
 
 
 def outline(piece: Piece) -> list[str] | None:
