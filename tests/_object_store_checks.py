@@ -1,6 +1,7 @@
-"""What the S3 store's tests (tests/test_store_object.py) and the Azure store's (tests/test_store_azure.py) check
-alike: each check takes the store under test, a fresh prefix of its own and the store's chunk size; the store's own
-assertions (the server's request log, multipart uploads or staged blocks) stay in its test file."""
+"""What the S3 store's tests (tests/test_store_object.py), the Azure store's (tests/test_store_azure.py) and the Google
+Cloud Storage store's (tests/test_store_gcs.py) check alike: each check takes the store under test, a fresh prefix of
+its own and the store's chunk size; the store's own assertions (the server's request log, multipart uploads or staged
+blocks) stay in its test file."""
 
 from __future__ import annotations
 
@@ -57,11 +58,12 @@ def check_commit_repeated_with_the_same_bytes(store: Any, prefix: Any) -> None:
 
 def check_create_only_upload_refused(store: Any, url: Any, tmp_path: Path, chunk: int,
                                      written: Callable[[], None] = _nothing,
-                                     refused: Callable[[], None] = _nothing) -> None:
-    """A create-only upload of a multi-chunk file onto an existing object is refused and the first one kept
-    (``written``, ``refused``: the store's own checks after the first upload and after the refusal)."""
-    first, first_data = payload(tmp_path, 2 * chunk + 100, "first.bin")
-    second, _ = payload(tmp_path, 2 * chunk + 100, "second.bin")
+                                     refused: Callable[[], None] = _nothing, *, size: int | None = None) -> None:
+    """A create-only upload of a multi-chunk file (or of ``size`` bytes) onto an existing object is refused and the
+    first one kept (``written``, ``refused``: the store's own checks after the first upload and after the refusal)."""
+    size = 2 * chunk + 100 if size is None else size
+    first, first_data = payload(tmp_path, size, "first.bin")
+    second, _ = payload(tmp_path, size, "second.bin")
     size, digest = store.upload_file(first, url, create_only=True)
     written()
     with pytest.raises(CheckpointExistsError, match=re.escape(f"{url} already exists")):

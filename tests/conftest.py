@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from tests._azurite import azurite  # noqa: F401 (the loopback Azure Blob server, Azurite, one per session)
+from tests._fakegcs import fake_gcs  # noqa: F401 (the loopback Google Cloud Storage server, one per session)
 from tests._s3_server import s3_server  # noqa: F401 (the loopback S3 server, one per session)
 
 

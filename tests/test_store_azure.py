@@ -326,7 +326,7 @@ def test_az_urls_are_object_store_urls_everywhere_a_url_is_taken(capsys: pytest.
     from accelerate_txn.cli import main
     from accelerate_txn.core.remote import cache_path, is_url
 
-    assert is_url("az://my-container/run/checkpoint_1") and not is_url("gs://bucket/run")
+    assert is_url("az://my-container/run/checkpoint_1") and not is_url("abfs://container/run")
     assert cache_path(Path("/cache"), "az://my-container/run/checkpoint_1") == Path("/cache/az/my-container/run/checkpoint_1")
     # The command line checks the URL with the Azure store's rules before any client exists: a usage error (exit 2).
     assert main(["verify", "az://My_Container/run/checkpoint_1"]) == 2

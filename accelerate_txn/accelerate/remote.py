@@ -71,9 +71,14 @@ def object_store(url: str) -> ObjectStore:
             from ..store.azure import AzureStore
 
             store = AzureStore()
+        elif scheme == "gs":
+            from ..store.gcs import GcsStore
+
+            store = GcsStore()
         else:
-            raise CheckpointConfigurationError(f"{url}: accelerate-txn stores checkpoints in S3 (s3://) and Azure Blob "
-                                               f"(az://) object storage; {scheme}:// is not supported yet")
+            raise CheckpointConfigurationError(f"{url}: accelerate-txn stores checkpoints in S3 (s3://), Azure Blob "
+                                               f"(az://) and Google Cloud Storage (gs://) object storage; {scheme}:// "
+                                               "is not supported")
         _STORES[scheme] = store
     return store
 

@@ -7,7 +7,8 @@ files under ``URL/.txn-<run>-<txid>/``). The checks are the local ones: the stru
 directory (each verified by size and hash as it arrives) and the local verification (``_scan.verify_checkpoint``)
 runs there, the files it does not read stood in for by sparse placeholders of their listed size. Nothing is
 written to the store except by ``prune``. Credentials and endpoint come from the client library's own environment
-(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, profiles, ...). File work only: no torch.
+(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, profiles, ...; Azure's and Google's for ``az://`` and ``gs://``). File
+work only: no torch.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ logger = logging.getLogger(__name__)
 
 #: A ``checkpoint_N`` with objects under a transaction prefix but no manifest.
 UNFINISHED = "unfinished upload"
-URL_FORMS = ("s3://BUCKET/PREFIX or az://CONTAINER/PREFIX (a prefix of checkpoint_N), or .../PREFIX/checkpoint_N "
-             "(one checkpoint)")
+URL_FORMS = ("s3://BUCKET/PREFIX, az://CONTAINER/PREFIX or gs://BUCKET/PREFIX (a prefix of checkpoint_N), or "
+             ".../PREFIX/checkpoint_N (one checkpoint)")
 #: The DCP model directory Accelerate's FSDP saves, which ``export`` reads (``weights``' ACCELERATE_FSDP_MODEL_DIR).
 MODEL_DIR = "pytorch_model_fsdp_0"
 #: The model config a checkpoint may carry (a Trainer's save_model writes it), for ``export`` without CONFIG.
@@ -85,6 +86,10 @@ def parse_url(url: str) -> Any:
         from ..store.azure import AzureUrl
 
         return AzureUrl.parse(url)
+    if url.startswith("gs://"):
+        from ..store.gcs import GcsUrl
+
+        return GcsUrl.parse(url)
     from ..store.s3 import S3Url
 
     return S3Url.parse(url)
@@ -98,6 +103,10 @@ def store(url: str) -> ObjectStore:
             from ..store.azure import AzureStore
 
             _STORES[scheme] = AzureStore()
+        elif scheme == "gs":
+            from ..store.gcs import GcsStore
+
+            _STORES[scheme] = GcsStore()
         else:
             from ..store.s3 import S3Store
 
@@ -114,6 +123,11 @@ def client_error(exc: BaseException) -> str | None:
         return (f"the object store refused or could not be reached: {exc}. The client reads its settings from the "
                 "standard Azure environment (AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT with "
                 "AZURE_STORAGE_KEY or AZURE_STORAGE_SAS_TOKEN); check them and the container name")
+    if "google" in modules:
+        return (f"the object store refused or could not be reached: {exc}. The client reads its settings from the "
+                "standard Google environment (Application Default Credentials: GOOGLE_APPLICATION_CREDENTIALS or "
+                "'gcloud auth application-default login'; STORAGE_EMULATOR_HOST for an emulator); check them and the "
+                "bucket name")
     if not modules & {"botocore", "aiobotocore", "s3fs"}:
         return None
     return (f"the object store refused or could not be reached: {exc}. The client reads its settings from the "

@@ -1,8 +1,8 @@
 """The checkpoint protocol on an object store: "complete or it does not exist" without rename.
 
-Written against :class:`~..store.base.ObjectStore` (``store.s3`` and ``store.azure`` implement it); which process calls
-what is the front end's decision (rank 0 commits, prunes and cleans up; every rank uploads or downloads its share). No process
-group here.
+Written against :class:`~..store.base.ObjectStore` (``store.s3``, ``store.azure`` and ``store.gcs`` implement it); which
+process calls what is the front end's decision (rank 0 commits, prunes and cleans up; every rank uploads or downloads its
+share). No process group here.
 
 Layout under a checkpoint URL ``U`` (``s3://bucket/run/checkpoint_12``)::
 
@@ -52,7 +52,7 @@ from .signing import Keyring, check_authenticator
 logger = logging.getLogger(__name__)
 
 #: URL schemes an object store serves (the only ones accepted where a path may be a URL).
-SCHEMES = ("s3://", "az://")
+SCHEMES = ("s3://", "az://", "gs://")
 TXN_DIR = re.compile(r"\.txn-(?P<run>[0-9A-Za-z]+)-(?P<txid>[0-9a-f]+)\Z")
 _ID = re.compile(r"[0-9A-Za-z]{1,64}\Z")
 _TXID = re.compile(r"[0-9a-f]{1,64}\Z")

@@ -1,5 +1,6 @@
-"""What the object stores (``store.s3``, ``store.azure``) do alike: chunked, hashed, parallel uploads, verified
-downloads into a hidden temporary file, and the errors they raise in the same words.
+"""What the object stores (``store.s3``, ``store.azure``, ``store.gcs``) do alike: chunked, hashed uploads (parts in
+parallel where the store assembles them), verified downloads into a hidden temporary file, and the errors they raise
+in the same words.
 
 Only the store implementations of this package use it; each keeps its own client calls and error mapping.
 """
