@@ -24,6 +24,7 @@ from accelerate_txn.accelerate.versions import (
     is_validated_pair,
     markdown_table,
 )
+from accelerate_txn.compat.evidence import recorded
 
 REPO = Path(__file__).resolve().parents[1]
 MATRIX = REPO / ".ci" / "matrix.py"
@@ -67,9 +68,9 @@ def test_every_row_of_the_table_passed_the_fsdp2_tests() -> None:
 
 def test_transformers_rows_are_exact_releases_on_validated_pairs_each_keyed_in_the_trainer_internals() -> None:
     # The Trainer front end's rows (issue 18: at least the newest transformers release that installs here and the
-    # newest 4.x). Each row's transformers minor must have its private points recorded in trainer/internals.py (the
-    # gate checks the installed Trainer against them), and its torch/Accelerate pair must be one the Accelerate front
-    # end validated (the Trainer front end runs on the same transaction core and FSDP restores).
+    # newest 4.x). Each row's transformers release must have its evidence recorded (the gate checks the installed
+    # Trainer's pieces against it), and its torch/Accelerate pair must be one the Accelerate front end validated (the
+    # Trainer front end runs on the same transaction core and FSDP restores).
     from packaging.requirements import Requirement
     from packaging.version import Version
 
@@ -81,10 +82,11 @@ def test_transformers_rows_are_exact_releases_on_validated_pairs_each_keyed_in_t
         assert all(re.fullmatch(r"\d+\.\d+\.\d+", v) for v in (row.transformers, row.torch, row.accelerate)), row
         assert row.python and set(row.python) <= set(PYTHONS), row
         assert row.series[1:] in _versions.VALIDATED, row
-        assert row.series[0] in trainer_internals.POINTS and row.series[0] in trainer_internals.MODULE_POINTS, row
+        assert row.transformers in recorded()["releases"]["transformers"], row  # its evidence is recorded
     assert len({row.series for row in rows}) == len(rows), "two rows validate the same series"
     assert {"4.57", "5.24"} <= {row.series[0] for row in rows}  # the newest 4.x, the newest release that installs
     assert trainer_internals.DEFAULT_SERIES == max((row.series[0] for row in rows), key=Version)
+    assert set(recorded()["releases"]["transformers"]) == {row.transformers for row in rows}  # nothing else
     # The trainer extra's floor is the oldest validated transformers minor; make test installs a validated row.
     pyproject = (REPO / "pyproject.toml").read_text(encoding="utf-8")
     (line,) = re.findall(r'^trainer = \["(.*)"\]$', pyproject, flags=re.MULTILINE)  # tomllib: Python 3.11+ only
