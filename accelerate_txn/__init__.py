@@ -28,8 +28,8 @@ from .trainer.autopatch import install_on_import as install_trainer_on_import
 __version__ = "0.1.0.dev0"
 
 # The public API is loaded on first use (PEP 562): ``import accelerate_txn`` stays cheap (the standard library's
-# ``sys`` and six modules of the package: this one, ``errors``, ``accelerate``, ``accelerate.autopatch``, ``trainer``
-# and ``trainer.autopatch``;
+# ``sys`` and eight modules of the package: this one, ``errors``, ``accelerate``, ``accelerate.autopatch``, ``trainer``,
+# ``trainer.autopatch``, and the import hook both share, ``compat`` and ``compat.hooks``;
 # benchmarks/bench_import.py measures it, tests/test_import_cost.py pins it), and the offline CLI (``verify``,
 # ``list``, ``latest``) never imports torch.
 _LAZY = {

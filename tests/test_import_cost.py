@@ -20,7 +20,8 @@ SOURCE_ROOT = str(Path(accelerate_txn.__file__).resolve().parents[1])
 
 # What `import accelerate_txn` adds to a bare interpreter (-S: nothing that site's .pth files import first).
 EXPECTED = {"__future__", "accelerate_txn", "accelerate_txn.errors", "accelerate_txn.accelerate",
-            "accelerate_txn.accelerate.autopatch", "accelerate_txn.trainer", "accelerate_txn.trainer.autopatch"}
+            "accelerate_txn.accelerate.autopatch", "accelerate_txn.trainer", "accelerate_txn.trainer.autopatch",
+            "accelerate_txn.compat", "accelerate_txn.compat.hooks"}
 # Deferred to first use: never imported by `import accelerate_txn` alone.
 HEAVY = ("torch", "accelerate", "accelerate.accelerator", "wrapt", "numpy", "typing", "importlib.abc",
          "importlib.resources", "pathlib", "tempfile", "accelerate_txn.accelerate.patch",
@@ -69,14 +70,14 @@ _LATER_ACCELERATE = """\
 import sys
 import accelerate_txn
 assert "torch" not in sys.modules and "accelerate_txn.accelerate.patch" not in sys.modules
-from accelerate_txn.accelerate.autopatch import _Loader
+from accelerate_txn.compat.hooks import _Loader
 class Real:
     def get_source(self, name):
         return f"source of {name}"
-assert _Loader(Real()).get_source("m") == "source of m"  # the wrapper is the real loader for everything else
+assert _Loader(Real(), "m").get_source("m") == "source of m"  # the wrapper is the real loader for everything else
 import accelerate.accelerator as module
 import wrapt
-from accelerate_txn.accelerate.autopatch import _Finder
+from accelerate_txn.compat.hooks import _Finder
 wrapper = module.Accelerator.__dict__["save_state"]
 assert isinstance(wrapper, wrapt.FunctionWrapper), "not wrapped after a later import of accelerate"
 assert not isinstance(wrapper.__wrapped__, wrapt.FunctionWrapper), "wrapped twice"

@@ -21,18 +21,17 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 from dataclasses import dataclass
 from importlib import resources
 
 from packaging.version import Version
 
-from ..compat.evidence import Difference, differences, explain
+from ..compat.evidence import OVERRIDE_ENV as OVERRIDE_ENV  # the gate's override, named here for the front end
+from ..compat.evidence import Difference, differences, explain, override_requested
 from ..compat.pieces import Piece
 from ..fsdp.internals import TORCH_COMMON, TORCH_FSDP1, TORCH_FSDP2
 from .internals import ACCELERATE_COMMON, ACCELERATE_FSDP1, ACCELERATE_FSDP2
 
-OVERRIDE_ENV = "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED"
 TABLE_FILE = "validated.json"
 
 
@@ -88,10 +87,6 @@ def is_validated_pair(torch_version: str, accelerate_version: str) -> bool:
     """True when the two releases' minor series were tested together as a row of the table (the record of what
     ran; protection itself is decided by the evidence: :func:`protected`)."""
     return (series(torch_version), series(accelerate_version)) in VALIDATED
-
-
-def override_requested() -> bool:
-    return os.environ.get(OVERRIDE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 # --- The evidence gate -------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,12 @@ from importlib import metadata, resources
 from .pieces import Piece, forget_observed, observe_all, outline
 
 EVIDENCE_FILE = "evidence.json"
+#: Set to 1 to take the protected path where the evidence does not protect the installed releases (the user's risk).
+OVERRIDE_ENV = "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED"
+
+
+def override_requested() -> bool:
+    return os.environ.get(OVERRIDE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @functools.lru_cache(maxsize=1)
@@ -140,5 +147,5 @@ def explain(front_end: str, found: Sequence[Difference]) -> str:
     listed = "; ".join(difference.describe() for difference in found)
     return (f"accelerate-txn: {front_end} checkpoints run native, NOT protected: the installed releases differ from "
             f"every release that passed accelerate-txn's tests in a private piece it relies on ({listed}). Run "
-            "`accelerate-txn doctor` for the details; set VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1 to use the protected "
+            f"`accelerate-txn doctor` for the details; set {OVERRIDE_ENV}=1 to use the protected "
             "path at your own risk.")

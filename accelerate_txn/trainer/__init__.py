@@ -7,8 +7,8 @@ gate in :mod:`.versions`; the wrapt patch and dispatch in :mod:`.patch`; the sav
 resume selection and verification in :mod:`.resume`, and the safe reading, on every rank, of every file a resume
 reads in :mod:`.reads`. Internal: the public API is the package root.
 
-Layer: this package imports ``errors``, ``store``, ``core`` and, from the Accelerate front end, only
-``accelerate.autopatch`` (the import hook that installs a patch when a module is imported, shared so that both front
-ends install the same way) and ``accelerate.versions`` (the table file, the torch/Accelerate version reading and the
-DCP compatibility policy: one policy for both front ends). It never reaches Accelerate's or torch's internals.
+Layer: this package imports ``errors``, ``store``, ``core``, ``fsdp``, ``compat`` (the import hook both front ends
+install with, and the evidence gate's mechanism) and, from the Accelerate front end, ``accelerate.versions`` and
+``accelerate.descriptor`` (the Accelerate path a Trainer's checkpoints take and the pieces it relies on: the Trainer's
+gate checks them with its own) and the shared restores. It never reaches Accelerate's or torch's internals itself.
 """

@@ -1,14 +1,14 @@
 """Install the Trainer patch when ``transformers.trainer`` is imported (standard library only at import).
 
 ``import accelerate_txn`` must protect Trainer checkpoints without importing transformers (or torch) itself: the
-shared import hook of :mod:`accelerate_txn.accelerate.autopatch` installs :func:`.patch.install` right after
+shared import hook of :mod:`accelerate_txn.compat.hooks` installs :func:`.patch.install` right after
 ``transformers.trainer`` is imported, or at once if it already is. A failure never breaks the user's import: it is
 reported as a warning saying that Trainer checkpoints are not protected.
 """
 
 from __future__ import annotations
 
-from ..accelerate.autopatch import guarded, when_imported
+from ..compat.hooks import guarded, when_imported
 
 TARGET = "transformers.trainer"
 

@@ -18,8 +18,8 @@ from importlib import resources
 from typing import Any
 
 from ..accelerate.descriptor import path_of
-from ..accelerate.versions import PATH_NAMES, PATHS, TABLE_FILE, installed_versions, override_requested, series
-from ..compat.evidence import Difference, differences, explain
+from ..accelerate.versions import PATH_NAMES, PATHS, TABLE_FILE, installed_versions, series
+from ..compat.evidence import Difference, differences, explain, override_requested
 from .internals import trainer_pieces
 
 
