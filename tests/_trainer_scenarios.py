@@ -234,3 +234,22 @@ def main(spec_path: str) -> None:
         spec["output_dir"], spec.get("resume"), spec["max_steps"], spec.get("fsdp_version", 1),
         spec.get("save_total_limit"), began_file=str(obs / f"rank{rank}.began.pt"),
         saved_file=str(obs / f"rank{rank}.saved.json")))
+
+
+def train_reporting_the_error(output_dir: str, max_steps: int, release: str) -> dict[str, Any]:
+    """With ``release`` first on ``sys.path`` (a changed transformers, tests/_overlay.py: the ranks are spawned with
+    the parent's path), train to ``max_steps`` saving every 2 steps; this rank's error (type and message, ``None`` if
+    none), the RNG files of ``checkpoint-2`` if published, and the output directory's entries, hidden ones included."""
+    import sys
+
+    assert "transformers" not in sys.modules
+    sys.path.insert(0, release)
+    import transformers.trainer
+
+    assert transformers.trainer.__file__.startswith(release)
+    try:
+        train(output_dir, None, max_steps)
+        error = None
+    except Exception as exc:
+        error = {"type": type(exc).__name__, "message": str(exc)}
+    return {"error": error, "entries": sorted(os.listdir(output_dir)) if os.path.isdir(output_dir) else []}

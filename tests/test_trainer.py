@@ -550,6 +550,35 @@ def _two_writes_swapped(text: str) -> str:
     return text.replace(_FIRST, "\0").replace(_LAST, _FIRST).replace("\0", _LAST)
 
 
+_RNG_NAME = 'f"rng_state_{self.args.process_index}.pth"'
+
+
+def _rng_file_renamed(text: str) -> str:
+    """Trainer's ``_save_rng_state`` writing each rank's RNG state under another name (a changed layout)."""
+    assert text.count(_RNG_NAME) == 1
+    return text.replace(_RNG_NAME, 'f"rng_states_{self.args.process_index}.pt"')
+
+
+def test_a_layout_the_evidence_did_not_foresee_fails_the_save_on_every_rank_and_publishes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Never trade safety for reach: a release whose pieces the gate accepts (here forced with the override: the
+    # evidence would have caught this change) still passes every runtime check of the protected path. A Trainer that
+    # writes its RNG files under other names fails its first save on both ranks with the same error, nothing
+    # published, no staging left.
+    from tests._overlay import overlay
+
+    shadow = overlay("transformers", tmp_path / "release", {"trainer.py": _rng_file_renamed})
+    output = tmp_path / "run"
+    monkeypatch.setenv("VIDEOX_ACCELERATE_ALLOW_UNVALIDATED", "1")  # what the gate says where the evidence misses it
+    results = launch("tests._trainer_scenarios:train_reporting_the_error", 2, args=(str(output), 2, str(shadow)),
+                     timeout=TIMEOUT)
+    errors = [obs["error"] for obs in results]
+    assert errors[0] is not None and errors[0] == errors[1], errors
+    assert errors[0]["type"] == "CheckpointIntegrityError" and "rng_state_" in errors[0]["message"], errors[0]
+    assert results[0]["entries"] == [entry for entry in results[0]["entries"] if not entry.startswith("checkpoint-")]
+    assert not any(".staging" in entry for entry in results[0]["entries"]), results[0]["entries"]
+
+
 def test_a_transformers_release_whose_save_writes_in_another_order_runs_native_trainer_with_one_warning(
         tmp_path: Path) -> None:
     import subprocess
