@@ -33,6 +33,8 @@ from ..fsdp.internals import TORCH_COMMON, TORCH_FSDP1, TORCH_FSDP2
 from .internals import ACCELERATE_COMMON, ACCELERATE_FSDP1, ACCELERATE_FSDP2
 
 OVERRIDE_ENV = "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED"
+#: ``0`` (or false, off, no) turns automatic dispatch off: ``save_state``/``load_state`` and Trainer run exactly native.
+PATCH_ENV = "VIDEOX_ACCELERATE_PATCHES"
 TABLE_FILE = "validated.json"
 
 
@@ -92,6 +94,11 @@ def is_validated_pair(torch_version: str, accelerate_version: str) -> bool:
 
 def override_requested() -> bool:
     return os.environ.get(OVERRIDE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def automatic_dispatch_requested() -> bool:
+    """Whether automatic dispatch is on (:data:`PATCH_ENV` unset or truthy)."""
+    return os.environ.get(PATCH_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 # --- The evidence gate -------------------------------------------------------------------------------------------
