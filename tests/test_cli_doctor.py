@@ -140,8 +140,8 @@ def test_the_installed_releases_are_protected_on_every_path(capsys: pytest.Captu
     assert code == 0
     assert f"installed: torch {torch.__version__}, accelerate {accelerate.__version__}, transformers " \
            f"{transformers.__version__}" in lines
-    for label in ("Accelerate FSDP1", "Accelerate FSDP2", 'Accelerate one process and DDP (protect="all")',
-                  "Trainer FSDP1", "Trainer FSDP2", "Trainer one process and DDP"):
+    for label in ("Accelerate FSDP1", "Accelerate FSDP2", 'Accelerate one-process and DDP (protect="all")',
+                  "Trainer FSDP1", "Trainer FSDP2", "Trainer one-process and DDP"):
         assert any(line.startswith(label) and line.split()[-1] == "protected" for line in lines), (label, stdout)
     assert lines[-1] == "protected: every path of every installed front end (exit 0)"
 
@@ -182,7 +182,7 @@ def test_a_front_end_not_installed_is_no_failure_unless_required(capsys: pytest.
     assert "Trainer FSDP1                                   not installed (transformers)" in stdout
 
     code, stdout = _doctor(capsys, "--require", "trainer-ddp")
-    assert code == 1 and stdout.splitlines()[-1] == "NOT protected: Trainer one process and DDP (exit 1)"
+    assert code == 1 and stdout.splitlines()[-1] == "NOT protected: Trainer one-process and DDP (exit 1)"
 
 
 def test_an_unknown_path_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -200,7 +200,7 @@ def test_a_renamed_parameter_is_named_and_nothing_is_protected(changed: dict[str
     result = changed["renamed"]
     assert result["code"] == 1, result["err"]
     lines = result["out"].splitlines()
-    for label in ("Accelerate FSDP1", "Accelerate FSDP2", "Trainer one process and DDP"):
+    for label in ("Accelerate FSDP1", "Accelerate FSDP2", "Trainer one-process and DDP"):
         index = next(i for i, line in enumerate(lines) if line.startswith(label))
         assert lines[index].endswith("NOT protected"), lines[index]
         assert any(RENAMED in line for line in lines[index + 1:index + 3]), lines[index:index + 3]

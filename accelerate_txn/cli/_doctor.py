@@ -41,10 +41,10 @@ class Target:
 TARGETS: tuple[Target, ...] = (
     Target("fsdp1", "accelerate", "fsdp1", "Accelerate FSDP1"),
     Target("fsdp2", "accelerate", "fsdp2", "Accelerate FSDP2"),
-    Target("ddp", "accelerate", "common", 'Accelerate one process and DDP (protect="all")'),
+    Target("ddp", "accelerate", "common", 'Accelerate one-process and DDP (protect="all")'),
     Target("trainer-fsdp1", "trainer", "fsdp1", "Trainer FSDP1"),
     Target("trainer-fsdp2", "trainer", "fsdp2", "Trainer FSDP2"),
-    Target("trainer-ddp", "trainer", "common", "Trainer one process and DDP"),
+    Target("trainer-ddp", "trainer", "common", "Trainer one-process and DDP"),
 )
 #: ``--require`` names that stand for several paths.
 GROUPS: dict[str, tuple[str, ...]] = {
