@@ -161,6 +161,7 @@ def test_automatic_dispatch_off_is_exactly_native_and_exit_1(capsys: pytest.Capt
     assert code == 1
     assert f"automatic dispatch ({PATCH_ENV}=0): off: exactly native" in stdout
     assert "Accelerate FSDP1" in stdout and "off: exactly native (the evidence matches)" in stdout
+    assert stdout.splitlines()[-1] == f"  automatic dispatch is off ({PATCH_ENV}=0): unset {PATCH_ENV} to protect them"
 
 
 def test_a_front_end_not_installed_is_no_failure_unless_required(capsys: pytest.CaptureFixture[str],

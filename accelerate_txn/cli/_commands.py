@@ -2,8 +2,8 @@
 checkpoint, no checkpoint, configurations differ), 2 a usage error (raised as :class:`click.UsageError`).
 
 ``list``, ``verify``, ``latest`` and ``prune`` do file work and never import torch themselves; ``inspect`` and
-``diff`` read manifests only; ``export`` imports torch. Every path naming a checkpoint or a run directory may be an
-object-store URL instead (``_remote``).
+``diff`` read manifests only; ``export`` imports torch; ``doctor`` (:mod:`._doctor`) torch, Accelerate and
+transformers. Every path naming a checkpoint or a run directory may be an object-store URL instead (``_remote``).
 """
 
 from __future__ import annotations

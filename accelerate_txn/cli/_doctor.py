@@ -344,6 +344,8 @@ def _print(report: dict[str, Any], found: list[Finding], statuses: dict[str, str
         if any(statuses[finding.target.name] == UNPROTECTED and not finding.blocking for finding in failing):
             out.say(f"  these run native Accelerate or Trainer after one warning; set {override_env}=1 to take the "
                     "protected path at your own risk (docs/versions.md)")
+        if any(statuses[finding.target.name] == OFF for finding in failing):
+            out.say(f"  automatic dispatch is off ({patch_env}={patch_value}): unset {patch_env} to protect them")
     elif any(statuses[name] == OVERRIDE for name in required):
         out.say(f"protected at your own risk (override): {scope} (exit 0)")
     else:
