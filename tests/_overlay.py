@@ -8,6 +8,7 @@ package Python imports. Nothing installed is modified.
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -59,3 +60,20 @@ def _renamed_parameter(text: str) -> str:
 def accelerate_with_a_renamed_parameter(into: Path) -> Path:
     """An Accelerate whose ``load_fsdp_optimizer`` calls ``optimizer_index`` ``index`` (``PYTHONPATH`` entry)."""
     return overlay("accelerate", into, {"utils/fsdp_utils.py": _renamed_parameter})
+
+
+# A release of Accelerate that changed the body of ``save_fsdp_optimizer`` and kept its parameters: the FSDP1 path
+# relies on its code (its save writes the optimizer's DCP files), FSDP2 only on its signature (the library replaces
+# it), one process and DDP not at all.
+_SAVE_OPTIMIZER = re.compile(r"^def save_fsdp_optimizer\([^)]*\):\n", re.MULTILINE)
+
+
+def _changed_body(text: str) -> str:
+    assert len(_SAVE_OPTIMIZER.findall(text)) == 1, "save_fsdp_optimizer's definition moved: update tests/_overlay.py"
+    return _SAVE_OPTIMIZER.sub(lambda match: match.group(0) + "    changed_in_this_release = True\n", text)
+
+
+def accelerate_with_a_changed_fsdp1_save(into: Path) -> Path:
+    """An Accelerate whose ``save_fsdp_optimizer`` has one more statement, the same parameters (``PYTHONPATH``
+    entry)."""
+    return overlay("accelerate", into, {"utils/fsdp_utils.py": _changed_body})

@@ -106,11 +106,12 @@ def _manifest(path: Path) -> dict[str, Any]:
 def test_version_and_help_are_plain(cli: Any) -> None:
     result = cli("--version")
     assert result.code == 0 and result.out.strip() == f"accelerate-txn {accelerate_txn.__version__}"
-    for command in ([], ["list"], ["verify"], ["inspect"], ["diff"], ["prune"], ["latest"], ["export"]):
+    for command in ([], ["list"], ["verify"], ["inspect"], ["diff"], ["prune"], ["latest"], ["export"], ["doctor"]):
         result = cli(*command, "--help")
         assert result.code == 0, command
         assert "``" not in result.out and ":func:" not in result.out and "Imported only" not in result.out
-    assert all(name in cli("--help").out for name in ("list", "verify", "inspect", "diff", "prune", "latest", "export"))
+    assert all(name in cli("--help").out for name in ("list", "verify", "inspect", "diff", "prune", "latest", "export",
+                                                     "doctor"))
 
 
 def test_python_dash_m_runs_the_cli_and_user_errors_print_no_traceback(tmp_path: Path) -> None:

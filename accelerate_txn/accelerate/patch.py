@@ -46,23 +46,18 @@ from .config import checkpoint_config, protect_mode, read_configs
 from .descriptor import is_fsdp2_sharded, is_fsdp_sharded, path_of, unsupported_reason
 from .internals import accelerator_module, prepared_optimizers
 from .native import OPTED_IN, OPTED_OUT, ORIGINALS, fsdp_routing, routed
-from .versions import override_requested, protected, unsupported_message
+from .versions import PATCH_ENV, automatic_dispatch_requested, override_requested, protected, unsupported_message
 
 logger = logging.getLogger(__name__)
 notices = logging.getLogger("accelerate_txn")  # the "protection is off" line: one per Accelerator
 _NOTED: WeakSet = WeakSet()  # Accelerators whose native FSDP run was logged
 _WARNED: WeakSet = WeakSet()  # Accelerators warned that an unsupported setup runs native
-PATCH_ENV = "VIDEOX_ACCELERATE_PATCHES"
 _TARGETS = ("Accelerator.save_state", "Accelerator.load_state", "load_fsdp_model", "load_fsdp_optimizer",
             "save_fsdp_optimizer")
 #: The distributed types beyond FSDP that ``protect="all"`` routes through the protected path (what the explicit API
 #: supports: ``accelerate.descriptor.SUPPORTED_BACKENDS``).
 BROADER_BACKENDS = ("NO", "MULTI_CPU", "MULTI_GPU")
 _WARNED_PATHS: set[str] = set()  # protected paths whose native run was warned about (once per process)
-
-
-def automatic_dispatch_requested() -> bool:
-    return os.environ.get(PATCH_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def _native_condition(accelerator: Any, enabled: bool, eligible: bool, validated: bool) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from dataclasses import dataclass
 from importlib import resources
 
@@ -32,6 +33,8 @@ from ..compat.pieces import Piece
 from ..fsdp.internals import TORCH_COMMON, TORCH_FSDP1, TORCH_FSDP2
 from .internals import ACCELERATE_COMMON, ACCELERATE_FSDP1, ACCELERATE_FSDP2
 
+#: ``0`` (or false, off, no) turns automatic dispatch off: ``save_state``/``load_state`` and Trainer run exactly native.
+PATCH_ENV = "VIDEOX_ACCELERATE_PATCHES"
 TABLE_FILE = "validated.json"
 
 
@@ -87,6 +90,11 @@ def is_validated_pair(torch_version: str, accelerate_version: str) -> bool:
     """True when the two releases' minor series were tested together as a row of the table (the record of what
     ran; protection itself is decided by the evidence: :func:`protected`)."""
     return (series(torch_version), series(accelerate_version)) in VALIDATED
+
+
+def automatic_dispatch_requested() -> bool:
+    """Whether automatic dispatch is on (:data:`PATCH_ENV` unset or truthy)."""
+    return os.environ.get(PATCH_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 # --- The evidence gate -------------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 checkpoint, no checkpoint, configurations differ), 2 a usage error (raised as :class:`click.UsageError`).
 
 ``list``, ``verify``, ``latest`` and ``prune`` do file work and never import torch themselves; ``inspect`` and
-``diff`` read manifests only; ``export`` imports torch. Every path naming a checkpoint or a run directory may be an
-object-store URL instead (``_remote``).
+``diff`` read manifests only; ``export`` imports torch; ``doctor`` (:mod:`._doctor`) torch, Accelerate and
+transformers. Every path naming a checkpoint or a run directory may be an object-store URL instead (``_remote``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import click
 from ..errors import CheckpointError, CheckpointIntegrityError, NoCheckpointError
 from . import _output as out
 from . import _remote as remote
+from ._doctor import doctor_command
 from ._scan import (
     COMPLETE,
     CORRUPT,
@@ -864,5 +865,6 @@ def export_command(ctx: click.Context, checkpoint: Path | str, paths: tuple[Path
     return 0
 
 
-COMMANDS = (list_command, verify_command, inspect_command, diff_command, prune_command, latest_command, export_command)
+COMMANDS = (list_command, verify_command, inspect_command, diff_command, prune_command, latest_command, export_command,
+            doctor_command)
 __all__ = ["COMMANDS", "DTYPES", "CheckpointError"]

@@ -118,13 +118,16 @@ def _differences(pieces: tuple[Piece, ...]) -> tuple[Difference, ...]:
         if value in accepted:
             continue
         there = None
+        release = installed_release(piece.package)
         outlines = evidence.get("outlines", {}).get(piece.key, {})
-        if outlines:  # the newest release's outline
-            newest = max(accepted, key=lambda v: max((_release_key(r) for r in accepted[v]), default=(0,)),
-                         default=None)
-            there = tuple(outlines.get(newest, ())) if newest in outlines else None
+        if outlines:  # the outline of this release as it passed (a locally changed copy of it), else the newest's
+            reference = next((v for v, group in accepted.items() if release.partition("+")[0] in group), None)
+            if reference is None:
+                reference = max(accepted, key=lambda v: max((_release_key(r) for r in accepted[v]), default=(0,)),
+                                default=None)
+            there = tuple(outlines.get(reference, ())) if reference in outlines else None
         here = outline(piece)
-        found.append(Difference(piece, value, f"{piece.package} {installed_release(piece.package)}", accepted,
+        found.append(Difference(piece, value, f"{piece.package} {release}", accepted,
                                 tuple(here) if here is not None else None, there))
     return tuple(found)
 
