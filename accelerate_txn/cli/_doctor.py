@@ -80,7 +80,6 @@ class Feature:
     what: str
     needs: tuple[tuple[str, str], ...] = ()
     install: str | None = None
-    supported: bool = True
 
 
 STORES: tuple[Feature, ...] = (
@@ -90,8 +89,9 @@ STORES: tuple[Feature, ...] = (
     Feature("az", "Azure Blob Storage (az://)",
             (("azure.storage.blob", "azure-storage-blob"), ("azure.core", "azure-core")),
             "pip install 'accelerate-txn[azure]'"),
-    Feature("gs", "Google Cloud Storage (gs://)", (("google.cloud.storage", "google-cloud-storage"),),
-            supported=False),
+    Feature("gs", "Google Cloud Storage (gs://)",
+            (("google.cloud.storage", "google-cloud-storage"), ("google.api_core", "google-api-core"),
+             ("google.auth", "google-auth")), "pip install 'accelerate-txn[gcs]'"),
 )
 SIGNING: tuple[Feature, ...] = (
     Feature("hmac", "HMAC-SHA256 authenticated manifests (a shared secret)"),
@@ -203,11 +203,9 @@ def releases() -> dict[str, str | None]:
 def feature(item: Feature) -> dict[str, Any]:
     found = {distribution: _distribution_version(distribution) if findable(module) else None
              for module, distribution in item.needs}
-    available = item.supported and all(version is not None for version in found.values())
+    available = all(version is not None for version in found.values())
     return {"what": item.what, "available": available, "packages": found,
-            "install": None if available or not item.supported else item.install,
-            "note": None if item.supported else "not supported by this release (no client is wired in; see "
-            "docs/storage.md)"}
+            "install": None if available else item.install}
 
 
 def _feature_text(report: dict[str, Any]) -> str:
@@ -215,8 +213,6 @@ def _feature_text(report: dict[str, Any]) -> str:
                          if version is not None)
     if report["available"]:
         return f"available: {report['what']}" + (f" ({packages})" if packages else "")
-    if report["note"]:
-        return f"{report['what']}: {report['note']}"
     lacking = [distribution for distribution, version in report["packages"].items() if version is None]
     return f"not installed: {report['what']} needs {', '.join(lacking)}: {report['install']}"
 
