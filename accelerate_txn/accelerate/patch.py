@@ -399,9 +399,9 @@ def uninstall() -> None:
 def patch_accelerate_fsdp(accelerator: Any) -> Any:
     """Opt ``accelerator`` in to the protected path (also with ``VIDEOX_ACCELERATE_PATCHES=0``); returns it.
 
-    Its FSDP1 (and, on validated versions, FSDP2) sharded optimizer loads, even through a native ``load_state``,
-    use accelerate-txn's loaders.
-    Raises :class:`UnsupportedVersionError` outside the validated version table unless
+    Its FSDP1 and FSDP2 sharded optimizer loads, even through a native ``load_state``, use accelerate-txn's loaders.
+    Raises :class:`UnsupportedVersionError` where the evidence does not protect the installed releases on this
+    Accelerator's path (a private piece it relies on changed: :mod:`.versions`) unless
     ``VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1``.
     """
     if not protected(path_of(accelerator)):

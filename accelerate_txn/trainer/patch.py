@@ -9,10 +9,12 @@ to :mod:`.resume`, :mod:`.save` and :mod:`.restore` (which acts only inside a pr
 :func:`.restore.resuming`).
 
 Protected when all hold: automatic dispatch is on (``VIDEOX_ACCELERATE_PATCHES`` unset or truthy); the installed
-transformers/torch/Accelerate are a validated row (:mod:`.versions`) or the override is set; the private points of
-:mod:`.internals` are there; the Trainer is not DeepSpeed's (DeepSpeed writes its own checkpoint layout) and does not
-push checkpoints to the Hub (the upload reads the checkpoint directory during the save). Otherwise native Trainer,
-after one warning per process for an unvalidated version and one log line per Trainer for the rest. Nothing native
+transformers, torch and Accelerate are protected by the evidence about the pieces the Trainer relies on
+(:mod:`.versions`) or the override is set; the Trainer's class (a subclass's overrides too) has the private points of
+:mod:`.internals` with their signatures; the Trainer is not DeepSpeed's (DeepSpeed writes its own checkpoint layout)
+and does not push checkpoints to the Hub (the upload reads the checkpoint directory during the save). Otherwise
+native Trainer, after one warning per process and path for a changed piece and one log line per Trainer for the
+rest. Nothing native
 Trainer does becomes an error.
 
 Caveats: a subclass that overrides ``train`` or ``_save_checkpoint`` without calling ``super()`` bypasses the patch;
