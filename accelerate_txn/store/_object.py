@@ -21,6 +21,29 @@ from .base import HASH, hash_file, new_hasher
 Progress = Callable[[int], None]
 
 
+class ObjectUrl:
+    """What the stores' URL classes (``S3Url``, ``AzureUrl``, ``GcsUrl``: frozen dataclasses of a root, the bucket or
+    container, and a ``key``) share: the prefix of everything under a URL, a child URL parsed with the same rules, and
+    the URL as text. A subclass names its scheme (``SCHEME``) and its root field, and provides ``parse``."""
+
+    SCHEME = ""
+    ROOT = "bucket"
+    key: str
+
+    @property
+    def prefix(self) -> str:
+        """The name prefix of everything under this URL (``"run/checkpoint_1/"``; ``""`` for the root)."""
+        return f"{self.key}/" if self.key else ""
+
+    def child(self, relative: str) -> Any:
+        """The URL of ``relative`` (``"a/b.bin"``) under this one; parsed with the same rules."""
+        return type(self).parse(f"{self}/{relative}")  # type: ignore[attr-defined]
+
+    def __str__(self) -> str:
+        root = getattr(self, self.ROOT)
+        return f"{self.SCHEME}{root}/{self.key}" if self.key else f"{self.SCHEME}{root}"
+
+
 def key_problem(key: str, forbidden: str, length: int, limit: str) -> str | None:
     """What is wrong with an object key (``None``: nothing): a character of ``forbidden``, a control character, an
     empty, ``.`` or ``..`` segment, or a ``length`` (as the store counts it) over 1024 (``limit`` says in what)."""

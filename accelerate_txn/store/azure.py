@@ -54,6 +54,7 @@ from typing import Any
 
 from ..errors import CheckpointConfigurationError, CheckpointExistsError, CheckpointIntegrityError
 from ._object import (
+    ObjectUrl,
     Progress,
     check_read,
     check_readable,
@@ -86,10 +87,12 @@ _CONTAINER = re.compile(r"(?!.*--)[a-z0-9][a-z0-9-]{1,61}[a-z0-9]\Z")
 
 
 @dataclass(frozen=True)
-class AzureUrl:
+class AzureUrl(ObjectUrl):
     """A location in Azure Blob Storage: a container and a blob name (no leading or trailing slash; ``""`` is the
     container's root). As a prefix, ``az://c/run/checkpoint_1`` holds the names starting with ``run/checkpoint_1/``."""
 
+    SCHEME = SCHEME
+    ROOT = "container"
     container: str
     key: str = ""
 
@@ -117,18 +120,6 @@ class AzureUrl:
             raise CheckpointConfigurationError(f"The blob name of {url!r} {problem}; name the blob plainly, e.g. "
                                                f"az://{container}/run/checkpoint_1.")
         return cls(container, key)
-
-    @property
-    def prefix(self) -> str:
-        """The name prefix of everything under this URL (``"run/checkpoint_1/"``; ``""`` for the container)."""
-        return f"{self.key}/" if self.key else ""
-
-    def child(self, relative: str) -> AzureUrl:
-        """The URL of ``relative`` (``"a/b.bin"``) under this one; parsed with the same rules."""
-        return AzureUrl.parse(f"{self}/{relative}")
-
-    def __str__(self) -> str:
-        return f"{SCHEME}{self.container}/{self.key}" if self.key else f"{SCHEME}{self.container}"
 
 
 def _import_sdk() -> Any:

@@ -64,6 +64,7 @@ from typing import Any, NoReturn
 
 from ..errors import CheckpointConfigurationError, CheckpointError, CheckpointExistsError, CheckpointIntegrityError
 from ._object import (
+    ObjectUrl,
     Progress,
     check_read,
     check_readable,
@@ -113,10 +114,12 @@ def _bucket_problem(bucket: str) -> str | None:
 
 
 @dataclass(frozen=True)
-class GcsUrl:
+class GcsUrl(ObjectUrl):
     """A location in Google Cloud Storage: a bucket and an object name (no leading or trailing slash; ``""`` is the
     bucket's root). As a prefix, ``gs://b/run/checkpoint_1`` holds the names starting with ``run/checkpoint_1/``."""
 
+    SCHEME = SCHEME
+    ROOT = "bucket"
     bucket: str
     key: str = ""
 
@@ -142,18 +145,6 @@ class GcsUrl:
             raise CheckpointConfigurationError(f"The object name of {url!r} {problem}; name the object plainly, e.g. "
                                                f"gs://{bucket}/run/checkpoint_1.")
         return cls(bucket, key)
-
-    @property
-    def prefix(self) -> str:
-        """The name prefix of everything under this URL (``"run/checkpoint_1/"``; ``""`` for the bucket)."""
-        return f"{self.key}/" if self.key else ""
-
-    def child(self, relative: str) -> GcsUrl:
-        """The URL of ``relative`` (``"a/b.bin"``) under this one; parsed with the same rules."""
-        return GcsUrl.parse(f"{self}/{relative}")
-
-    def __str__(self) -> str:
-        return f"{SCHEME}{self.bucket}/{self.key}" if self.key else f"{SCHEME}{self.bucket}"
 
 
 @dataclass(frozen=True)

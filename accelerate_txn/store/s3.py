@@ -54,6 +54,7 @@ from typing import Any
 
 from ..errors import CheckpointConfigurationError, CheckpointExistsError, CheckpointIntegrityError
 from ._object import (
+    ObjectUrl,
     Progress,
     check_read,
     check_readable,
@@ -90,12 +91,14 @@ _CONFLICT_CODES = frozenset({"ConditionalRequestConflict", "409"})
 
 
 @dataclass(frozen=True)
-class S3Url:
+class S3Url(ObjectUrl):
     """A location in S3: a bucket and a key (no leading or trailing slash; ``""`` is the bucket's root).
 
     As a prefix, ``s3://bucket/run/checkpoint_1`` holds the keys that start with ``run/checkpoint_1/`` (never
     those of ``run/checkpoint_10``)."""
 
+    SCHEME = SCHEME
+    ROOT = "bucket"
     bucket: str
     key: str = ""
 
@@ -120,18 +123,6 @@ class S3Url:
             raise CheckpointConfigurationError(f"The key of {url!r} {problem}; name the object plainly, e.g. "
                                                f"s3://{bucket}/run/checkpoint_1.")
         return cls(bucket, key)
-
-    @property
-    def prefix(self) -> str:
-        """The key prefix of everything under this URL (``"run/checkpoint_1/"``; ``""`` for the bucket root)."""
-        return f"{self.key}/" if self.key else ""
-
-    def child(self, relative: str) -> S3Url:
-        """The URL of ``relative`` (``"a/b.bin"``) under this one; parsed with the same rules."""
-        return S3Url.parse(f"{self}/{relative}")
-
-    def __str__(self) -> str:
-        return f"{SCHEME}{self.bucket}/{self.key}" if self.key else f"{SCHEME}{self.bucket}"
 
 
 @dataclass(frozen=True)
