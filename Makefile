@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP_FLAGS ?= --quiet --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo lint bench test-accelerate test-matrix test-matrix-table test-matrix-full crash-sweep test-gpu docs clean  # docs/ exists: docs must be phony
+.PHONY: venv test demo lint bench test-accelerate test-matrix test-matrix-table test-matrix-full test-newest crash-sweep test-gpu docs clean  # docs/ exists: docs must be phony
 
 venv: $(VENV)/.installed
 
@@ -93,6 +93,27 @@ MATRIX_ARGS ?=
 test-matrix:
 	$(PYTHON) .ci/matrix.py --cover --fsdp2-tests '$(MATRIX_FSDP2_TESTS)' $(MATRIX_ARGS) -- $(MATRIX_TESTS)
 
+## The canary on the newest releases (CI, after the matrix): the newest torch, Accelerate and transformers the package
+## index serves (asked at run time: .ci/newest.py), installed by uv into .venv-newest with this package (test extra)
+## and constraints.txt's other pins where they resolve; the gate is asked there, and the tests of each front end and
+## path it protects run: MATRIX_TESTS and MATRIX_FSDP2_TESTS (the Accelerate front end), TRAINER_NEWEST_TESTS and
+## TRAINER_NEWEST_FSDP2_TESTS (the Trainer). A release that does not install, or that the gate turns native (its
+## reasons printed), is reported and passes; protected tests that fail (or collect nothing) fail: the evidence
+## missed a change. The environment is deleted at the end (NEWEST_ARGS=--keep keeps it; --torch, --accelerate,
+## --transformers name releases instead of the newest).
+## TRAINER_NEWEST_TESTS (FSDP1): a protected save publishes checkpoint-N with a verified manifest; kill -9 of one
+## rank or of the whole job at each phase of a save, each followed by resume_from_checkpoint=True, which takes the
+## newest complete checkpoint with its optimizer state bitwise and ends exactly as the uninterrupted run.
+TRAINER_NEWEST_TESTS ?= tests/test_trainer.py -k "protected_trainer_save_publishes or kill_9_at_each_phase or fsdp1_resume_restores_the_optimizer"
+## TRAINER_NEWEST_FSDP2_TESTS: the whole job killed mid-save resumes exactly (every checkpoint's manifest verified);
+## each damaged file class (model and optimizer shards, scheduler, RNG, Trainer state, missing, extra) refused on
+## every rank before anything is loaded.
+TRAINER_NEWEST_FSDP2_TESTS ?= tests/test_trainer.py -k "kill_9_of_the_whole_job_mid_save or each_damaged_file_class"
+NEWEST_ARGS ?=
+test-newest:
+	$(PYTHON) .ci/newest.py --fsdp2-tests '$(MATRIX_FSDP2_TESTS)' --trainer-tests '$(TRAINER_NEWEST_TESTS)' \
+		--trainer-fsdp2-tests '$(TRAINER_NEWEST_FSDP2_TESTS)' $(NEWEST_ARGS) -- $(MATRIX_TESTS)
+
 ## Every job of the table (not CI: each row was run when it was added; about 25 jobs, an hour on 2 cores).
 test-matrix-table:
 	$(PYTHON) .ci/matrix.py --fsdp2-tests '$(MATRIX_FSDP2_TESTS)' $(MATRIX_ARGS) -- $(MATRIX_TESTS)
@@ -105,4 +126,4 @@ test-matrix-full:
 	$(PYTHON) .ci/matrix.py --rectangle --include-default --record .ci/matrix-full-run.md $(MATRIX_ARGS) -- $(MATRIX_TESTS)
 
 clean:
-	rm -rf $(VENV) .venv-accelerate-* .venv-matrix .venv-docs site demo-output *.egg-info
+	rm -rf $(VENV) .venv-accelerate-* .venv-matrix .venv-newest .venv-docs site demo-output *.egg-info

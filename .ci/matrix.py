@@ -294,10 +294,11 @@ class Environment:
     def pip(self, *requirements: str) -> int:
         return _run(self.installer.install(self.bin, self.constraints, requirements), self.env(), sink=self.sink)
 
-    def create(self) -> int:
+    def create(self, *requirements: str) -> int:
+        """A fresh environment with torch installed (and ``requirements``, in the same resolution)."""
         shutil.rmtree(self.directory, ignore_errors=True)
         code = _run(self.installer.venv(find_interpreter(self.python), self.directory), self.env(), sink=self.sink)
-        return code or self.pip(f"torch=={self.torch}")
+        return code or self.pip(f"torch=={self.torch}", *requirements)
 
     def use_accelerate(self, version: str) -> int:
         if self.accelerate == version:
@@ -338,10 +339,11 @@ class Environment:
             _REMOVALS.append(subprocess.Popen([*BACKGROUND, "rm", "-rf", str(trash)]))
 
 
-def _constraints_file(directory: Path, keep_pins: bool) -> Path:
-    """constraints.txt without its torch and Accelerate lines (or without any pin but those of the table)."""
+def constraints_file(directory: Path, keep_pins: bool, drop: tuple[str, ...] = ("torch", "accelerate")) -> Path:
+    """constraints.txt without its lines for ``drop`` (the releases the job installs itself), or without any pin
+    (``keep_pins`` false), beside ``directory``."""
     path = directory.parent / f"{directory.name}.constraints.txt"
-    lines = [f"{name}=={version}" for name, version in pins().items() if keep_pins and name not in ("torch", "accelerate")]
+    lines = [f"{name}=={version}" for name, version in pins().items() if keep_pins and name not in drop]
     path.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
     return path
 
@@ -367,7 +369,7 @@ def prepare(python: str, torch: str, accelerate: str, root: Path, installer: Ins
     if not quiet:
         _say(f"== Python {python}, torch {torch}: creating {directory.relative_to(ROOT)} ==")
     started = time.monotonic()
-    env = Environment(directory, python, torch, _constraints_file(directory, keep_pins=True), installer, sink=log)
+    env = Environment(directory, python, torch, constraints_file(directory, keep_pins=True), installer, sink=log)
     code = env.create()
     if code and python != host_python():
         message = (f"[matrix] constraints.txt's pins do not all install on Python {python}; retrying with only "
@@ -377,7 +379,7 @@ def prepare(python: str, torch: str, accelerate: str, root: Path, installer: Ins
         else:
             log.append(message)
         env.remove()
-        env = Environment(directory, python, torch, _constraints_file(directory, keep_pins=False), installer,
+        env = Environment(directory, python, torch, constraints_file(directory, keep_pins=False), installer,
                           sink=log)
         code = env.create()
     if code == 0:
