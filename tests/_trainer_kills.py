@@ -72,7 +72,10 @@ def random_kill_trial(directory: Path, reference: list[dict[str, Any]], seed: in
     where = f"seed {seed}: the job was killed {delay:.2f}s into a {window:.2f}s window"
     root = directory / "run"
     spec = {"output_dir": str(root), "max_steps": STEPS, "fsdp_version": 1, "save_total_limit": 2, "resume": None}
-    killed, early = run_until_killed_after(spec, directory, "killed", "rank0.began.pt", delay, entry=ENTRY)
+    # The ranks wait to be killed once done: a run faster than the reference's window is killed after its end (all
+    # saved), never found ended; how fast the machine is never decides the outcome.
+    killed, early = run_until_killed_after({**spec, "hold": True}, directory, "killed", "rank0.began.pt", delay,
+                                           entry=ENTRY)
     if early:
         return where, [f"rank(s) {early} had ended before the kill\n{killed.describe()}"]
     if killed.returncodes != [KILLED, KILLED]:

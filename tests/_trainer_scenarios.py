@@ -205,8 +205,10 @@ def refuse_other_optimizer(output_dir: str, checkpoint: str) -> dict[str, Any]:
 def crash_entry(spec_path: str, run: Any) -> None:
     """Entry of one rank of a crash-harness job: reads ``spec``, arms ``spec["kill"]`` (``ACCELERATE_TXN_KILL_AT``;
     none: the harness kills the job at an instant of its own), calls ``run(spec, obs, rank)`` (a result with ``step``
-    and ``entries``) and writes ``obs/rank{R}.pt`` and ``obs/rank{R}.json`` with it; then ends as
-    ``tests._crash_scenarios.main`` does, without the interpreter's teardown once everything is written."""
+    and ``entries``) and writes ``obs/rank{R}.pt`` and ``obs/rank{R}.json`` with it; then, with ``spec["hold"]``,
+    waits to be killed (the instant the harness drew may come after a fast run's end: the kill then lands after
+    everything was saved), else ends as ``tests._crash_scenarios.main`` does, without the interpreter's teardown once
+    everything is written."""
     import torch
 
     from tests._crash_scenarios import main as crash_main
@@ -222,6 +224,10 @@ def crash_entry(spec_path: str, run: Any) -> None:
         result = run(spec, obs, rank)
         torch.save(result, obs / f"rank{rank}.pt")
         (obs / f"rank{rank}.json").write_text(json.dumps({"step": result["step"], "entries": result["entries"]}))
+        if spec.get("hold"):  # a job the harness kills at an instant of its own: alive until then, however fast
+            import threading
+
+            threading.Event().wait()
 
     crash_main(spec_path, scenario)
 
