@@ -158,3 +158,28 @@ def check_failed_upload_leaves_nothing(store: Any, url: Any, tmp_path: Path, chu
     with pytest.raises(RuntimeError, match="the caller gave up"):
         store.upload_file(path, url, progress=fail)
     assert store.size(url) is None
+
+
+def kill_uploader_after_its_first_part(uploader_code: str, path: Path, url: Any, part: int, cwd: Path) -> None:
+    """Start ``uploader_code`` (``python -c``: uploads ``path`` to ``url`` and prints each acknowledged byte count)
+    and SIGKILL it as soon as it reports its first part of ``part`` bytes, mid-upload."""
+    import select
+    import signal
+    import subprocess
+    import sys
+
+    uploader = subprocess.Popen([sys.executable, "-c", uploader_code, str(path), str(url)], cwd=cwd, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert uploader.stdout is not None
+        ready, _, _ = select.select([uploader.stdout], [], [], 100)  # a hang guard; the line is the signal
+        line = uploader.stdout.readline() if ready else ""
+        if line.strip() != str(part):
+            uploader.kill()
+            pytest.fail(f"the uploader did not report its first part: {line!r} {uploader.communicate()[1][-3000:]}")
+        os.kill(uploader.pid, signal.SIGKILL)
+        assert uploader.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if uploader.poll() is None:
+            uploader.kill()
+            uploader.wait(timeout=60)

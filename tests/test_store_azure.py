@@ -9,10 +9,7 @@ a user's would. Order of requests is read from the server's own access log, not 
 
 from __future__ import annotations
 
-import os
 import re
-import select
-import signal
 import subprocess
 import sys
 import uuid
@@ -38,6 +35,7 @@ from tests._object_store_checks import (
     check_failed_upload_leaves_nothing,
     check_local_failure_named,
     check_second_commit_refused,
+    kill_uploader_after_its_first_part,
     leftovers,
     payload,
 )
@@ -291,21 +289,7 @@ def test_kill_9_mid_block_upload_leaves_no_blob_and_the_staged_blocks_are_discar
     elsewhere = AzureUrl(prefix.container, prefix.key + "0")  # another checkpoint's staged blocks: never touched
     other = elsewhere.child("x")
     store.client.get_blob_client(other.container, other.key).stage_block("YmxvY2s=", b"staged")
-    uploader = subprocess.Popen([sys.executable, "-c", _UPLOADER, str(path), str(url)], cwd=REPO, text=True,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        assert uploader.stdout is not None
-        ready, _, _ = select.select([uploader.stdout], [], [], 100)  # a hang guard; the line is the signal
-        line = uploader.stdout.readline() if ready else ""
-        if line.strip() != str(BLOCK):
-            uploader.kill()
-            pytest.fail(f"the uploader did not report its first block: {line!r} {uploader.communicate()[1][-3000:]}")
-        os.kill(uploader.pid, signal.SIGKILL)
-        assert uploader.wait(timeout=60) == -signal.SIGKILL
-    finally:
-        if uploader.poll() is None:
-            uploader.kill()
-            uploader.wait(timeout=60)
+    kill_uploader_after_its_first_part(_UPLOADER, path, url, BLOCK, REPO)
 
     assert store.size(url) is None
     assert store.list(prefix) == {}

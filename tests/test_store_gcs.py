@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import re
-import select
-import signal
 import socket
 import subprocess
 import sys
@@ -47,6 +44,7 @@ from tests._object_store_checks import (
     check_failed_upload_leaves_nothing,
     check_local_failure_named,
     check_second_commit_refused,
+    kill_uploader_after_its_first_part,
     leftovers,
     payload,
 )
@@ -427,21 +425,7 @@ def test_kill_9_mid_resumable_upload_leaves_no_object_and_the_name_stays_free(
         store: GcsStore, prefix: GcsUrl, tmp_path: Path) -> None:
     path, data = payload(tmp_path, 3 * CHUNK + 1)
     url = prefix.child("pytorch_model_fsdp_0/__0_0.distcp")
-    uploader = subprocess.Popen([sys.executable, "-c", _UPLOADER, str(path), str(url)], cwd=REPO, text=True,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        assert uploader.stdout is not None
-        ready, _, _ = select.select([uploader.stdout], [], [], 100)  # a hang guard; the line is the signal
-        line = uploader.stdout.readline() if ready else ""
-        if line.strip() != str(CHUNK):
-            uploader.kill()
-            pytest.fail(f"the uploader did not report its first chunk: {line!r} {uploader.communicate()[1][-3000:]}")
-        os.kill(uploader.pid, signal.SIGKILL)
-        assert uploader.wait(timeout=60) == -signal.SIGKILL
-    finally:
-        if uploader.poll() is None:
-            uploader.kill()
-            uploader.wait(timeout=60)
+    kill_uploader_after_its_first_part(_UPLOADER, path, url, CHUNK, REPO)
 
     # One chunk of the session was acknowledged; the object does not exist, to reads and to listings.
     assert store.size(url) is None

@@ -9,10 +9,7 @@ as a user's would. Order of requests is read from the server's own request log, 
 
 from __future__ import annotations
 
-import os
 import re
-import select
-import signal
 import subprocess
 import sys
 import uuid
@@ -35,6 +32,7 @@ from tests._object_store_checks import (
     check_failed_upload_leaves_nothing,
     check_local_failure_named,
     check_second_commit_refused,
+    kill_uploader_after_its_first_part,
     leftovers,
     payload,
 )
@@ -254,21 +252,7 @@ def test_kill_9_mid_multipart_upload_leaves_no_object_and_the_leftover_upload_is
     url = prefix.child("pytorch_model_fsdp_0/__0_0.distcp")
     elsewhere = S3Url(prefix.bucket, prefix.key + "0")  # another checkpoint's open upload: never touched
     other = store.fs.call_s3("create_multipart_upload", Bucket=prefix.bucket, Key=elsewhere.child("x").key)
-    uploader = subprocess.Popen([sys.executable, "-c", _UPLOADER, str(path), str(url)], cwd=REPO, text=True,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        assert uploader.stdout is not None
-        ready, _, _ = select.select([uploader.stdout], [], [], 100)  # a hang guard; the line is the signal
-        line = uploader.stdout.readline() if ready else ""
-        if line.strip() != str(MIN_PART_SIZE):
-            uploader.kill()
-            pytest.fail(f"the uploader did not report its first part: {line!r} {uploader.communicate()[1][-3000:]}")
-        os.kill(uploader.pid, signal.SIGKILL)
-        assert uploader.wait(timeout=60) == -signal.SIGKILL
-    finally:
-        if uploader.poll() is None:
-            uploader.kill()
-            uploader.wait(timeout=60)
+    kill_uploader_after_its_first_part(_UPLOADER, path, url, MIN_PART_SIZE, REPO)
 
     assert store.size(url) is None
     assert store.list(prefix) == {}
