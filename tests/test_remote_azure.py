@@ -29,7 +29,7 @@ def _parent(name: str) -> str:
 def saved(azurite: Azurite, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     parent = _parent("roundtrip")
     cache = tmp_path_factory.mktemp("azure_roundtrip") / "cache"
-    ranks = launch("tests._azure_scenarios:roundtrip", 2, args=(parent, str(cache)), timeout=TIMEOUT)
+    ranks = launch("tests._object_store_scenarios:roundtrip", 2, args=(parent, str(cache)), timeout=TIMEOUT)
     return {"parent": parent, "ranks": ranks}
 
 

@@ -31,7 +31,7 @@ def _parent(name: str) -> str:
 def saved(fake_gcs: FakeGcs, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     parent = _parent("roundtrip")
     cache = tmp_path_factory.mktemp("gcs_roundtrip") / "cache"
-    ranks = launch("tests._gcs_scenarios:roundtrip", 2, args=(parent, str(cache)), timeout=TIMEOUT)
+    ranks = launch("tests._object_store_scenarios:roundtrip", 2, args=(parent, str(cache)), timeout=TIMEOUT)
     return {"parent": parent, "ranks": ranks}
 
 
