@@ -365,8 +365,7 @@ def outline(piece: Piece) -> list[str] | None:
         return None
     try:
         target = _resolve(piece)
-        path = inspect.getsourcefile(target)
-        definition = find_definition(parse_file(path or ""), target.__qualname__)
+        definition = _definition(target, inspect.getsourcefile(target) or "", target.__qualname__)
     except (Unreadable, TypeError, OSError, SyntaxError, AttributeError):
         return None
     return calls(definition) if isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
