@@ -183,3 +183,27 @@ def kill_uploader_after_its_first_part(uploader_code: str, path: Path, url: Any,
         if uploader.poll() is None:
             uploader.kill()
             uploader.wait(timeout=60)
+
+
+def error_without_the_client(client: str, store_module: str, store: str, url_class: str, url: str, cwd: Path) -> str:
+    """In a fresh interpreter where the client module ``client`` cannot be imported (its extra not installed):
+    importing ``accelerate_txn.<store_module>`` and parsing ``url`` still work, and creating the store raises
+    ``CheckpointConfigurationError``, whose message is returned."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+sys.modules[{client!r}] = None
+import accelerate_txn
+from accelerate_txn.errors import CheckpointConfigurationError
+from accelerate_txn.{store_module} import {store}, {url_class}
+{url_class}.parse({url!r})
+try:
+    {store}()
+except CheckpointConfigurationError as exc:
+    print(exc)
+"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=cwd, capture_output=True, text=True, timeout=100)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip()

@@ -10,8 +10,6 @@ a user's would. Order of requests is read from the server's own access log, not 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -35,6 +33,7 @@ from tests._object_store_checks import (
     check_failed_upload_leaves_nothing,
     check_local_failure_named,
     check_second_commit_refused,
+    error_without_the_client,
     kill_uploader_after_its_first_part,
     leftovers,
     payload,
@@ -95,22 +94,10 @@ def test_url_parsing_accepts_plain_urls_and_names_the_bad_ones() -> None:
 
 def test_without_the_client_the_module_imports_and_the_error_names_the_extra_to_install() -> None:
     # A fresh interpreter where `from azure.storage import blob` fails, as where the azure extra is not installed.
-    script = """
-import sys
-sys.modules["azure.storage.blob"] = None
-import accelerate_txn
-from accelerate_txn.errors import CheckpointConfigurationError
-from accelerate_txn.store.azure import AzureStore, AzureUrl
-AzureUrl.parse("az://my-container/run")
-try:
-    AzureStore()
-except CheckpointConfigurationError as exc:
-    print(exc)
-"""
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=100)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() == ("Checkpoints in Azure Blob Storage (az:// URLs) need the azure-storage-blob "
-                                     "client, which is not installed here: pip install 'accelerate-txn[azure]'")
+    message = error_without_the_client("azure.storage.blob", "store.azure", "AzureStore", "AzureUrl",
+                                       "az://my-container/run", REPO)
+    assert message == ("Checkpoints in Azure Blob Storage (az:// URLs) need the azure-storage-blob "
+                       "client, which is not installed here: pip install 'accelerate-txn[azure]'")
 
 
 def test_without_an_account_in_the_environment_the_error_names_the_variables(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,8 +15,6 @@ import gc
 import json
 import re
 import socket
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -44,6 +42,7 @@ from tests._object_store_checks import (
     check_failed_upload_leaves_nothing,
     check_local_failure_named,
     check_second_commit_refused,
+    error_without_the_client,
     kill_uploader_after_its_first_part,
     leftovers,
     payload,
@@ -113,22 +112,10 @@ def test_url_parsing_accepts_plain_urls_and_names_the_bad_ones() -> None:
 
 def test_without_the_client_the_module_imports_and_the_error_names_the_extra_to_install() -> None:
     # A fresh interpreter where `from google.cloud import storage` fails, as where the gcs extra is not installed.
-    script = """
-import sys
-sys.modules["google.cloud.storage"] = None
-import accelerate_txn
-from accelerate_txn.errors import CheckpointConfigurationError
-from accelerate_txn.store.gcs import GcsStore, GcsUrl
-GcsUrl.parse("gs://my-bucket/run")
-try:
-    GcsStore()
-except CheckpointConfigurationError as exc:
-    print(exc)
-"""
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=100)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() == ("Checkpoints in Google Cloud Storage (gs:// URLs) need the google-cloud-storage "
-                                     "client, which is not installed here: pip install 'accelerate-txn[gcs]'")
+    message = error_without_the_client("google.cloud.storage", "store.gcs", "GcsStore", "GcsUrl",
+                                       "gs://my-bucket/run", REPO)
+    assert message == ("Checkpoints in Google Cloud Storage (gs:// URLs) need the google-cloud-storage "
+                       "client, which is not installed here: pip install 'accelerate-txn[gcs]'")
 
 
 def test_without_credentials_the_error_names_application_default_credentials(

@@ -10,8 +10,6 @@ as a user's would. Order of requests is read from the server's own request log, 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,6 +30,7 @@ from tests._object_store_checks import (
     check_failed_upload_leaves_nothing,
     check_local_failure_named,
     check_second_commit_refused,
+    error_without_the_client,
     kill_uploader_after_its_first_part,
     leftovers,
     payload,
@@ -84,21 +83,10 @@ def test_url_parsing_accepts_plain_urls_and_names_the_bad_ones() -> None:
 
 def test_without_the_client_the_module_imports_and_the_error_names_the_extra_to_install() -> None:
     # A fresh interpreter where `import s3fs` fails, as where the s3 extra is not installed.
-    script = """
-import sys
-sys.modules["s3fs"] = None
-from accelerate_txn.errors import CheckpointConfigurationError
-from accelerate_txn.store.s3 import S3Store, S3Url
-S3Url.parse("s3://my-bucket/run")
-try:
-    S3Store()
-except CheckpointConfigurationError as exc:
-    print(exc)
-"""
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=100)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() == ("Checkpoints in S3 (s3:// URLs) need the s3fs client, which is not installed "
-                                     "here: pip install 'accelerate-txn[s3]'")
+    message = error_without_the_client("s3fs", "store.s3", "S3Store", "S3Url",
+                                       "s3://my-bucket/run", REPO)
+    assert message == ("Checkpoints in S3 (s3:// URLs) need the s3fs client, which is not installed "
+                       "here: pip install 'accelerate-txn[s3]'")
 
 
 def test_a_client_that_would_drop_the_condition_is_refused_before_any_request() -> None:
