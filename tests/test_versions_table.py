@@ -1,6 +1,6 @@
-"""The one validated-version table (accelerate_txn/validated.json) and everything that reads it: the version
-policy by minor series in accelerate_txn.accelerate.versions, the README copy, constraints.txt's default pair, the CI
-matrix (.ci/matrix.py) and the matrix subset defined in the Makefile."""
+"""The one validated-version table (accelerate_txn/validated.json), the record of what ran, and everything that reads
+it: the README copy, constraints.txt's default pair, the CI matrix (.ci/matrix.py) and the matrix subset defined in
+the Makefile. (What decides protection, the evidence: tests/test_evidence.py.)"""
 
 from __future__ import annotations
 
@@ -20,8 +20,6 @@ import torch
 from accelerate_txn.accelerate import versions as _versions
 from accelerate_txn.accelerate.versions import (
     TESTED,
-    describe_table,
-    is_validated_pair,
     markdown_table,
 )
 from accelerate_txn.compat.evidence import recorded
@@ -117,44 +115,6 @@ def test_readme_shows_the_table_read_by_the_code() -> None:
     table = markdown_table()
     assert table in readme, f"README's validated table differs from accelerate_txn/validated.json; it should read:\n{table}"
     assert len(table.splitlines()) == len(TESTED) + 2
-
-
-# --- the policy: minor series, pairs ------------------------------------------------------------------------
-
-@pytest.mark.parametrize("torch_version, accelerate_version, expected", [
-    ("2.13.0", "1.7.0", True),
-    ("2.13.1", "1.13.2", True),      # patch releases of a validated pair
-    ("2.13.0+cpu", "1.10.0", True),  # local build tag, and an earlier patch of a tested minor
-    ("2.13.0+cu130", "1.15.3", True),
-    ("2.7.0", "1.7.0", True),
-    ("2.7.1+cu126", "1.7.9", True),
-    ("2.15.0", "1.15.0", True),
-    ("2.14.1", "1.15.0", True),      # the release pip installs by default here
-    ("2.14.0+cu128", "1.15.2", True),
-    ("2.7.0", "1.15.0", False),      # each validated, but never tested together
-    ("2.15.0", "1.7.0", False),
-    ("2.14.1", "1.13.0", False),
-    ("2.12.0", "1.15.0", True),
-    ("2.8.0+cu128", "1.15.1", True),
-    ("2.12.0", "1.13.0", False),     # a torch minor validated only with another Accelerate minor
-    ("2.6.0", "1.15.0", False),      # older than the oldest tested torch minor
-    ("2.13.0", "1.6.0", False),
-    ("2.13.0", "1.16.0", True),
-    ("2.15.0", "1.16.1", True),
-    ("2.14.1", "1.16.0", False),     # torch 2.14 was tested with Accelerate 1.15 only
-    ("2.13.0", "1.17.0", False),
-    ("2.16.0", "1.15.0", False),
-])
-def test_pair_is_validated_by_minor_series(torch_version: str, accelerate_version: str, expected: bool) -> None:
-    assert is_validated_pair(torch_version, accelerate_version) is expected
-
-
-def test_describe_table_names_every_pair_by_series() -> None:
-    assert describe_table() == (
-        "torch 2.7 with accelerate 1.7; torch 2.8 with accelerate 1.8, 1.15; torch 2.9 with accelerate 1.9, 1.15; "
-        "torch 2.10 with accelerate 1.10, 1.15; torch 2.11 with accelerate 1.11, 1.15; torch 2.12 with accelerate "
-        "1.12, 1.15; torch 2.13 with accelerate 1.7 to 1.16; torch 2.14 with accelerate 1.14, 1.15; torch 2.15 with "
-        "accelerate 1.15, 1.16 (any patch release)")
 
 
 # --- CI reads the same table --------------------------------------------------------------------------------

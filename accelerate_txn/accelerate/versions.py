@@ -19,7 +19,6 @@ the recorded versions (see docs/protocol.md, "Versions").
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -86,12 +85,6 @@ TESTED: tuple[TestedPair, ...] = _load_table()
 VALIDATED: frozenset[tuple[str, str]] = frozenset(pair.series for pair in TESTED)
 
 
-def is_validated_pair(torch_version: str, accelerate_version: str) -> bool:
-    """True when the two releases' minor series were tested together as a row of the table (the record of what
-    ran; protection itself is decided by the evidence: :func:`protected`)."""
-    return (series(torch_version), series(accelerate_version)) in VALIDATED
-
-
 def automatic_dispatch_requested() -> bool:
     """Whether automatic dispatch is on (:data:`PATCH_ENV` unset or truthy)."""
     return os.environ.get(PATCH_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
@@ -137,36 +130,6 @@ def require_supported_versions(path: str = "fsdp1") -> None:
         from ..errors import UnsupportedVersionError
 
         raise UnsupportedVersionError(unsupported_message(path))
-
-
-def _adjacent(earlier: str, later: str) -> bool:
-    """Whether minor series ``later`` directly follows ``earlier`` ("2.8", "2.9")."""
-    a, b = Version(earlier), Version(later)
-    return a.major == b.major and b.minor == a.minor + 1
-
-
-def _span(minors: list[str]) -> str:
-    """"1.7, 1.8, 1.9" -> "1.7 to 1.9"; a gap in the minors lists them instead."""
-    numbers = sorted(minors, key=Version)
-    if len(numbers) > 2 and all(_adjacent(a, b) for a, b in itertools.pairwise(numbers)):
-        return f"{numbers[0]} to {numbers[-1]}"
-    return ", ".join(numbers)
-
-
-def describe_table() -> str:
-    """The validated pairs in one line, by minor series, neighbouring torch series with the same Accelerate series
-    together: "torch 2.8 to 2.12 with accelerate 1.15; torch 2.13 with accelerate 1.7 to 1.15; ..."."""
-    by_torch: dict[str, list[str]] = {}
-    for torch_series, accelerate_series in sorted(VALIDATED, key=lambda pair: Version(pair[0])):
-        by_torch.setdefault(torch_series, []).append(accelerate_series)
-    runs: list[tuple[list[str], list[str]]] = []  # (torch series, their common Accelerate series)
-    for torch_series, minors in by_torch.items():
-        if runs and sorted(runs[-1][1]) == sorted(minors) and _adjacent(runs[-1][0][-1], torch_series):
-            runs[-1][0].append(torch_series)
-        else:
-            runs.append(([torch_series], minors))
-    pairs = "; ".join(f"torch {_span(torch_series)} with accelerate {_span(minors)}" for torch_series, minors in runs)
-    return f"{pairs} (any patch release)"
 
 
 def markdown_table() -> str:
