@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ._launcher import ScriptJob, ScriptResult, start_script
+from ._launcher import PARALLELISM_SIZES, ScriptJob, ScriptResult, start_script
 
 PROG = "python -m accelerate_txn.testing"
 USAGE_ERROR = 2
@@ -52,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--auto-wrap", default=None, metavar="CLASS",
                      help="import path of the module class FSDP wraps, e.g. torch.nn.Linear or mymodel.Block; "
                           "'none' for no policy (default: the script's plugin's, else torch.nn.Linear)")
+    for size in PARALLELISM_SIZES:
+        run.add_argument(f"--{size.replace('_', '-')}", type=int, default=None, metavar="N", dest=size,
+                         help=f"ParallelismConfig {size} (FSDP2 on an N-D mesh, as accelerate launch's "
+                              f"--parallelism_config_{size})")
     run.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                      help="hard time limit of the whole job; then every worker is killed, exit status 124 "
                           "(default 600)")
@@ -105,7 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 options.script, options.args, module=options.module, num_processes=options.num_processes,
                 fsdp_version=options.fsdp_version, state_dict_type=options.state_dict_type,
                 auto_wrap=options.auto_wrap, timeout=options.timeout, grace=options.grace, stream=sys.stdout,
-                log_dir=options.log_dir, kill_on_output=options.kill_on_output, kill_on_path=options.kill_on_path)
+                log_dir=options.log_dir, kill_on_output=options.kill_on_output, kill_on_path=options.kill_on_path,
+                parallelism={size: getattr(options, size) for size in PARALLELISM_SIZES
+                             if getattr(options, size) is not None} or None)
         except (ValueError, FileNotFoundError) as exc:  # CheckpointConfigurationError is a ValueError
             parser.exit(USAGE_ERROR, f"{PROG} run: error: {exc}\n")
 

@@ -18,6 +18,9 @@ ends the script anyway.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 UNSUPPORTED_STATE_DICT_TYPES = {
@@ -146,9 +149,37 @@ def plugin_for_script(plugin: Any, *, fsdp_version: int | None = None, state_dic
     return plugin
 
 
-def force_fsdp(accelerator: Any, plugin: Any) -> None:
+def parallelism_for_cpu(parallelism_config: Any) -> Any:
+    """The ``ParallelismConfig`` an ``Accelerator`` would use: the one given, else the one Accelerate builds from
+    the environment ``accelerate launch --parallelism_config_*`` sets (``ACCELERATE_USE_PARALLELISM_CONFIG=true``
+    and ``PARALLELISM_CONFIG_DP_REPLICATE_SIZE`` etc.), else None. The caller constructs its ``Accelerator``
+    without it (Accelerate refuses a ``ParallelismConfig`` on ``MULTI_CPU``) and gives it to :func:`force_fsdp`."""
+    if parallelism_config is not None:
+        return parallelism_config
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return None
+    from accelerate.parallelism_config import ParallelismConfig
+
+    return ParallelismConfig()
+
+
+@contextlib.contextmanager
+def no_parallelism_environment() -> Iterator[None]:
+    """Construct an ``Accelerator`` in here: Accelerate's own reading of ``ACCELERATE_USE_PARALLELISM_CONFIG`` would
+    build a ``ParallelismConfig`` it then refuses on CPU (:func:`parallelism_for_cpu` has read it already)."""
+    saved = os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = saved
+
+
+def force_fsdp(accelerator: Any, plugin: Any, parallelism_config: Any = None) -> None:
     """Turn ``accelerator`` (built with ``cpu=True``) into an FSDP Accelerator using ``plugin`` on CPU: every rank,
-    right after construction and before ``prepare``."""
+    right after construction and before ``prepare``. ``parallelism_config``: an Accelerate ``ParallelismConfig``
+    (HSDP ``dp_replicate_size`` x ``dp_shard_size``, ``tp_size``, ...): its device mesh is built on CPU and
+    checked by Accelerate's own validation, as ``Accelerator(parallelism_config=...)`` does on GPUs."""
     import torch
     from accelerate import PartialState
     from accelerate.utils import DistributedType
@@ -156,6 +187,15 @@ def force_fsdp(accelerator: Any, plugin: Any) -> None:
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
     accelerator.state.device = torch.device("cpu")
+    if parallelism_config is not None:
+        if plugin.fsdp_version != 2:
+            raise configuration_error(
+                "A ParallelismConfig (HSDP, tensor or context parallelism) needs FSDP2: Accelerate builds its device "
+                "mesh for fully_shard only. Use fsdp_version=2 (--fsdp-version 2), or FSDP1's "
+                "sharding_strategy='HYBRID_SHARD' for hybrid sharding with FSDP1.")
+        accelerator.state.parallelism_config = parallelism_config
+        accelerator.state.device_mesh = parallelism_config.get_device_mesh("cpu")
+        parallelism_config._validate_accelerator(accelerator)
     # PartialState too (the state TrainingArguments keeps): a gloo PartialState's device is "cpu:<local rank>",
     # and FSDP1 refuses a device_id with an index on CPU when a copy of it reaches the Accelerator (bf16 does).
     partial = PartialState()

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointConfigurationError
-from ._cpu_fsdp import force_fsdp, make_plugin, refuse_unsupported
+from ._cpu_fsdp import force_fsdp, make_plugin, no_parallelism_environment, parallelism_for_cpu, refuse_unsupported
 
 
 def fsdp_accelerator(
@@ -28,6 +28,7 @@ def fsdp_accelerator(
     gradient_accumulation_steps: int = 1,
     fsdp_version: int = 1,
     project_config: Any = None,
+    parallelism_config: Any = None,
     **accelerator_kwargs: Any,
 ) -> Any:
     """A real ``Accelerator`` using FSDP on CPU (gloo). Call once per process, in every rank.
@@ -39,6 +40,10 @@ def fsdp_accelerator(
     Accelerate's FSDP2 (``fully_shard``, DTensor parameters); prepare the model and its optimizer together.
     ``auto_wrap``: the module class FSDP wraps in units of its own (``None``: the model is one unit); FSDP2
     finds it by its class name in the model at ``prepare``.
+    ``parallelism_config``: an Accelerate ``ParallelismConfig`` for FSDP2 on an N-D mesh (HSDP:
+    ``ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)`` on 4 ranks; ``tp_size``), its mesh built on CPU
+    (``Accelerator(parallelism_config=...)`` itself refuses one on CPU); the environment of ``accelerate launch
+    --parallelism_config_*`` is read as Accelerate reads it.
     To run a whole training script this way without changing it, see :func:`run_script`.
     """
     refuse_unsupported(
@@ -64,9 +69,11 @@ def fsdp_accelerator(
         automatic_checkpoint_naming=automatic_checkpoint_naming,
         total_limit=total_limit,
     )
-    accelerator = Accelerator(cpu=True, project_config=project,
-                              gradient_accumulation_steps=gradient_accumulation_steps, **accelerator_kwargs)
-    force_fsdp(accelerator, plugin)
+    parallelism = parallelism_for_cpu(parallelism_config)
+    with no_parallelism_environment():
+        accelerator = Accelerator(cpu=True, project_config=project,
+                                  gradient_accumulation_steps=gradient_accumulation_steps, **accelerator_kwargs)
+    force_fsdp(accelerator, plugin, parallelism)
     return accelerator
 
 

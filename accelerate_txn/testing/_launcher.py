@@ -332,6 +332,40 @@ def fsdp_environment(settings: dict[str, Any]) -> dict[str, str]:
     return environment
 
 
+PARALLELISM_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
+"""The ``ParallelismConfig`` sizes the launcher's ``parallelism`` option takes."""
+
+
+def parallelism_environment(parallelism: dict[str, int] | None, num_processes: int,
+                            fsdp_version: int | None) -> dict[str, str]:
+    """The variables ``accelerate launch --parallelism_config_*`` sets for ``parallelism`` (checked here, before any
+    process starts)."""
+    if not parallelism:
+        return {}
+    unknown = sorted(set(parallelism) - set(PARALLELISM_SIZES))
+    bad = {name: size for name, size in parallelism.items()
+           if isinstance(size, bool) or not isinstance(size, int) or size < 1}
+    if unknown or bad:
+        raise CheckpointConfigurationError(
+            f"parallelism={parallelism!r}: give sizes (integers, 1 or more) of {', '.join(PARALLELISM_SIZES)}"
+            f"{f'; unknown: {unknown}' if unknown else ''}.")
+    total = 1
+    for size in parallelism.values():
+        total *= size
+    if total != num_processes:
+        raise CheckpointConfigurationError(
+            f"parallelism={parallelism!r}: the sizes multiply to {total}, but the job has num_processes="
+            f"{num_processes}; make them equal.")
+    if fsdp_version == 1:
+        raise CheckpointConfigurationError(
+            "parallelism: a ParallelismConfig mesh needs FSDP2 (fsdp_version=2); FSDP1's hybrid sharding is its "
+            "plugin's sharding_strategy='HYBRID_SHARD'.")
+    environment = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true"}
+    for name, size in parallelism.items():
+        environment[f"PARALLELISM_CONFIG_{name.upper()}"] = str(size)
+    return environment
+
+
 def start_script(
     script: str | os.PathLike[str],
     args: list[str] | tuple[str, ...] = (),
@@ -349,6 +383,7 @@ def start_script(
     log_dir: str | os.PathLike[str] | None = None,
     kill_on_output: str | None = None,
     kill_on_path: str | os.PathLike[str] | None = None,
+    parallelism: dict[str, int] | None = None,
 ) -> ScriptJob:
     """Start ``python script ARGS`` (``module=True``: ``python -m script ARGS``) on ``num_processes`` CPU
     processes as one FSDP job; returns the running :class:`ScriptJob` (call :meth:`ScriptJob.wait`).
@@ -369,6 +404,12 @@ def start_script(
     module class FSDP wraps (a class or its import path), or ``"none"``. Given settings override a plugin the
     script passes itself (``Accelerator(fsdp_plugin=...)``); the rest come from that plugin, else from
     :func:`fsdp_accelerator`'s defaults (FSDP1, ``SHARDED_STATE_DICT``, ``torch.nn.Linear`` wrapped).
+
+    ``parallelism``: an N-D mesh for FSDP2, as ``accelerate launch --parallelism_config_*`` gives it (for example
+    ``{"dp_replicate_size": 2, "dp_shard_size": 2}``, HSDP on 4 processes; also ``tp_size``, ``cp_size``): set as
+    the environment Accelerate reads (``ACCELERATE_USE_PARALLELISM_CONFIG``, ``PARALLELISM_CONFIG_*``); the product
+    of the sizes must be ``num_processes``. A ``ParallelismConfig`` the script passes itself is used as given. Either
+    way its device mesh is built on CPU.
 
     Supervision: ``timeout`` seconds for the whole job, then every worker is killed; after the first failure the
     others get ``grace`` seconds, then are killed. ``stream``: where to echo each line as ``[rankN] line``;
@@ -403,6 +444,7 @@ def start_script(
     worker_env.setdefault("PYTHONUNBUFFERED", "1")  # lines arrive when printed: the echo and kill_on_output need it
     worker_env["CUDA_VISIBLE_DEVICES"] = ""
     worker_env.update(fsdp_environment(settings))
+    worker_env.update(parallelism_environment(parallelism, num_processes, fsdp_version))
     worker_env.update(env or {})
     command = [sys.executable, str(WORKER), json.dumps(settings), *(["-m"] if module else []), target,
                *[os.fspath(arg) for arg in args]]

@@ -112,8 +112,12 @@ def force_fsdp_on_every_accelerator(settings: dict[str, Any], cpu_fsdp: types.Mo
             bound.arguments.pop("fsdp_plugin", None), fsdp_version=settings["fsdp_version"],
             state_dict_type=settings["state_dict_type"], auto_wrap=auto_wrap)
         bound.arguments["cpu"] = True
-        result = wrapped(*bound.args, **bound.kwargs)
-        cpu_fsdp.force_fsdp(instance, plugin)
+        # Accelerate refuses a ParallelismConfig (given, or from accelerate launch's environment) on MULTI_CPU:
+        # the Accelerator is built without one, and force_fsdp builds its mesh on CPU.
+        parallelism = cpu_fsdp.parallelism_for_cpu(bound.arguments.pop("parallelism_config", None))
+        with cpu_fsdp.no_parallelism_environment():
+            result = wrapped(*bound.args, **bound.kwargs)
+        cpu_fsdp.force_fsdp(instance, plugin, parallelism)
         return result
 
     def plugin_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
