@@ -110,7 +110,7 @@ def unsupported_fsdp2(models: list[Any], world_size: int) -> str | None:
                 return (f"FSDP2 parameter {name} is not a DTensor (not sharded by fully_shard): protected FSDP2 "
                         "checkpoints need every parameter sharded.")
             shape = list(parameter.device_mesh.shape)
-            if shape != [world_size]:
+            if parameter.device_mesh.size() != world_size:
                 return (f"Unsupported FSDP2 mesh: protected FSDP2 checkpoints need a 1-D mesh over all "
                         f"{world_size} ranks; parameter {name} lives on a mesh of shape {shape} "
                         "(HSDP or a custom mesh).")
