@@ -22,10 +22,16 @@ from accelerate_txn.testing import TinyModel, fsdp_accelerator
 from tests._scenarios import _error, warmup_lambda
 
 
-def _build(fsdp_version: int, seed: int, variant: str = "adamw") -> tuple[Any, ...]:
-    """``variant``: "adamw", or "rmsprop-flat" (RMSprop with momentum, centered; FSDP1 flat parameters)."""
+def _build(fsdp_version: int, seed: int, variant: str = "adamw", parallelism: dict[str, int] | None = None
+           ) -> tuple[Any, ...]:
+    """``variant``: "adamw", or "rmsprop-flat" (RMSprop with momentum, centered; FSDP1 flat parameters).
+    ``parallelism``: FSDP2 on an N-D mesh, the sizes of a ``ParallelismConfig`` (HSDP: ``dp_replicate_size``,
+    ``dp_shard_size``)."""
+    from accelerate.parallelism_config import ParallelismConfig
+
     accelerator = fsdp_accelerator(fsdp_version=fsdp_version, use_orig_params=variant == "adamw",
-                                   dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+                                   dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
+                                   parallelism_config=ParallelismConfig(**parallelism) if parallelism else None)
     torch.manual_seed(seed)
     raw = TinyModel(width=16)
     data = torch.utils.data.TensorDataset(torch.arange(96, dtype=torch.float32).view(96, 1))
@@ -58,8 +64,9 @@ def _next_batch(iterator: Any) -> list[float]:
 
 
 def save(fsdp_version: int, out_dir: str, native: bool = False, variant: str = "adamw",
-         asynchronous: bool = False) -> dict[str, Any]:
-    accelerator, model, optimizer, scheduler, loader, noise, progress = _build(fsdp_version, seed=1, variant=variant)
+         asynchronous: bool = False, parallelism: dict[str, int] | None = None) -> dict[str, Any]:
+    accelerator, model, optimizer, scheduler, loader, noise, progress = _build(fsdp_version, seed=1, variant=variant,
+                                                                               parallelism=parallelism)
     if native:  # a legacy checkpoint: native Accelerate, no manifest
         accelerate_txn.unpatch_accelerate_fsdp(accelerator)
     if asynchronous:  # FSDP1: each rank stages its own boxes (not native dim-0 chunks)
@@ -84,18 +91,29 @@ def save(fsdp_version: int, out_dir: str, native: bool = False, variant: str = "
 
 
 def resume(fsdp_version: int, source: str, out_dir: str, refuse_first: bool,
-           rank_map: dict[int, int] | None = None, variant: str = "adamw") -> dict[str, Any]:
-    accelerator, model, optimizer, scheduler, loader, noise, progress = _build(fsdp_version, seed=7, variant=variant)
+           rank_map: dict[int, int] | None = None, variant: str = "adamw",
+           parallelism: dict[str, int] | None = None, damaged: str | None = None) -> dict[str, Any]:
+    """``damaged``: a damaged copy of ``source``, tried first (with the opt-in): it must be refused before anything
+    changes."""
+    accelerator, model, optimizer, scheduler, loader, noise, progress = _build(fsdp_version, seed=7, variant=variant,
+                                                                               parallelism=parallelism)
     me = accelerator.process_index
     observed: dict[str, Any] = {"rank": me}
+    before = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+              for n, p in model.named_parameters()}
+
+    def untouched() -> bool:
+        return all(torch.equal((p.to_local() if hasattr(p, "to_local") else p).detach(), before[n])
+                   for n, p in model.named_parameters()) and progress == {"samples": 0}
+
     if refuse_first:
-        before = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
-                  for n, p in model.named_parameters()}
         observed["refusal"] = _error(lambda: accelerator.load_state(source))
-        observed["untouched"] = all(
-            torch.equal((p.to_local() if hasattr(p, "to_local") else p).detach(), before[n])
-            for n, p in model.named_parameters())
+        observed["untouched"] = untouched()
         observed["progress_untouched"] = progress == {"samples": 0}
+    if damaged is not None:
+        accelerate_txn.configure_checkpointing(accelerator, allow_reshard=True, reshard_rank_map=rank_map)
+        observed["damaged_refusal"] = _error(lambda: accelerator.load_state(damaged))
+        observed["untouched_after_damaged"] = untouched()
     accelerate_txn.configure_checkpointing(accelerator, allow_reshard=True, reshard_rank_map=rank_map)
     accelerator.load_state(source)
     observed.update(rng=torch.get_rng_state(), noise=noise.get_state(), progress=dict(progress),

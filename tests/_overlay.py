@@ -77,3 +77,26 @@ def accelerate_with_a_changed_fsdp1_save(into: Path) -> Path:
     """An Accelerate whose ``save_fsdp_optimizer`` has one more statement, the same parameters (``PYTHONPATH``
     entry)."""
     return overlay("accelerate", into, {"utils/fsdp_utils.py": _changed_body})
+
+
+# A release of Accelerate whose ``save_state`` lets the user choose Accelerate's per-rank ``use_dcp=False`` format
+# (``save_fsdp_model``/``save_fsdp_optimizer`` take it; no release up to 1.16 passes it from ``save_state``).
+_SAVE_STATE = ("    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, "
+               "**save_model_func_kwargs):\n")
+_SAVES = ("save_fsdp_model(self.state.fsdp_plugin, self, model, output_dir, i)",
+          "save_fsdp_optimizer(self.state.fsdp_plugin, self, opt, self._models[i], output_dir, i)")
+
+
+def _use_dcp_choice(text: str) -> str:
+    assert text.count(_SAVE_STATE) == 1 and all(text.count(call) == 1 for call in _SAVES), \
+        "Accelerator.save_state moved: update tests/_overlay.py"
+    text = text.replace(_SAVE_STATE, _SAVE_STATE.replace("safe_serialization: bool = True,",
+                                                         "safe_serialization: bool = True, use_dcp: bool = True,"))
+    for call in _SAVES:
+        text = text.replace(call, call[:-1] + ", use_dcp=use_dcp)")
+    return text
+
+
+def accelerate_with_a_use_dcp_choice(into: Path) -> Path:
+    """An Accelerate whose ``save_state(use_dcp=False)`` writes the per-rank format (``PYTHONPATH`` entry)."""
+    return overlay("accelerate", into, {"accelerator.py": _use_dcp_choice})

@@ -476,6 +476,9 @@ def test_inspect_summary_names_fsdp2_layouts_by_version_and_mesh() -> None:
     fsdp2 = summarize({"models": [{"parameters": {}, "fsdp": [{"fsdp_version": 2, "mesh": [2]}]}]})["models"][0]
     fsdp1 = summarize({"models": [{"parameters": {}, "fsdp": [{"sharding": "FULL_SHARD"}]}]})["models"][0]
     assert fsdp2["sharding"] == ["FSDP2 mesh [2]"] and fsdp1["sharding"] == ["FULL_SHARD"]
+    hsdp = summarize({"models": [{"parameters": {}, "fsdp": [{"fsdp_version": 2, "mesh": [2, 4],
+                                                              "mesh_dims": ["dp_replicate", "dp_shard_cp"]}]}]})
+    assert hsdp["models"][0]["sharding"] == ["FSDP2 mesh dp_replicate=2 x dp_shard_cp=4"]
 
 
 def test_verify_full_shows_a_progress_bar_on_a_terminal_only(tmp_path: Path) -> None:

@@ -192,12 +192,12 @@ def describe(accelerator: Any, *, require_model_ids: bool = True) -> dict[str, A
         units: list[dict[str, Any]] = []
         placements: dict[str, Any] = {}
         if fsdp and is_fsdp2_sharded(accelerator):
-            from ..fsdp.fsdp2 import layout, mesh_shape
+            from ..fsdp.fsdp2 import layout, mesh_record
 
             groups, layouts = layout(model, optimizer)
             shapes = {name: entry[:3] for name, entry in layouts.items()}
             placements = {name: entry[3] for name, entry in layouts.items()}
-            units = [{"fsdp_version": 2, "mesh": mesh_shape(model)}]
+            units = [{"fsdp_version": 2, **mesh_record(model)}]
         elif fsdp:
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -443,34 +443,65 @@ def _accept_hint(refused: list[Change], others: bool) -> str:
             '(docs/configuration.md, "What may change on resume").')
 
 
+_MESH_KEYS = ("mesh", "mesh_dims")
+
+
 def _without_world_size(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """Elastic resume: drop what only records the number of ranks (both sides normalised in place). The world
-    size itself; an FSDP2 1-D mesh's length (protected FSDP2 shards over one 1-D mesh of all ranks); an FSDP1
-    unit's sharding strategy when either run has one rank (FSDP1 then runs every unit as NO_SHARD); and the number of
-    processes each data loader shards over (the elastic data-order policy of docs/elastic.md applies)."""
+    """Elastic resume: drop what only records how the state is spread over the ranks (both sides normalised in
+    place). The world size itself; an FSDP2 device mesh (its shape and dimension names: 1-D, HSDP, with TP) and
+    each parameter's DTensor placements (DCP stores every tensor by its global shape and reads it onto any mesh);
+    an FSDP1 unit's sharding strategy when either run has one rank (FSDP1 then runs every unit as NO_SHARD); and the
+    number of processes each data loader shards over (the elastic data-order policy of docs/elastic.md applies)."""
     worlds = (saved.pop("world_size", None), current.pop("world_size", None))
     for loader in [*saved.get("dataloaders", []), *current.get("dataloaders", [])]:
         if isinstance(loader, dict):
             loader.pop("processes", None)
     for old, new in zip(saved.get("models", []), current.get("models", [])):
+        fsdp2 = [unit for unit in [*old.get("fsdp", []), *new.get("fsdp", [])] if "mesh" in unit]
+        for unit in fsdp2:
+            for key in _MESH_KEYS:
+                unit.pop(key, None)
+        if fsdp2:
+            for parameter in [*old.get("parameters", {}).values(), *new.get("parameters", {}).values()]:
+                if isinstance(parameter, dict):
+                    parameter.pop("placements", None)
         for old_unit, new_unit in zip(old.get("fsdp", []), new.get("fsdp", [])):
-            if isinstance(old_unit.get("mesh"), list) and isinstance(new_unit.get("mesh"), list) \
-                    and len(old_unit["mesh"]) == len(new_unit["mesh"]) == 1:
-                old_unit["mesh"] = new_unit["mesh"]
             if 1 in worlds and "sharding" in old_unit and "sharding" in new_unit:
                 old_unit.pop("sharding")
                 new_unit.pop("sharding")
 
 
+def _meshes(descriptor: dict[str, Any]) -> list[Any]:
+    return [[unit.get(key) for key in _MESH_KEYS] for model in descriptor.get("models", [])
+            for unit in model.get("fsdp", []) if isinstance(unit, dict) and "mesh" in unit]
+
+
 def _reshard_hint(saved: dict[str, Any], current: dict[str, Any]) -> str:
-    """The world-size part of a refusal: resuming on another number of ranks needs the elastic-resume opt-in."""
+    """The world-size part of a refusal: resuming on another number of ranks, or on another device mesh, needs the
+    elastic-resume opt-in."""
     if saved.get("world_size") == current.get("world_size"):
-        return ""
+        if _meshes(saved) == _meshes(current):
+            return ""
+        old, new = (next(iter(_meshes(side)), [None, None]) for side in (saved, current))
+        return (f"\nThis checkpoint was saved on the device mesh {_mesh_text(old)} and this run has "
+                f"{_mesh_text(new)}: a mesh change is refused before anything is restored. Resume on the same mesh "
+                "(the same ParallelismConfig), or opt in to elastic resume with "
+                "configure_checkpointing(accelerator, allow_reshard=True) (model and optimizer are resharded onto the "
+                "new mesh: docs/elastic.md).")
     return (f"\nThis checkpoint was saved on {saved.get('world_size')} ranks and this run has "
             f"{current.get('world_size')}: a world-size change is refused before anything is restored. Resume on "
             f"{saved.get('world_size')} ranks, or opt in to elastic resume with "
             "configure_checkpointing(accelerator, allow_reshard=True) (model and optimizer are resharded; per-rank "
             "RNG, data-loader and private state follow the documented policy: docs/elastic.md).")
+
+
+def _mesh_text(mesh: list[Any]) -> str:
+    shape, names = mesh
+    if not isinstance(shape, list):
+        return "(none)"
+    if isinstance(names, list) and len(names) == len(shape):
+        return " x ".join(f"{name}={size}" for name, size in zip(names, shape))
+    return f"{shape}"
 
 
 def participants(owners: Any) -> dict[str, Any]:

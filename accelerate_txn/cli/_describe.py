@@ -32,11 +32,19 @@ def _model(model: dict[str, Any]) -> dict[str, Any]:
         "tensors": len(rows),
         "dtypes": sorted({str(row.get("dtype")) for row in rows}),
         "fsdp_units": len(units),
-        # FSDP1 units record their sharding strategy; FSDP2 records its version and device-mesh shape instead.
+        # FSDP1 units record their sharding strategy; FSDP2 records its version and device-mesh shape instead (an
+        # N-D mesh with its dimension names: HSDP's dp_replicate x dp_shard_cp, tp, ...).
         "sharding": sorted({str(unit["sharding"]) if unit.get("sharding") is not None
-                            else f"FSDP{unit.get('fsdp_version', '?')} mesh {unit.get('mesh')}" for unit in units}),
+                            else f"FSDP{unit.get('fsdp_version', '?')} mesh {_mesh(unit)}" for unit in units}),
         "config": _dict(model.get("config")),
     }
+
+
+def _mesh(unit: dict[str, Any]) -> str:
+    shape, names = unit.get("mesh"), unit.get("mesh_dims")
+    if isinstance(shape, list) and isinstance(names, list) and len(names) == len(shape):
+        return " x ".join(f"{name}={size}" for name, size in zip(names, shape))
+    return str(shape)
 
 
 def _optimizer(optimizer: dict[str, Any]) -> dict[str, Any]:

@@ -5,9 +5,10 @@ Accelerate's FSDP2 ``SHARDED_STATE_DICT`` checkpoints are DCP directories like F
 (staging, hashes, manifest, verification before mutation) is the same. What differs is here:
 
 * :func:`layout`: optimizer groups as parameter names and each parameter's global shape, dtype, ``requires_grad``
-  and DTensor placements; :func:`mesh_shape` (recorded in the descriptor).
+  and DTensor placements; :func:`mesh_record` (the device mesh, recorded in the descriptor).
 * :func:`unsupported_fsdp2`: what the protected path can restore shard by shard (every trained parameter a DTensor
-  sharded over a 1-D mesh of all ranks).
+  on a device mesh of all ranks: 1-D, or N-D from Accelerate's ``ParallelismConfig``, HSDP's
+  ``dp_replicate`` x ``dp_shard``; DCP writes a replicated shard once).
 * :func:`load_fsdp2_optimizer`: the optimizer restore. Native Accelerate builds its DCP read template from the
   *live* optimizer (``get_optimizer_state_dict``, which steps a fresh optimizer once with zero gradients to create
   state) and applies it with ``set_optimizer_state_dict``. Here the template is built from the checkpoint's own
@@ -79,13 +80,26 @@ def _placements(parameter: Any) -> list[str] | None:
     return [str(p) for p in parameter.placements] if isinstance(parameter, DTensor) else None
 
 
-def mesh_shape(model: Any) -> list[int] | None:
-    """The device mesh shape the model's DTensor parameters live on (None without DTensor parameters)."""
+def mesh_record(model: Any) -> dict[str, Any]:
+    """What the descriptor records of the model's device mesh: ``mesh`` (its shape) and, for an N-D mesh (HSDP
+    ``dp_replicate`` x ``dp_shard``, with ``tp``, ...), ``mesh_dims`` (its dimension names, ``None`` for an
+    unnamed one). A 1-D mesh records its shape only, as every protected FSDP2 checkpoint before N-D meshes did."""
+    mesh = _first_mesh(model)
+    if mesh is None:
+        return {"mesh": None}
+    record: dict[str, Any] = {"mesh": list(mesh.shape)}
+    if mesh.ndim > 1:
+        names = mesh.mesh_dim_names
+        record["mesh_dims"] = list(names) if names is not None else [None] * mesh.ndim
+    return record
+
+
+def _first_mesh(model: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
     for parameter in model.parameters():
         if isinstance(parameter, DTensor):
-            return list(parameter.device_mesh.shape)
+            return parameter.device_mesh
     return None
 
 
@@ -111,9 +125,9 @@ def unsupported_fsdp2(models: list[Any], world_size: int) -> str | None:
                         "checkpoints need every parameter sharded.")
             shape = list(parameter.device_mesh.shape)
             if parameter.device_mesh.size() != world_size:
-                return (f"Unsupported FSDP2 mesh: protected FSDP2 checkpoints need a 1-D mesh over all "
-                        f"{world_size} ranks; parameter {name} lives on a mesh of shape {shape} "
-                        "(HSDP or a custom mesh).")
+                return (f"Unsupported FSDP2 mesh: protected FSDP2 checkpoints need a device mesh over all "
+                        f"{world_size} ranks (1-D, or N-D from a ParallelismConfig); parameter {name} lives on a "
+                        f"mesh of shape {shape} ({parameter.device_mesh.size()} ranks: a custom sub-mesh).")
     return None
 
 
