@@ -99,9 +99,48 @@ def layout(model: Any, optimizer: torch.optim.Optimizer | None) -> tuple[list[li
     return groups, shapes
 
 
+def unsupported_placements(name: str, parameter: Any) -> str | None:
+    """Why DCP cannot store and restore this DTensor parameter's shards exactly, or None. Local, no collective.
+
+    Supported: ``Shard`` and ``Replicate`` on any mesh dimension (each rank's local shard is one box of the global
+    tensor, which DCP records as one chunk; replicas of a box are written once), and the strided shard
+    ``fully_shard`` makes of a dimension tensor parallelism already split (torch's ``_StridedShard(dim, sf)`` on
+    the data-parallel mesh dimension, ``Shard(dim)`` on the later ones, ``sf`` their product: FSDP2 + TP). Each
+    rank's piece of such a "right-to-left" sharding is still one box, and torch computes it so (uneven splits
+    included; tests/test_fsdp2_tp.py checks every box against the gathered tensor). Refused: ``Partial`` (a
+    pending reduction, not a state), and any other placement, whose pieces may not be boxes. Only public names
+    are read: the placement's class (``Shard``, ``Replicate`` exactly), ``is_partial()``, and the strided
+    shard's ``dim``/``split_factor`` attributes."""
+    import math
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = tuple(parameter.placements)
+    mesh = parameter.device_mesh
+    for index, placement in enumerate(placements):
+        if type(placement) in (Shard, Replicate):
+            continue
+        if placement.is_partial():
+            return (f"FSDP2 parameter {name} has a Partial placement ({placement}) on mesh dimension {index}: a "
+                    "pending reduction is not a saved state.")
+        dim, factor = getattr(placement, "dim", None), getattr(placement, "split_factor", None)
+        later = [mesh.size(i) for i in range(index + 1, len(placements))
+                 if type(placements[i]) is Shard and placements[i].dim == dim]
+        earlier = [p for p in placements[:index] if type(p) is not Replicate and getattr(p, "dim", None) == dim]
+        if not (isinstance(dim, int) and isinstance(factor, int) and later and factor == math.prod(later)
+                and not earlier):
+            return (f"FSDP2 parameter {name} has placements {list(map(str, placements))} on a mesh of shape "
+                    f"{list(mesh.shape)}: protected FSDP2 checkpoints restore Shard and Replicate placements and "
+                    "fully_shard's strided sharding over tensor parallelism (FSDP2 + TP), where every rank's shard "
+                    f"is one box of the tensor; {placement} on mesh dimension {index} is none of these.")
+    return None
+
+
 def unsupported_fsdp2(models: list[Any], world_size: int) -> str | None:
     """Why the protected path cannot restore these FSDP2 models (of a world of ``world_size`` ranks) shard by
-    shard, or None. Local, no collective."""
+    shard, or None: every parameter a DTensor on one mesh over all ranks (1-D FSDP, HSDP, FSDP2 + TP; any
+    ``ParallelismConfig`` mesh), with placements DCP stores exactly (:func:`unsupported_placements`). Local, no
+    collective."""
     from torch.distributed.tensor import DTensor
 
     for model in models:
@@ -111,9 +150,12 @@ def unsupported_fsdp2(models: list[Any], world_size: int) -> str | None:
                         "checkpoints need every parameter sharded.")
             shape = list(parameter.device_mesh.shape)
             if parameter.device_mesh.size() != world_size:
-                return (f"Unsupported FSDP2 mesh: protected FSDP2 checkpoints need a 1-D mesh over all "
+                return (f"Unsupported FSDP2 mesh: protected FSDP2 checkpoints need a mesh over all "
                         f"{world_size} ranks; parameter {name} lives on a mesh of shape {shape} "
-                        "(HSDP or a custom mesh).")
+                        f"({parameter.device_mesh.size()} ranks).")
+            reason = unsupported_placements(name, parameter)
+            if reason:
+                return reason
     return None
 
 
