@@ -6,8 +6,13 @@ Accelerate's FSDP2 ``SHARDED_STATE_DICT`` checkpoints are DCP directories like F
 
 * :func:`layout`: optimizer groups as parameter names and each parameter's global shape, dtype, ``requires_grad``
   and DTensor placements; :func:`mesh_shape` (recorded in the descriptor).
-* :func:`unsupported_fsdp2`: what the protected path can restore shard by shard (every trained parameter a DTensor
-  sharded over a 1-D mesh of all ranks).
+* :func:`unsupported_fsdp2`: what the protected path can restore shard by shard: every parameter a DTensor on one
+  mesh of all ranks (1-D FSDP, HSDP, FSDP2 + tensor parallelism: any ``ParallelismConfig`` mesh), with placements
+  whose every local shard is one box of the global tensor (:func:`unsupported_placements`: ``Shard``,
+  ``Replicate``, and the strided shard ``fully_shard`` makes of a dimension TP already split). DCP records each
+  such box as one chunk, a replicated box once (its save planner deduplicates replicas), and the publish-time
+  coverage check proves the chunks tile each tensor exactly once; a restore on the same mesh reads every box back
+  into the shard it came from, a restore on another mesh (``allow_reshard``) reads by global offsets.
 * :func:`load_fsdp2_optimizer`: the optimizer restore. Native Accelerate builds its DCP read template from the
   *live* optimizer (``get_optimizer_state_dict``, which steps a fresh optimizer once with zero gradients to create
   state) and applies it with ``set_optimizer_state_dict``. Here the template is built from the checkpoint's own
