@@ -28,8 +28,11 @@ WIDTH = 18  # 18 rows over tp 2 are 9, over dp_shard 2 then 5 and 4: uneven stri
 PLAN = {"body.0": "colwise", "body.3": "rowwise", "body.6": "colwise", "head": "rowwise"}
 
 
-def _build(seed: int, *, dp_shard: int = 2, tp: int = 2, dp_replicate: int = 1) -> tuple[Any, ...]:
-    """A TinyModel tensor-parallelised over ``tp`` and fully sharded over the data-parallel dimensions."""
+def _build(seed: int, *, dp_shard: int = 2, tp: int = 2, dp_replicate: int = 1,
+           plan: dict[str, str] | None = None) -> tuple[Any, ...]:
+    """A TinyModel tensor-parallelised over ``tp`` (``plan``: module -> "colwise"/"rowwise", default :data:`PLAN`;
+    Accelerate's ``prepare`` makes every parameter a plan leaves alone a ``Replicate()`` DTensor on the ``tp``
+    mesh) and fully sharded over the data-parallel dimensions."""
     from accelerate.parallelism_config import ParallelismConfig
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -39,7 +42,7 @@ def _build(seed: int, *, dp_shard: int = 2, tp: int = 2, dp_replicate: int = 1) 
     raw = TinyModel(width=WIDTH)
     if tp > 1:
         styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-        parallelize_module(raw, accelerator.torch_device_mesh["tp"], {k: styles[v]() for k, v in PLAN.items()})
+        parallelize_module(raw, accelerator.torch_device_mesh["tp"], {k: styles[v]() for k, v in (plan or PLAN).items()})
     opt = torch.optim.AdamW(raw.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(warmup_lambda, warmup=3))
     model, opt, scheduler = accelerator.prepare(raw, opt, scheduler)
@@ -149,13 +152,14 @@ def tp_roundtrip(root: str) -> dict[str, Any]:
     rank 3 refused on every rank before anything changes; native Accelerate loading the protected checkpoint;
     elastic resume onto dp_shard 4 (no TP) in the same ranks."""
     from accelerate_txn.accelerate.patch import _protected
-    from accelerate_txn.fsdp.fsdp2 import unsupported_fsdp2
+    from accelerate_txn.fsdp.fsdp2 import mesh_dim_names, unsupported_fsdp2
 
     base = Path(root)
     rank = int(os.environ["RANK"])
     obs: dict[str, Any] = {}
     acc, model, opt, sched = _build(0)
     obs["mesh"] = [list(acc.torch_device_mesh.shape), list(acc.torch_device_mesh.mesh_dim_names)]
+    obs["parameter_mesh"] = mesh_dim_names(model)
     obs["unsupported"] = unsupported_fsdp2([model], acc.num_processes)
     obs["protected"] = _protected(acc)
     obs["boxes"] = _boxes(model)
@@ -206,6 +210,17 @@ def tp_roundtrip(root: str) -> dict[str, Any]:
     torch.manual_seed(99 + rank)
     obs["native_error"] = _error(lambda: acc3.load_state(str(path)))
     obs["native_differences"] = _differences(expected, _snapshot(model3, opt3, sched3))
+
+    # A plan that leaves the last two layers alone: prepare replicates them over TP (FSDP shards them over dp).
+    half = {"body.0": "colwise", "body.3": "rowwise"}
+    acc4, model4, opt4, sched4 = _build(3, plan=half)
+    obs["half_placements"] = {n: [str(p) for p in q.placements] for n, q in model4.named_parameters()}
+    _train(acc4, model4, opt4, sched4, 2, seed=6)
+    obs["half_save_error"] = _error(lambda: acc4.save_state(str(base / "half")))
+    expected4 = _snapshot(model4, opt4, sched4)
+    acc5, model5, opt5, sched5 = _build(8, plan=half)
+    obs["half_load_error"] = _error(lambda: acc5.load_state(str(base / "half")))
+    obs["half_differences"] = _differences(expected4, _snapshot(model5, opt5, sched5))
 
     # Elastic: the same checkpoint onto dp_shard 4 without TP, in these 4 ranks.
     obs.update(_elastic(base, dp_shard=4, tp=1, prefix="dp4"))

@@ -37,6 +37,7 @@ def tp(tmp_path_factory: Any) -> list[dict[str, Any]]:
 def test_fsdp2_tp_is_protected_and_every_dcp_chunk_is_exactly_its_ranks_shard(tp: list[dict[str, Any]]) -> None:
     for obs in tp:
         assert obs["mesh"] == [[2, 2], ["dp_shard", "tp"]]
+        assert obs["parameter_mesh"] == ["dp_shard_cp", "tp"]  # fully_shard's mesh: dp_shard (and cp) flattened
         assert obs["unsupported"] is None and obs["protected"] is True
         assert obs["save_error"] is None
         placements = {name: entry["placements"] for name, entry in obs["boxes"].items()}
@@ -70,6 +71,17 @@ def test_fsdp2_tp_save_train_on_restore_is_bitwise_exact_and_continues_identical
         assert obs["same_direct"] > 0  # the direct reader read into the 2-D shards (and exactly: no differences)
         assert obs["fresh_error"] is None and obs["fresh_differences"] == []  # params, optimizer, groups, sched, RNG
         assert obs["next_step_differences"] == []
+
+
+@pytest.mark.distributed
+def test_layers_a_tp_plan_leaves_alone_are_replicated_over_tp_and_round_trip_exactly(
+        tp: list[dict[str, Any]]) -> None:
+    for obs in tp:
+        placements = obs["half_placements"]
+        assert placements["body.0.weight"] == ["_S(0, 2)", "S(0)"]
+        assert placements["body.6.weight"] == placements["head.bias"] == ["S(0)", "R"]  # Accelerate's Replicate
+        assert obs["half_save_error"] is None and obs["half_load_error"] is None
+        assert obs["half_differences"] == []
 
 
 @pytest.mark.distributed

@@ -5,7 +5,7 @@ Accelerate's FSDP2 ``SHARDED_STATE_DICT`` checkpoints are DCP directories like F
 (staging, hashes, manifest, verification before mutation) is the same. What differs is here:
 
 * :func:`layout`: optimizer groups as parameter names and each parameter's global shape, dtype, ``requires_grad``
-  and DTensor placements; :func:`mesh_shape` (recorded in the descriptor).
+  and DTensor placements; :func:`mesh_shape` (recorded in the descriptor) and :func:`mesh_dim_names`.
 * :func:`unsupported_fsdp2`: what the protected path can restore shard by shard: every parameter a DTensor on one
   mesh of all ranks (1-D FSDP, HSDP, FSDP2 + tensor parallelism: any ``ParallelismConfig`` mesh), with placements
   whose every local shard is one box of the global tensor (:func:`unsupported_placements`: ``Shard``,
@@ -91,6 +91,18 @@ def mesh_shape(model: Any) -> list[int] | None:
     for parameter in model.parameters():
         if isinstance(parameter, DTensor):
             return list(parameter.device_mesh.shape)
+    return None
+
+
+def mesh_dim_names(model: Any) -> list[str] | None:
+    """The names of the mesh dimensions the model's DTensor parameters live on, e.g. ``["dp_shard_cp", "tp"]`` for
+    FSDP2 + TP from Accelerate's ``ParallelismConfig`` (None without DTensor parameters or without names)."""
+    from torch.distributed.tensor import DTensor
+
+    for parameter in model.parameters():
+        if isinstance(parameter, DTensor):
+            names = parameter.device_mesh.mesh_dim_names
+            return list(names) if names else None
     return None
 
 
