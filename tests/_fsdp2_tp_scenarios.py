@@ -222,6 +222,16 @@ def tp_roundtrip(root: str) -> dict[str, Any]:
     obs["half_load_error"] = _error(lambda: acc5.load_state(str(base / "half")))
     obs["half_differences"] = _differences(expected4, _snapshot(model5, opt5, sched5))
 
+    # Asynchronous save (host copy of the 2-D shards, written in the background while training goes on).
+    accelerate_txn.configure_checkpointing(acc5, async_save=True)
+    obs["async_save_error"] = _error(lambda: acc5.save_state(str(base / "async")))
+    expected5 = _snapshot(model5, opt5, sched5)
+    _train(acc5, model5, opt5, sched5, 1, seed=2)
+    obs["async_wait_error"] = _error(lambda: accelerate_txn.wait_for_checkpoint(acc5))
+    acc6, model6, opt6, sched6 = _build(9, plan=half)
+    obs["async_load_error"] = _error(lambda: acc6.load_state(str(base / "async")))
+    obs["async_differences"] = _differences(expected5, _snapshot(model6, opt6, sched6))
+
     # Elastic: the same checkpoint onto dp_shard 4 without TP, in these 4 ranks.
     obs.update(_elastic(base, dp_shard=4, tp=1, prefix="dp4"))
     return obs

@@ -3,9 +3,10 @@ tensor-parallelised with ``parallelize_module`` before ``prepare``) through the 
 4-process gloo runs: the protected path is taken; every rank's DCP chunk is exactly its shard of the tensor (the
 strided shards ``fully_shard`` makes over TP included, uneven ones too); save, train on, restore (same objects and
 fresh ones) bitwise for model, optimizer, scheduler and RNG, and the next step equal; each tensor's chunks cover it
-once, a replicated shard stored once; a damaged payload of rank 3 refused on every rank before anything changes;
-native Accelerate loads the protected checkpoint; elastic resume onto dp_shard 4 (no TP, 4 ranks) and dp_shard 2
-(2 ranks) under ``allow_reshard``. Placements the protected path cannot store exactly are refused (unit tests)."""
+once, a replicated shard stored once; layers a TP plan leaves alone; an asynchronous save; a damaged payload of
+rank 3 refused on every rank before anything changes; native Accelerate loads the protected checkpoint; elastic
+resume onto dp_shard 4 (no TP, 4 ranks) and dp_shard 2 (2 ranks) under ``allow_reshard``. Placements the protected
+path cannot store exactly are refused (unit tests)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,13 @@ def test_layers_a_tp_plan_leaves_alone_are_replicated_over_tp_and_round_trip_exa
         assert placements["body.6.weight"] == placements["head.bias"] == ["S(0)", "R"]  # Accelerate's Replicate
         assert obs["half_save_error"] is None and obs["half_load_error"] is None
         assert obs["half_differences"] == []
+
+
+@pytest.mark.distributed
+def test_an_async_fsdp2_tp_save_written_while_training_goes_on_restores_exactly(tp: list[dict[str, Any]]) -> None:
+    for obs in tp:
+        assert obs["async_save_error"] is None and obs["async_wait_error"] is None
+        assert obs["async_load_error"] is None and obs["async_differences"] == []
 
 
 @pytest.mark.distributed
