@@ -21,9 +21,18 @@ from accelerate_txn.testing import launch
 
 TIMEOUT = 300
 ELASTIC_REFUSED = (
-    "descriptor.check_resume refuses an FSDP2 mesh change (models[].fsdp[].mesh [2, 2] vs [4]) and the placements "
+    "descriptor.check_resume refuses an FSDP2 mesh change (models[].fsdp[].mesh [2, 2] vs [4] or [2]) and the placements "
     "it implies even under allow_reshard: _without_world_size equalises 1-D meshes only. DCP itself reshards "
     "exactly (checked with the descriptor comparison relaxed); the lead is changing descriptor.py.")
+
+
+class MeshChangeRefused(Exception):
+    """The descriptor comparison refused the mesh change (the known gap the xfail tests below record)."""
+
+
+def _refused_for_the_mesh(error: dict[str, Any] | None) -> None:
+    if error is not None and error["type"] == "CheckpointConfigurationError" and ".fsdp[0].mesh" in error["message"]:
+        raise MeshChangeRefused(error["message"][:400])
 
 
 @pytest.fixture(scope="module")
@@ -110,20 +119,22 @@ def test_native_accelerate_loads_a_protected_fsdp2_tp_checkpoint(tp: list[dict[s
 
 
 @pytest.mark.distributed
-@pytest.mark.xfail(strict=True, reason=ELASTIC_REFUSED)
+@pytest.mark.xfail(strict=True, raises=MeshChangeRefused, reason=ELASTIC_REFUSED)
 def test_fsdp2_tp_resumes_exactly_onto_dp_shard_4_without_tp(tp: list[dict[str, Any]]) -> None:
     for obs in tp:
         assert obs["dp4_placements"] == ["(Shard(dim=0),)"]
+        _refused_for_the_mesh(obs["dp4_error"])
         assert obs["dp4_error"] is None, obs["dp4_error"]["message"][:600]
         assert obs["dp4_differences"] == []  # every parameter and optimizer tensor gathered whole, the scheduler
 
 
 @pytest.mark.distributed
-@pytest.mark.xfail(strict=True, reason=ELASTIC_REFUSED)
+@pytest.mark.xfail(strict=True, raises=MeshChangeRefused, reason=ELASTIC_REFUSED)
 def test_fsdp2_tp_resumes_exactly_onto_2_ranks_without_tp(tp: list[dict[str, Any]]) -> None:
     observed = launch("tests._fsdp2_tp_scenarios:elastic_tp1", 2, args=(tp[0]["root"],), timeout=TIMEOUT)
     for obs in observed:
         assert obs["dp2_placements"] == ["(Shard(dim=0),)"]
+        _refused_for_the_mesh(obs["dp2_error"])
         assert obs["dp2_error"] is None, obs["dp2_error"]["message"][:600]
         assert obs["dp2_differences"] == []
 
