@@ -181,8 +181,9 @@ def replicate_parallel_for_accelerate() -> bool:
 
     ``Accelerator._prepare_tp`` (Accelerate 1.15, FSDP2 with ``tp_size > 1``) imports
     ``transformers.integrations.tensor_parallel.ReplicateParallel`` for every model, and uses it to make each
-    parameter the model's tensor-parallel plan left alone a ``Replicate()`` DTensor on the ``tp`` mesh. transformers
-    5.x rewrote its tensor-parallel API and has no such class: on GPUs too, ``prepare`` then fails with an
+    parameter the model's tensor-parallel plan left alone a ``Replicate()`` DTensor on the ``tp`` mesh. Newer
+    transformers (5.24 measured; its tensor-parallel API moved to ``transformers.distributed``) have no such class:
+    on GPUs too, ``prepare`` then fails with an
     ``ImportError`` before anything is sharded. The stand-in does what transformers 4.5x's did
     (``distribute_module`` with inputs made ``Replicate()`` DTensors and outputs made local again). Nothing changes
     where transformers has the class, or is not installed (Accelerate's own ``ImportError`` then stands)."""
@@ -225,7 +226,7 @@ def force_fsdp(accelerator: Any, plugin: Any, parallelism_config: Any = None) ->
     checked by Accelerate's own validation, as ``Accelerator(parallelism_config=...)`` does on GPUs. With ``tp_size >
     1`` the model is tensor-parallelised by the script before ``prepare`` (``parallelize_module`` on
     ``accelerator.torch_device_mesh["tp"]``), and :func:`replicate_parallel_for_accelerate` lets Accelerate 1.15's
-    FSDP2 + TP preparation run beside transformers 5.x."""
+    FSDP2 + TP preparation run beside a transformers without ``ReplicateParallel``."""
     import torch
     from accelerate import PartialState
     from accelerate.utils import DistributedType
