@@ -183,8 +183,8 @@ def replicate_parallel_for_accelerate() -> bool:
     ``transformers.integrations.tensor_parallel.ReplicateParallel`` for every model, and uses it to make each
     parameter the model's tensor-parallel plan left alone a ``Replicate()`` DTensor on the ``tp`` mesh. Newer
     transformers (5.24 measured; its tensor-parallel API moved to ``transformers.distributed``) have no such class:
-    on GPUs too, ``prepare`` then fails with an
-    ``ImportError`` before anything is sharded. The stand-in does what transformers 4.5x's did
+    on GPUs too, ``prepare`` then fails with an ``ImportError`` before anything is sharded. The stand-in does what
+    transformers 4.5x's did
     (``distribute_module`` with inputs made ``Replicate()`` DTensors and outputs made local again). Nothing changes
     where transformers has the class, or is not installed (Accelerate's own ``ImportError`` then stands)."""
     try:
