@@ -10,6 +10,11 @@ bytes. Anything else (a resharded read of part of a stored chunk, a transformed 
 does not recognise, a destination it cannot write into) goes through DCP's own path unchanged, so the result is the
 same tensor either way.
 
+On an N-D mesh (HSDP, FSDP2 + TP) the destination of an item is the rank's local shard narrowed to the item's box
+(``DefaultLoadPlanner.resolve_tensor``): a box of whole rows is contiguous and read directly; a box of some columns
+(a row-parallel weight's shard read on another mesh) is not, and DCP's path copies it. A resharded read is
+likewise direct only where a stored chunk lands whole in one contiguous destination.
+
 The restore calls it only after every byte of every file it reads was hash-checked on every rank (the protected
 load's preflight), like the DCP reader it replaces.
 """

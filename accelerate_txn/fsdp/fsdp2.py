@@ -5,10 +5,15 @@ Accelerate's FSDP2 ``SHARDED_STATE_DICT`` checkpoints are DCP directories like F
 (staging, hashes, manifest, verification before mutation) is the same. What differs is here:
 
 * :func:`layout`: optimizer groups as parameter names and each parameter's global shape, dtype, ``requires_grad``
-  and DTensor placements; :func:`mesh_record` (the device mesh, recorded in the descriptor).
-* :func:`unsupported_fsdp2`: what the protected path can restore shard by shard (every trained parameter a DTensor
-  on a device mesh of all ranks: 1-D, or N-D from Accelerate's ``ParallelismConfig``, HSDP's
-  ``dp_replicate`` x ``dp_shard``; DCP writes a replicated shard once).
+  and DTensor placements; :func:`mesh_record` (the device mesh and, N-D, its dimension names: recorded in the
+  descriptor).
+* :func:`unsupported_fsdp2`: what the protected path can restore shard by shard: every parameter a DTensor on one
+  mesh of all ranks (1-D FSDP, HSDP, FSDP2 + tensor parallelism: any ``ParallelismConfig`` mesh), with placements
+  whose every local shard is one box of the global tensor (:func:`unsupported_placements`: ``Shard``,
+  ``Replicate``, and the strided shard ``fully_shard`` makes of a dimension TP already split). DCP records each
+  such box as one chunk, a replicated box once (its save planner deduplicates replicas), and the publish-time
+  coverage check proves the chunks tile each tensor exactly once; a restore on the same mesh reads every box back
+  into the shard it came from, a restore on another mesh (``allow_reshard``) reads by global offsets.
 * :func:`load_fsdp2_optimizer`: the optimizer restore. Native Accelerate builds its DCP read template from the
   *live* optimizer (``get_optimizer_state_dict``, which steps a fresh optimizer once with zero gradients to create
   state) and applies it with ``set_optimizer_state_dict``. Here the template is built from the checkpoint's own
@@ -103,6 +108,14 @@ def _first_mesh(model: Any) -> Any:
     return None
 
 
+def mesh_dim_names(model: Any) -> list[str] | None:
+    """The names of the mesh dimensions the model's DTensor parameters live on, e.g. ``["dp_shard_cp", "tp"]`` for
+    FSDP2 + TP from Accelerate's ``ParallelismConfig`` (None without DTensor parameters or without names)."""
+    mesh = _first_mesh(model)
+    names = None if mesh is None else mesh.mesh_dim_names
+    return list(names) if names else None
+
+
 def layout(model: Any, optimizer: torch.optim.Optimizer | None) -> tuple[list[list[str]], dict[str, Any]]:
     """Optimizer groups as parameter names, and name -> (global shape, dtype, requires_grad, placements)."""
     named = named_parameters(model)
@@ -113,9 +126,48 @@ def layout(model: Any, optimizer: torch.optim.Optimizer | None) -> tuple[list[li
     return groups, shapes
 
 
+def unsupported_placements(name: str, parameter: Any) -> str | None:
+    """Why DCP cannot store and restore this DTensor parameter's shards exactly, or None. Local, no collective.
+
+    Supported: ``Shard`` and ``Replicate`` on any mesh dimension (each rank's local shard is one box of the global
+    tensor, which DCP records as one chunk; replicas of a box are written once), and the strided shard
+    ``fully_shard`` makes of a dimension tensor parallelism already split (torch's ``_StridedShard(dim, sf)`` on
+    the data-parallel mesh dimension, ``Shard(dim)`` on the later ones, ``sf`` their product: FSDP2 + TP). Each
+    rank's piece of such a "right-to-left" sharding is still one box, and torch computes it so (uneven splits
+    included; tests/test_fsdp2_tp.py checks every box against the gathered tensor). Refused: ``Partial`` (a
+    pending reduction, not a state), and any other placement, whose pieces may not be boxes. Only public names
+    are read: the placement's class (``Shard``, ``Replicate`` exactly), ``is_partial()``, and the strided
+    shard's ``dim``/``split_factor`` attributes."""
+    import math
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = tuple(parameter.placements)
+    mesh = parameter.device_mesh
+    for index, placement in enumerate(placements):
+        if type(placement) in (Shard, Replicate):
+            continue
+        if placement.is_partial():
+            return (f"FSDP2 parameter {name} has a Partial placement ({placement}) on mesh dimension {index}: a "
+                    "pending reduction is not a saved state.")
+        dim, factor = getattr(placement, "dim", None), getattr(placement, "split_factor", None)
+        later = [mesh.size(i) for i in range(index + 1, len(placements))
+                 if type(placements[i]) is Shard and placements[i].dim == dim]
+        earlier = [p for p in placements[:index] if type(p) is not Replicate and getattr(p, "dim", None) == dim]
+        if not (isinstance(dim, int) and isinstance(factor, int) and later and factor == math.prod(later)
+                and not earlier):
+            return (f"FSDP2 parameter {name} has placements {list(map(str, placements))} on a mesh of shape "
+                    f"{list(mesh.shape)}: protected FSDP2 checkpoints restore Shard and Replicate placements and "
+                    "fully_shard's strided sharding over tensor parallelism (FSDP2 + TP), where every rank's shard "
+                    f"is one box of the tensor; {placement} on mesh dimension {index} is none of these.")
+    return None
+
+
 def unsupported_fsdp2(models: list[Any], world_size: int) -> str | None:
     """Why the protected path cannot restore these FSDP2 models (of a world of ``world_size`` ranks) shard by
-    shard, or None. Local, no collective."""
+    shard, or None: every parameter a DTensor on one mesh over all ranks (1-D FSDP, HSDP, FSDP2 + TP; any
+    ``ParallelismConfig`` mesh), with placements DCP stores exactly (:func:`unsupported_placements`). Local, no
+    collective."""
     from torch.distributed.tensor import DTensor
 
     for model in models:
@@ -128,6 +180,9 @@ def unsupported_fsdp2(models: list[Any], world_size: int) -> str | None:
                 return (f"Unsupported FSDP2 mesh: protected FSDP2 checkpoints need a device mesh over all "
                         f"{world_size} ranks (1-D, or N-D from a ParallelismConfig); parameter {name} lives on a "
                         f"mesh of shape {shape} ({parameter.device_mesh.size()} ranks: a custom sub-mesh).")
+            reason = unsupported_placements(name, parameter)
+            if reason:
+                return reason
     return None
 
 

@@ -175,11 +175,58 @@ def no_parallelism_environment() -> Iterator[None]:
             os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = saved
 
 
+def replicate_parallel_for_accelerate() -> bool:
+    """Give ``transformers.integrations.tensor_parallel`` the ``ReplicateParallel`` Accelerate 1.15's FSDP2 + TP
+    preparation imports, where the installed transformers has none; True if it was added.
+
+    ``Accelerator._prepare_tp`` (Accelerate 1.15, FSDP2 with ``tp_size > 1``) imports
+    ``transformers.integrations.tensor_parallel.ReplicateParallel`` for every model, and uses it to make each
+    parameter the model's tensor-parallel plan left alone a ``Replicate()`` DTensor on the ``tp`` mesh. Newer
+    transformers (5.24 measured; its tensor-parallel API moved to ``transformers.distributed``) have no such class:
+    on GPUs too, ``prepare`` then fails with an ``ImportError`` before anything is sharded. The stand-in does what
+    transformers 4.5x's did
+    (``distribute_module`` with inputs made ``Replicate()`` DTensors and outputs made local again). Nothing changes
+    where transformers has the class, or is not installed (Accelerate's own ``ImportError`` then stands)."""
+    try:
+        import transformers.integrations.tensor_parallel as tensor_parallel
+    except ImportError:
+        return False
+    if hasattr(tensor_parallel, "ReplicateParallel"):
+        return False
+
+    class ReplicateParallel:
+        """transformers 4.5x's ``ReplicateParallel``, as far as Accelerate 1.15 uses it (``prepare_module_tp``)."""
+
+        @staticmethod
+        def _input(module: Any, inputs: Any, mesh: Any) -> Any:
+            from torch.distributed.tensor import DTensor, Replicate
+
+            first = inputs[0]
+            if not isinstance(first, DTensor):
+                first = DTensor.from_local(first, mesh, (Replicate(),), run_check=False)
+            return (first, *inputs[1:])
+
+        @staticmethod
+        def _output(module: Any, outputs: Any, mesh: Any) -> Any:
+            return outputs.to_local() if hasattr(outputs, "to_local") else outputs
+
+        def prepare_module_tp(self, module: Any, device_mesh: Any) -> Any:
+            from torch.distributed.tensor import distribute_module
+
+            return distribute_module(module, device_mesh, input_fn=self._input, output_fn=self._output)
+
+    tensor_parallel.ReplicateParallel = ReplicateParallel
+    return True
+
+
 def force_fsdp(accelerator: Any, plugin: Any, parallelism_config: Any = None) -> None:
     """Turn ``accelerator`` (built with ``cpu=True``) into an FSDP Accelerator using ``plugin`` on CPU: every rank,
     right after construction and before ``prepare``. ``parallelism_config``: an Accelerate ``ParallelismConfig``
     (HSDP ``dp_replicate_size`` x ``dp_shard_size``, ``tp_size``, ...): its device mesh is built on CPU and
-    checked by Accelerate's own validation, as ``Accelerator(parallelism_config=...)`` does on GPUs."""
+    checked by Accelerate's own validation, as ``Accelerator(parallelism_config=...)`` does on GPUs. With ``tp_size >
+    1`` the model is tensor-parallelised by the script before ``prepare`` (``parallelize_module`` on
+    ``accelerator.torch_device_mesh["tp"]``), and :func:`replicate_parallel_for_accelerate` lets Accelerate 1.15's
+    FSDP2 + TP preparation run beside a transformers without ``ReplicateParallel``."""
     import torch
     from accelerate import PartialState
     from accelerate.utils import DistributedType
@@ -194,6 +241,8 @@ def force_fsdp(accelerator: Any, plugin: Any, parallelism_config: Any = None) ->
                 "mesh for fully_shard only. Use fsdp_version=2 (--fsdp-version 2), or FSDP1's "
                 "sharding_strategy='HYBRID_SHARD' for hybrid sharding with FSDP1.")
         accelerator.state.parallelism_config = parallelism_config
+        if parallelism_config.tp_enabled:
+            replicate_parallel_for_accelerate()
         accelerator.state.device_mesh = parallelism_config.get_device_mesh("cpu")
         parallelism_config._validate_accelerator(accelerator)
     # PartialState too (the state TrainingArguments keeps): a gloo PartialState's device is "cpu:<local rank>",
