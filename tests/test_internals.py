@@ -54,7 +54,9 @@ PENDING: dict[str, set[str]] = {
     # The CPU harness gives transformers 5.x the ReplicateParallel that Accelerate 1.15's FSDP2 + TP prepare imports
     # (_cpu_fsdp.replicate_parallel_for_accelerate). _cpu_fsdp is loaded by path in the launcher's workers and may not
     # import accelerate_txn (that installs the patch), so it cannot call an accessor in an internals layer.
-    "testing/_cpu_fsdp.py": {"tensor_parallel.ReplicateParallel = ..."},
+    # And it builds a ParallelismConfig's mesh on CPU through Accelerate's own validation of it
+    # (ParallelismConfig._validate_accelerator, which Accelerator.__init__ calls; Accelerate refuses the config on CPU).
+    "testing/_cpu_fsdp.py": {"tensor_parallel.ReplicateParallel = ...", "._validate_accelerator"},
 }
 
 
