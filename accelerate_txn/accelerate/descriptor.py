@@ -80,6 +80,7 @@ def path_of(accelerator: Any) -> str:
 
 
 PROTECTED_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+HYBRID_SHARDING = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 _NATIVE_FIX = "Unpatch it (unpatch_accelerate_fsdp) to use native save_state/load_state."
 
 
@@ -119,18 +120,37 @@ def _unsupported_units(accelerator: Any) -> str | None:
     for model in prepared_models(accelerator):
         for unit in FSDP.fsdp_modules(model):
             group_size = dist.get_world_size(unit.process_group) if dist.is_initialized() else 1
-            if group_size != accelerator.num_processes or inter_node_group(unit) is not None:
-                # HYBRID_SHARD (FSDP may report it as NO_SHARD when its shard group has one rank, as on CPU)
+            strategy = unit.sharding_strategy.name
+            replicas = hybrid_replicas(unit)
+            # Hybrid sharding: each unit shards over its shard group and replicates over its replica group, the
+            # two a grid over every rank; DCP writes each replicated chunk once. FSDP1 turns a hybrid unit whose
+            # shard group has one rank into NO_SHARD (as on CPU without emulated nodes), which keeps the replica
+            # group but never all-reduces over it: its replicas drift apart, and that is refused here.
+            hybrid = replicas is not None and strategy in HYBRID_SHARDING
+            if replicas is not None and not hybrid:
+                return (f"Unsupported sharding strategy: an FSDP1 unit asked for hybrid sharding has a shard group "
+                        f"of {group_size} rank, so FSDP1 runs it as {strategy} and never all-reduces across its "
+                        f"{replicas} replicas (they drift apart, and no checkpoint can hold all of them). Give each "
+                        "shard group 2 or more ranks (nodes of several devices), or use FULL_SHARD.")
+            if group_size * (replicas if hybrid else 1) != accelerator.num_processes:
                 return (f"Unsupported sharding strategy: protected FSDP checkpoints need units sharded over all "
                         f"{accelerator.num_processes} ranks; this one shards over {group_size} "
-                        f"(HYBRID_SHARD or a custom process group).")
-            if unit.sharding_strategy.name not in PROTECTED_SHARDING:
+                        f"(a custom process group).")
+            if strategy not in PROTECTED_SHARDING + HYBRID_SHARDING:
                 return (f"Unsupported sharding strategy: protected FSDP checkpoints support "
-                        f"{', '.join(PROTECTED_SHARDING)}; got {unit.sharding_strategy.name}.")
+                        f"{', '.join(PROTECTED_SHARDING + HYBRID_SHARDING)}; got {strategy}.")
             if unit.cpu_offload.offload_params and not uses_orig_params(unit):
                 return ("FSDP parameter CPU offload requires use_orig_params=True for a reliable restore: set "
                         "FullyShardedDataParallelPlugin(use_orig_params=True).")
     return None
+
+
+def hybrid_replicas(unit: Any) -> int | None:
+    """The number of replicas of a hybrid-sharded FSDP1 unit (the size of its replica group), else None."""
+    import torch.distributed as dist
+
+    group = inter_node_group(unit)
+    return None if group is None else dist.get_world_size(group)
 
 
 def validate_owner(accelerator: Any) -> None:
@@ -199,11 +219,17 @@ def describe(accelerator: Any, *, require_model_ids: bool = True) -> dict[str, A
             placements = {name: entry[3] for name, entry in layouts.items()}
             units = [{"fsdp_version": 2, "mesh": mesh_shape(model)}]
         elif fsdp:
+            import torch.distributed as dist
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
             groups, shapes = parameter_layout(model, optimizer)
+            # Hybrid units also record their grid: replicas x ranks of one shard group (absent otherwise).
             units = [{"original_params": uses_orig_params(unit), "cpu_offload": unit.cpu_offload.offload_params,
-                      "sharding": unit.sharding_strategy.name} for unit in FSDP.fsdp_modules(model)]
+                      "sharding": unit.sharding_strategy.name,
+                      **({"hybrid": {"replicate": hybrid_replicas(unit),
+                                     "shard": dist.get_world_size(unit.process_group)}}
+                         if unit.sharding_strategy.name in HYBRID_SHARDING else {})}
+                     for unit in FSDP.fsdp_modules(model)]
         else:
             by_id, shapes = _plain_names(model, accelerator)
             groups = ([[by_id.get(id(p), "<not in model>") for p in group["params"]] for group in optimizer.param_groups]
@@ -446,9 +472,11 @@ def _accept_hint(refused: list[Change], others: bool) -> str:
 def _without_world_size(saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Elastic resume: drop what only records the number of ranks (both sides normalised in place). The world
     size itself; an FSDP2 1-D mesh's length (protected FSDP2 shards over one 1-D mesh of all ranks); an FSDP1
-    unit's sharding strategy when either run has one rank (FSDP1 then runs every unit as NO_SHARD); and the number of
-    processes each data loader shards over (the elastic data-order policy of docs/elastic.md applies)."""
-    worlds = (saved.pop("world_size", None), current.pop("world_size", None))
+    unit's sharding strategy and hybrid grid (its saved files hold original-shape tensors whatever the strategy;
+    one rank runs every unit as NO_SHARD); and the number of processes each data loader shards over (the elastic
+    data-order policy of docs/elastic.md applies)."""
+    saved.pop("world_size", None)
+    current.pop("world_size", None)
     for loader in [*saved.get("dataloaders", []), *current.get("dataloaders", [])]:
         if isinstance(loader, dict):
             loader.pop("processes", None)
@@ -457,20 +485,49 @@ def _without_world_size(saved: dict[str, Any], current: dict[str, Any]) -> None:
             if isinstance(old_unit.get("mesh"), list) and isinstance(new_unit.get("mesh"), list) \
                     and len(old_unit["mesh"]) == len(new_unit["mesh"]) == 1:
                 old_unit["mesh"] = new_unit["mesh"]
-            if 1 in worlds and "sharding" in old_unit and "sharding" in new_unit:
-                old_unit.pop("sharding")
-                new_unit.pop("sharding")
+            if "sharding" in old_unit and "sharding" in new_unit:  # FSDP1: DCP reshards between any strategies
+                for key in ("sharding", "hybrid"):
+                    old_unit.pop(key, None)
+                    new_unit.pop(key, None)
 
 
 def _reshard_hint(saved: dict[str, Any], current: dict[str, Any]) -> str:
     """The world-size part of a refusal: resuming on another number of ranks needs the elastic-resume opt-in."""
     if saved.get("world_size") == current.get("world_size"):
-        return ""
+        return _fsdp1_layout_hint(saved, current)
     return (f"\nThis checkpoint was saved on {saved.get('world_size')} ranks and this run has "
             f"{current.get('world_size')}: a world-size change is refused before anything is restored. Resume on "
             f"{saved.get('world_size')} ranks, or opt in to elastic resume with "
             "configure_checkpointing(accelerator, allow_reshard=True) (model and optimizer are resharded; per-rank "
             "RNG, data-loader and private state follow the documented policy: docs/elastic.md).")
+
+
+def _fsdp1_layout(descriptor: dict[str, Any]) -> list[list[str]]:
+    """Each model's FSDP1 units as ``"STRATEGY"`` or ``"STRATEGY (R replicas x S ranks)"`` (hybrid)."""
+    def name(unit: dict[str, Any]) -> str:
+        grid = unit.get("hybrid")
+        if isinstance(grid, dict):
+            return f"{unit['sharding']} ({grid.get('replicate')} replicas x {grid.get('shard')} ranks)"
+        return str(unit["sharding"])
+
+    return [[name(unit) for unit in model.get("fsdp", []) if isinstance(unit, dict) and "sharding" in unit]
+            for model in descriptor.get("models", []) if isinstance(model, dict)]
+
+
+def _fsdp1_layout_hint(saved: dict[str, Any], current: dict[str, Any]) -> str:
+    """The FSDP1 sharding part of a refusal on the same world size: another strategy or hybrid grid is an elastic
+    resume too."""
+    before, after = _fsdp1_layout(saved), _fsdp1_layout(current)
+    if before == after:
+        return ""
+
+    def strategies(layout: list[list[str]]) -> str:
+        return ", ".join(sorted({name for units in layout for name in units})) or "none"
+
+    return (f"\nThis checkpoint was saved with FSDP1 sharding {strategies(before)} and this run shards with "
+            f"{strategies(after)}: a sharding change is refused before anything is restored. Resume with the saved "
+            "sharding_strategy, or opt in to elastic resume with configure_checkpointing(accelerator, "
+            "allow_reshard=True) (model and optimizer are resharded exactly: docs/elastic.md).")
 
 
 def participants(owners: Any) -> dict[str, Any]:
