@@ -4,9 +4,10 @@
 consecutive ranks (shard groups {0, 1}, {2, 3}; replica groups {0, 2}, {1, 3}). Each rank trains on its own
 batches, so the replicas stay equal only through FSDP's all-reduce over the replica group.
 
-``same_mesh``: train, save a protected checkpoint A, then on a fresh model and optimizer (other initial values):
-a copy of A whose payload written by a rank of the second replica is damaged is refused on every rank before
-anything changes, and A itself restores exactly (parameters, optimizer state, RNG, step).
+``same_mesh``: train, save a protected checkpoint A (and the same state asynchronously, A_async), then on a fresh
+model and optimizer (other initial values): a copy of A whose payload written by a rank of the second replica is
+damaged is refused on every rank before anything changes, and A itself restores exactly (parameters, optimizer
+state, RNG, step).
 ``resume``: restore a checkpoint saved under another sharding (first without the opt-in: refused before anything
 changes), then re-save the restored live state (tests/test_hsdp_fsdp1.py compares it with the saved one).
 ``main``: a rank of the kill -9 test (tests/_crash_scenarios.py's run, on a 2 x 2 hybrid model).
@@ -67,6 +68,11 @@ def same_mesh(root: str, strategy: str) -> dict[str, Any]:
     rng, step, lr = torch.get_rng_state(), accelerator.step, scheduler.get_last_lr()
     obs["rng"] = rng
     obs["save_error"] = _error(lambda: accelerator.save_state(str(checkpoint)))
+    # The same state saved asynchronously (DCP writes over a background group of every rank).
+    accelerate_txn.configure_checkpointing(accelerator, async_save=True)
+    obs["async_error"] = _error(lambda: (accelerator.save_state(str(Path(root) / "A_async")),
+                                         accelerate_txn.wait_for_checkpoint(accelerator)))
+    accelerate_txn.configure_checkpointing(accelerator, async_save=False)
 
     fresh, fresh_model, fresh_optimizer, fresh_scheduler = _build(7, sharding_strategy=strategy)
     if rank == 0:

@@ -3,10 +3,10 @@
 The ranks are 2 replicas x 2 shards (``fsdp_accelerator(sharding_strategy=...)``: emulated nodes of 2 ranks; shard
 groups {0, 1} and {2, 3}, replica groups {0, 2} and {1, 3}); scenarios in tests/_hsdp_fsdp1_scenarios.py.
 
-* Same mesh (one launch): a protected save A; DCP writes each replicated chunk once (the stored elements add up to
-  one copy of the state); the manifest records the strategy and the grid; a copy of A with a damaged payload of a
-  rank of the second replica is refused on every rank before anything changes; A restores exactly (parameters,
-  optimizer state, RNG, scheduler).
+* Same mesh (one launch): a protected save A (and the same state saved asynchronously); DCP writes each replicated
+  chunk once (the stored elements add up to one copy of the state); the manifest records the strategy and the grid;
+  a copy of A with a damaged payload of a rank of the second replica is refused on every rank before anything
+  changes; A restores exactly (parameters, optimizer state, RNG, scheduler).
 * Elastic (three launches): A (HYBRID 2x2) -> FULL_SHARD on 4 ranks (re-saved as B) -> _HYBRID_SHARD_ZERO2 2x2
   (re-saved as C); A -> FULL_SHARD on 2 ranks (re-saved as E). A sharding change is refused without
   ``allow_reshard`` (naming it), accepted with it; each re-save is the restored live state, so its consolidated
@@ -75,6 +75,13 @@ def test_hybrid_save_is_protected_and_the_manifest_records_strategy_and_grid(sam
     assert units and all(unit["sharding"] == "HYBRID_SHARD" and unit["hybrid"] == {"replicate": 2, "shard": 2}
                          for unit in units)
     assert json.loads((same_mesh["A"] / MANIFEST).read_text())["components"][""]["world_size"] == 4
+
+
+def test_an_asynchronous_hybrid_save_holds_the_same_state(same_mesh: dict[str, Any]) -> None:
+    assert all(obs["async_error"] is None for obs in same_mesh["ranks"]), [o["async_error"] for o in same_mesh["ranks"]]
+    asynchronous = same_mesh["root"] / "A_async"
+    assert _units(asynchronous) == _units(same_mesh["A"])
+    assert _same_state(same_mesh["A"], asynchronous) == []
 
 
 def test_a_replicated_chunk_is_written_once(same_mesh: dict[str, Any]) -> None:
