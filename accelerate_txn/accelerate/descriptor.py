@@ -145,12 +145,63 @@ def _unsupported_units(accelerator: Any) -> str | None:
     return None
 
 
+def hybrid_grid(unit: Any) -> dict[str, Any]:
+    """A hybrid-sharded FSDP1 unit's descriptor entry for its grid, ``{"hybrid": {"replicate": R, "shard": S}}`` (R
+    replicas of S ranks); ``{}`` for any other unit."""
+    import torch.distributed as dist
+
+    if unit.sharding_strategy.name not in HYBRID_SHARDING:
+        return {}
+    return {"hybrid": {"replicate": hybrid_replicas(unit), "shard": dist.get_world_size(unit.process_group)}}
+
+
 def hybrid_replicas(unit: Any) -> int | None:
     """The number of replicas of a hybrid-sharded FSDP1 unit (the size of its replica group), else None."""
     import torch.distributed as dist
 
     group = inter_node_group(unit)
     return None if group is None else dist.get_world_size(group)
+
+
+def _without_fsdp1_layout(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Elastic resume: drop each FSDP1 unit's sharding strategy and hybrid grid (both sides normalised in place). The
+    saved files hold original-shape tensors whatever the strategy (``FULL_SHARD``, ``SHARD_GRAD_OP``, ``HYBRID_SHARD``
+    on any grid, ``_HYBRID_SHARD_ZERO2``; ``NO_SHARD`` on one rank), and model and optimizer are read into the live
+    layout exactly."""
+    for old, new in zip(saved.get("models", []), current.get("models", [])):
+        for old_unit, new_unit in zip(old.get("fsdp", []), new.get("fsdp", [])):
+            if "sharding" in old_unit and "sharding" in new_unit:
+                for key in ("sharding", "hybrid"):
+                    old_unit.pop(key, None)
+                    new_unit.pop(key, None)
+
+
+def _fsdp1_layout(descriptor: dict[str, Any]) -> list[list[str]]:
+    """Each model's FSDP1 units as ``"STRATEGY"`` or ``"STRATEGY (R replicas x S ranks)"`` (hybrid)."""
+    def name(unit: dict[str, Any]) -> str:
+        grid = unit.get("hybrid")
+        if isinstance(grid, dict):
+            return f"{unit['sharding']} ({grid.get('replicate')} replicas x {grid.get('shard')} ranks)"
+        return str(unit["sharding"])
+
+    return [[name(unit) for unit in model.get("fsdp", []) if isinstance(unit, dict) and "sharding" in unit]
+            for model in descriptor.get("models", []) if isinstance(model, dict)]
+
+
+def _fsdp1_layout_hint(saved: dict[str, Any], current: dict[str, Any]) -> str:
+    """The FSDP1 sharding part of a refusal on the same world size: another strategy or hybrid grid is an elastic
+    resume too."""
+    before, after = _fsdp1_layout(saved), _fsdp1_layout(current)
+    if before == after:
+        return ""
+
+    def strategies(layout: list[list[str]]) -> str:
+        return ", ".join(sorted({name for units in layout for name in units})) or "none"
+
+    return (f"\nThis checkpoint was saved with FSDP1 sharding {strategies(before)} and this run shards with "
+            f"{strategies(after)}: a sharding change is refused before anything is restored. Resume with the saved "
+            "sharding_strategy, or opt in to elastic resume with configure_checkpointing(accelerator, "
+            "allow_reshard=True) (model and optimizer are resharded exactly: docs/elastic.md).")
 
 
 def validate_owner(accelerator: Any) -> None:
@@ -219,16 +270,12 @@ def describe(accelerator: Any, *, require_model_ids: bool = True) -> dict[str, A
             placements = {name: entry[3] for name, entry in layouts.items()}
             units = [{"fsdp_version": 2, "mesh": mesh_shape(model)}]
         elif fsdp:
-            import torch.distributed as dist
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
             groups, shapes = parameter_layout(model, optimizer)
             # Hybrid units also record their grid: replicas x ranks of one shard group (absent otherwise).
             units = [{"original_params": uses_orig_params(unit), "cpu_offload": unit.cpu_offload.offload_params,
-                      "sharding": unit.sharding_strategy.name,
-                      **({"hybrid": {"replicate": hybrid_replicas(unit),
-                                     "shard": dist.get_world_size(unit.process_group)}}
-                         if unit.sharding_strategy.name in HYBRID_SHARDING else {})}
+                      "sharding": unit.sharding_strategy.name, **hybrid_grid(unit)}
                      for unit in FSDP.fsdp_modules(model)]
         else:
             by_id, shapes = _plain_names(model, accelerator)
@@ -425,6 +472,7 @@ def check_resume(
     saved, current = _normalise(saved, reorder), _normalise(current, reorder)
     if allow_reshard:
         _without_world_size(saved, current)
+        _without_fsdp1_layout(saved, current)
     training = saved.setdefault("training", {})
     migrated: list[str] = []
     for group in (legacy_metadata_keys, *legacy_metadata_groups):
@@ -448,7 +496,7 @@ def check_resume(
             + "\n  ".join([change.refused_line() for change in refused] + found)
             + "\nResume with the configuration it was saved with (models and roles, optimizer type and groups, "
             "schedulers, precision, accumulation, world size, dataloaders, metadata), or start a new run directory."
-            + _accept_hint(refused, bool(found)) + _reshard_hint(saved, current)
+            + _accept_hint(refused, bool(found)) + _reshard_hint(saved, current) + _fsdp1_layout_hint(saved, current)
         )
     if migrated and warn:
         warnings.warn(
@@ -472,11 +520,9 @@ def _accept_hint(refused: list[Change], others: bool) -> str:
 def _without_world_size(saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Elastic resume: drop what only records the number of ranks (both sides normalised in place). The world
     size itself; an FSDP2 1-D mesh's length (protected FSDP2 shards over one 1-D mesh of all ranks); an FSDP1
-    unit's sharding strategy and hybrid grid (its saved files hold original-shape tensors whatever the strategy;
-    one rank runs every unit as NO_SHARD); and the number of processes each data loader shards over (the elastic
-    data-order policy of docs/elastic.md applies)."""
-    saved.pop("world_size", None)
-    current.pop("world_size", None)
+    unit's sharding strategy when either run has one rank (FSDP1 then runs every unit as NO_SHARD); and the number of
+    processes each data loader shards over (the elastic data-order policy of docs/elastic.md applies)."""
+    worlds = (saved.pop("world_size", None), current.pop("world_size", None))
     for loader in [*saved.get("dataloaders", []), *current.get("dataloaders", [])]:
         if isinstance(loader, dict):
             loader.pop("processes", None)
@@ -485,49 +531,20 @@ def _without_world_size(saved: dict[str, Any], current: dict[str, Any]) -> None:
             if isinstance(old_unit.get("mesh"), list) and isinstance(new_unit.get("mesh"), list) \
                     and len(old_unit["mesh"]) == len(new_unit["mesh"]) == 1:
                 old_unit["mesh"] = new_unit["mesh"]
-            if "sharding" in old_unit and "sharding" in new_unit:  # FSDP1: DCP reshards between any strategies
-                for key in ("sharding", "hybrid"):
-                    old_unit.pop(key, None)
-                    new_unit.pop(key, None)
+            if 1 in worlds and "sharding" in old_unit and "sharding" in new_unit:
+                old_unit.pop("sharding")
+                new_unit.pop("sharding")
 
 
 def _reshard_hint(saved: dict[str, Any], current: dict[str, Any]) -> str:
     """The world-size part of a refusal: resuming on another number of ranks needs the elastic-resume opt-in."""
     if saved.get("world_size") == current.get("world_size"):
-        return _fsdp1_layout_hint(saved, current)
+        return ""
     return (f"\nThis checkpoint was saved on {saved.get('world_size')} ranks and this run has "
             f"{current.get('world_size')}: a world-size change is refused before anything is restored. Resume on "
             f"{saved.get('world_size')} ranks, or opt in to elastic resume with "
             "configure_checkpointing(accelerator, allow_reshard=True) (model and optimizer are resharded; per-rank "
             "RNG, data-loader and private state follow the documented policy: docs/elastic.md).")
-
-
-def _fsdp1_layout(descriptor: dict[str, Any]) -> list[list[str]]:
-    """Each model's FSDP1 units as ``"STRATEGY"`` or ``"STRATEGY (R replicas x S ranks)"`` (hybrid)."""
-    def name(unit: dict[str, Any]) -> str:
-        grid = unit.get("hybrid")
-        if isinstance(grid, dict):
-            return f"{unit['sharding']} ({grid.get('replicate')} replicas x {grid.get('shard')} ranks)"
-        return str(unit["sharding"])
-
-    return [[name(unit) for unit in model.get("fsdp", []) if isinstance(unit, dict) and "sharding" in unit]
-            for model in descriptor.get("models", []) if isinstance(model, dict)]
-
-
-def _fsdp1_layout_hint(saved: dict[str, Any], current: dict[str, Any]) -> str:
-    """The FSDP1 sharding part of a refusal on the same world size: another strategy or hybrid grid is an elastic
-    resume too."""
-    before, after = _fsdp1_layout(saved), _fsdp1_layout(current)
-    if before == after:
-        return ""
-
-    def strategies(layout: list[list[str]]) -> str:
-        return ", ".join(sorted({name for units in layout for name in units})) or "none"
-
-    return (f"\nThis checkpoint was saved with FSDP1 sharding {strategies(before)} and this run shards with "
-            f"{strategies(after)}: a sharding change is refused before anything is restored. Resume with the saved "
-            "sharding_strategy, or opt in to elastic resume with configure_checkpointing(accelerator, "
-            "allow_reshard=True) (model and optimizer are resharded exactly: docs/elastic.md).")
 
 
 def participants(owners: Any) -> dict[str, Any]:
