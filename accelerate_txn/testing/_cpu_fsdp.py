@@ -170,6 +170,16 @@ def emulate_nodes(accelerator: Any, ranks_per_node: int) -> None:
     accelerator.prepare_model = prepare_on_nodes
 
 
+def hybrid_nodes(accelerator: Any, plugin: Any, ranks_per_node: int | None = None) -> None:
+    """After :func:`force_fsdp`: for an FSDP1 ``plugin`` with ``HYBRID_SHARD`` or ``_HYBRID_SHARD_ZERO2``, the ranks
+    form emulated nodes of ``ranks_per_node`` ranks (:func:`hybrid_ranks_per_node`, :func:`emulate_nodes`): sharded
+    inside a node, replicated across nodes, as Accelerate's FSDP1 preparation builds it on GPU nodes. Nothing for
+    any other plugin (``ranks_per_node`` given for one is refused)."""
+    per_node = hybrid_ranks_per_node(plugin, accelerator.num_processes, ranks_per_node)
+    if per_node is not None:
+        emulate_nodes(accelerator, per_node)
+
+
 def plugin_for_script(plugin: Any, *, fsdp_version: int | None = None, state_dict_type: str | None = None,
                       auto_wrap: Any = KEEP_SCRIPT_POLICY) -> Any:
     """The FSDP plugin of an ``Accelerator`` a script constructs under the launcher.
@@ -243,14 +253,11 @@ def no_parallelism_environment() -> Iterator[None]:
             os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = saved
 
 
-def force_fsdp(accelerator: Any, plugin: Any, parallelism_config: Any = None, ranks_per_node: int | None = None) -> None:
+def force_fsdp(accelerator: Any, plugin: Any, parallelism_config: Any = None) -> None:
     """Turn ``accelerator`` (built with ``cpu=True``) into an FSDP Accelerator using ``plugin`` on CPU: every rank,
     right after construction and before ``prepare``. ``parallelism_config``: an Accelerate ``ParallelismConfig``
     (HSDP ``dp_replicate_size`` x ``dp_shard_size``, ``tp_size``, ...): its device mesh is built on CPU and
-    checked by Accelerate's own validation, as ``Accelerator(parallelism_config=...)`` does on GPUs.
-    An FSDP1 plugin with ``HYBRID_SHARD`` or ``_HYBRID_SHARD_ZERO2``: the ranks form emulated nodes of
-    ``ranks_per_node`` ranks (:func:`hybrid_ranks_per_node`, :func:`emulate_nodes`): sharded inside a node,
-    replicated across nodes, as Accelerate's FSDP1 preparation builds it on GPU nodes."""
+    checked by Accelerate's own validation, as ``Accelerator(parallelism_config=...)`` does on GPUs."""
     import torch
     from accelerate import PartialState
     from accelerate.utils import DistributedType
@@ -267,9 +274,6 @@ def force_fsdp(accelerator: Any, plugin: Any, parallelism_config: Any = None, ra
         accelerator.state.parallelism_config = parallelism_config
         accelerator.state.device_mesh = parallelism_config.get_device_mesh("cpu")
         parallelism_config._validate_accelerator(accelerator)
-    per_node = hybrid_ranks_per_node(plugin, accelerator.num_processes, ranks_per_node)
-    if per_node is not None:
-        emulate_nodes(accelerator, per_node)
     # PartialState too (the state TrainingArguments keeps): a gloo PartialState's device is "cpu:<local rank>",
     # and FSDP1 refuses a device_id with an index on CPU when a copy of it reaches the Accelerator (bf16 does).
     partial = PartialState()

@@ -13,7 +13,14 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointConfigurationError
-from ._cpu_fsdp import force_fsdp, make_plugin, no_parallelism_environment, parallelism_for_cpu, refuse_unsupported
+from ._cpu_fsdp import (
+    force_fsdp,
+    hybrid_nodes,
+    make_plugin,
+    no_parallelism_environment,
+    parallelism_for_cpu,
+    refuse_unsupported,
+)
 
 
 def fsdp_accelerator(
@@ -81,7 +88,8 @@ def fsdp_accelerator(
     with no_parallelism_environment():
         accelerator = Accelerator(cpu=True, project_config=project,
                                   gradient_accumulation_steps=gradient_accumulation_steps, **accelerator_kwargs)
-    force_fsdp(accelerator, plugin, parallelism, ranks_per_node)
+    force_fsdp(accelerator, plugin, parallelism)
+    hybrid_nodes(accelerator, plugin, ranks_per_node)
     return accelerator
 
 
