@@ -32,19 +32,11 @@ def _model(model: dict[str, Any]) -> dict[str, Any]:
         "tensors": len(rows),
         "dtypes": sorted({str(row.get("dtype")) for row in rows}),
         "fsdp_units": len(units),
-        # FSDP1 units record their sharding strategy (hybrid ones also their grid); FSDP2 records its version and
-        # device-mesh shape instead.
-        "sharding": sorted({_fsdp1_sharding(unit) if unit.get("sharding") is not None
+        # FSDP1 units record their sharding strategy; FSDP2 records its version and device-mesh shape instead.
+        "sharding": sorted({str(unit["sharding"]) if unit.get("sharding") is not None
                             else f"FSDP{unit.get('fsdp_version', '?')} mesh {unit.get('mesh')}" for unit in units}),
         "config": _dict(model.get("config")),
     }
-
-
-def _fsdp1_sharding(unit: dict[str, Any]) -> str:
-    grid = unit.get("hybrid")
-    if isinstance(grid, dict):
-        return f"{unit['sharding']} ({grid.get('replicate')} replicas x {grid.get('shard')} ranks)"
-    return str(unit["sharding"])
 
 
 def _optimizer(optimizer: dict[str, Any]) -> dict[str, Any]:
