@@ -1,6 +1,7 @@
 """The dispatch decision with real 2-process (and 1-process) gloo FSDP1 runs: a setup the protected path cannot
 handle runs native Accelerate with one warning (or is refused when opted in explicitly), every native FSDP
-setup logs one INFO line naming why, world size 1 (NO_SHARD) is protected and exact, HYBRID_SHARD falls back."""
+setup logs one INFO line naming why, world size 1 (NO_SHARD) is protected and exact, HYBRID_SHARD with one-rank
+shard groups falls back."""
 
 from __future__ import annotations
 
@@ -111,12 +112,15 @@ def test_world_size_one_no_shard_is_protected_and_restores_exactly(tmp_path: Any
     assert obs["seen"]["warnings"] == []
 
 
-def test_hybrid_shard_falls_back_to_native_with_a_warning(tmp_path: Any) -> None:
+def test_hybrid_shard_with_one_rank_per_shard_group_falls_back_to_native_with_a_warning(tmp_path: Any) -> None:
+    # The strategy is set after fsdp_accelerator, so no nodes are emulated: FSDP1 builds HYBRID_SHARD's shard groups
+    # from the CPU's device count (one rank each) and runs NO_SHARD, whose replicas never synchronise. (Protected
+    # hybrid sharding with real shard groups: tests/test_hsdp_fsdp1.py.)
     observed = launch("tests._dispatch_scenarios:sharding", 2, args=(str(tmp_path), "HYBRID_SHARD"), timeout=TIMEOUT)
     for obs in observed:
-        # Without CUDA devices FSDP1 builds HYBRID_SHARD's intra-node groups with one rank each and reports NO_SHARD.
         assert obs["strategies"] == ["NO_SHARD"]
         assert obs["manifest"] is False and obs["save_error"] is None and obs["load_error"] is None
         assert len(obs["seen"]["warnings"]) == 2  # one per Accelerator (the saver and the fresh one)
-        assert all("Unsupported sharding strategy: protected FSDP checkpoints need units sharded over all 2 ranks; "
-                   "this one shards over 1 (HYBRID_SHARD or a custom process group)." in w for w in obs["seen"]["warnings"])
+        assert all("Unsupported sharding strategy: an FSDP1 unit asked for hybrid sharding has a shard group of 1 "
+                   "rank, so FSDP1 runs it as NO_SHARD and never all-reduces across its 2 replicas" in w
+                   for w in obs["seen"]["warnings"])

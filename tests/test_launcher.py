@@ -443,6 +443,9 @@ def test_bad_options_are_refused_before_any_process_starts(tmp_path: Path, capsy
         run_script("missing.py", cwd=tmp_path)
     with pytest.raises(ValueError, match=r"never_run.py exists already, so the job would be killed at once"):
         run_script(script, kill_on_path=script)
+    with pytest.raises(CheckpointConfigurationError, match=r"ranks_per_node=3: give the ranks of one emulated node "
+                       r"\(an FSDP1 hybrid shard group\), a divisor of num_processes=4"):
+        run_script(script, num_processes=4, ranks_per_node=3)
 
     with pytest.raises(SystemExit) as exited:
         cli_main(["run", "--state-dict-type", "FULL_STATE_DICT", str(script)])
@@ -476,3 +479,31 @@ def test_the_plugin_a_script_passes_is_kept_where_it_can_run_on_cpu_and_overridd
     default = plugin_for_script(None, fsdp_version=2)  # no plugin of the script: fsdp_accelerator's defaults
     assert (default.fsdp_version, default.state_dict_type.name, default.auto_wrap_policy,
             default.transformer_cls_names_to_wrap) == (2, "SHARDED_STATE_DICT", transformer_auto_wrap_policy, ["Linear"])
+
+
+def test_fsdp1_hybrid_sharding_on_cpu_makes_nodes_that_divide_the_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import ShardingStrategy
+
+    from accelerate_txn.testing._cpu_fsdp import RANKS_PER_NODE_ENV, hybrid_ranks_per_node, make_plugin
+
+    monkeypatch.delenv(RANKS_PER_NODE_ENV, raising=False)
+    for strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
+        hybrid = SimpleNamespace(fsdp_version=1, sharding_strategy=strategy)
+        assert hybrid_ranks_per_node(hybrid, 4) == 2  # default: two replicas
+        assert hybrid_ranks_per_node(hybrid, 4, 4) == 4
+    with pytest.raises(CheckpointConfigurationError, match=r"FSDP1 _HYBRID_SHARD_ZERO2 on CPU: 3 ranks per node do "
+                       r"not divide the 4 ranks into equal nodes; give ranks_per_node"):
+        hybrid_ranks_per_node(hybrid, 4, 3)
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, "1")  # what the launcher's ranks_per_node (--ranks-per-node) sets
+    assert hybrid_ranks_per_node(hybrid, 4) == 1
+    full = SimpleNamespace(fsdp_version=1, sharding_strategy=ShardingStrategy.FULL_SHARD)
+    assert hybrid_ranks_per_node(full, 4) is None
+    with pytest.raises(CheckpointConfigurationError, match=r"ranks_per_node=2 applies to FSDP1 hybrid sharding only "
+                       r"\(sharding_strategy HYBRID_SHARD or _HYBRID_SHARD_ZERO2\); this plugin shards with FULL_SHARD"):
+        hybrid_ranks_per_node(full, 4, 2)
+    assert make_plugin(sharding_strategy="hybrid_shard").sharding_strategy is ShardingStrategy.HYBRID_SHARD
+    with pytest.raises(CheckpointConfigurationError, match=r"sharding_strategy='HYBRID_SHARD' is FSDP1's setting; "
+                       r"FSDP2 hybrid sharding is a ParallelismConfig"):
+        make_plugin(fsdp_version=2, sharding_strategy="HYBRID_SHARD")

@@ -80,6 +80,7 @@ def path_of(accelerator: Any) -> str:
 
 
 PROTECTED_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+HYBRID_SHARDING = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 _NATIVE_FIX = "Unpatch it (unpatch_accelerate_fsdp) to use native save_state/load_state."
 
 
@@ -119,18 +120,88 @@ def _unsupported_units(accelerator: Any) -> str | None:
     for model in prepared_models(accelerator):
         for unit in FSDP.fsdp_modules(model):
             group_size = dist.get_world_size(unit.process_group) if dist.is_initialized() else 1
-            if group_size != accelerator.num_processes or inter_node_group(unit) is not None:
-                # HYBRID_SHARD (FSDP may report it as NO_SHARD when its shard group has one rank, as on CPU)
+            strategy = unit.sharding_strategy.name
+            replicas = hybrid_replicas(unit)
+            # Hybrid sharding: each unit shards over its shard group and replicates over its replica group, the
+            # two a grid over every rank; DCP writes each replicated chunk once. FSDP1 turns a hybrid unit whose
+            # shard group has one rank into NO_SHARD (as on CPU without emulated nodes), which keeps the replica
+            # group but never all-reduces over it: its replicas drift apart, and that is refused here.
+            hybrid = replicas is not None and strategy in HYBRID_SHARDING
+            if replicas is not None and not hybrid:
+                return (f"Unsupported sharding strategy: an FSDP1 unit asked for hybrid sharding has a shard group "
+                        f"of {group_size} rank, so FSDP1 runs it as {strategy} and never all-reduces across its "
+                        f"{replicas} replicas (they drift apart, and no checkpoint can hold all of them). Give each "
+                        "shard group 2 or more ranks (nodes of several devices), or use FULL_SHARD.")
+            if group_size * (replicas if hybrid else 1) != accelerator.num_processes:
                 return (f"Unsupported sharding strategy: protected FSDP checkpoints need units sharded over all "
                         f"{accelerator.num_processes} ranks; this one shards over {group_size} "
-                        f"(HYBRID_SHARD or a custom process group).")
-            if unit.sharding_strategy.name not in PROTECTED_SHARDING:
+                        f"(a custom process group).")
+            if strategy not in PROTECTED_SHARDING + HYBRID_SHARDING:
                 return (f"Unsupported sharding strategy: protected FSDP checkpoints support "
-                        f"{', '.join(PROTECTED_SHARDING)}; got {unit.sharding_strategy.name}.")
+                        f"{', '.join(PROTECTED_SHARDING + HYBRID_SHARDING)}; got {strategy}.")
             if unit.cpu_offload.offload_params and not uses_orig_params(unit):
                 return ("FSDP parameter CPU offload requires use_orig_params=True for a reliable restore: set "
                         "FullyShardedDataParallelPlugin(use_orig_params=True).")
     return None
+
+
+def hybrid_grid(unit: Any) -> dict[str, Any]:
+    """A hybrid-sharded FSDP1 unit's descriptor entry for its grid, ``{"hybrid": {"replicate": R, "shard": S}}`` (R
+    replicas of S ranks); ``{}`` for any other unit."""
+    import torch.distributed as dist
+
+    if unit.sharding_strategy.name not in HYBRID_SHARDING:
+        return {}
+    return {"hybrid": {"replicate": hybrid_replicas(unit), "shard": dist.get_world_size(unit.process_group)}}
+
+
+def hybrid_replicas(unit: Any) -> int | None:
+    """The number of replicas of a hybrid-sharded FSDP1 unit (the size of its replica group), else None."""
+    import torch.distributed as dist
+
+    group = inter_node_group(unit)
+    return None if group is None else dist.get_world_size(group)
+
+
+def _without_fsdp1_layout(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Elastic resume: drop each FSDP1 unit's sharding strategy and hybrid grid (both sides normalised in place). The
+    saved files hold original-shape tensors whatever the strategy (``FULL_SHARD``, ``SHARD_GRAD_OP``, ``HYBRID_SHARD``
+    on any grid, ``_HYBRID_SHARD_ZERO2``; ``NO_SHARD`` on one rank), and model and optimizer are read into the live
+    layout exactly."""
+    for old, new in zip(saved.get("models", []), current.get("models", [])):
+        for old_unit, new_unit in zip(old.get("fsdp", []), new.get("fsdp", [])):
+            if "sharding" in old_unit and "sharding" in new_unit:
+                for key in ("sharding", "hybrid"):
+                    old_unit.pop(key, None)
+                    new_unit.pop(key, None)
+
+
+def _fsdp1_layout(descriptor: dict[str, Any]) -> list[list[str]]:
+    """Each model's FSDP1 units as ``"STRATEGY"`` or ``"STRATEGY (R replicas x S ranks)"`` (hybrid)."""
+    def name(unit: dict[str, Any]) -> str:
+        grid = unit.get("hybrid")
+        if isinstance(grid, dict):
+            return f"{unit['sharding']} ({grid.get('replicate')} replicas x {grid.get('shard')} ranks)"
+        return str(unit["sharding"])
+
+    return [[name(unit) for unit in model.get("fsdp", []) if isinstance(unit, dict) and "sharding" in unit]
+            for model in descriptor.get("models", []) if isinstance(model, dict)]
+
+
+def _fsdp1_layout_hint(saved: dict[str, Any], current: dict[str, Any]) -> str:
+    """The FSDP1 sharding part of a refusal on the same world size: another strategy or hybrid grid is an elastic
+    resume too."""
+    before, after = _fsdp1_layout(saved), _fsdp1_layout(current)
+    if before == after:
+        return ""
+
+    def strategies(layout: list[list[str]]) -> str:
+        return ", ".join(sorted({name for units in layout for name in units})) or "none"
+
+    return (f"\nThis checkpoint was saved with FSDP1 sharding {strategies(before)} and this run shards with "
+            f"{strategies(after)}: a sharding change is refused before anything is restored. Resume with the saved "
+            "sharding_strategy, or opt in to elastic resume with configure_checkpointing(accelerator, "
+            "allow_reshard=True) (model and optimizer are resharded exactly: docs/elastic.md).")
 
 
 def validate_owner(accelerator: Any) -> None:
@@ -202,8 +273,10 @@ def describe(accelerator: Any, *, require_model_ids: bool = True) -> dict[str, A
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
             groups, shapes = parameter_layout(model, optimizer)
+            # Hybrid units also record their grid: replicas x ranks of one shard group (absent otherwise).
             units = [{"original_params": uses_orig_params(unit), "cpu_offload": unit.cpu_offload.offload_params,
-                      "sharding": unit.sharding_strategy.name} for unit in FSDP.fsdp_modules(model)]
+                      "sharding": unit.sharding_strategy.name, **hybrid_grid(unit)}
+                     for unit in FSDP.fsdp_modules(model)]
         else:
             by_id, shapes = _plain_names(model, accelerator)
             groups = ([[by_id.get(id(p), "<not in model>") for p in group["params"]] for group in optimizer.param_groups]
@@ -399,6 +472,7 @@ def check_resume(
     saved, current = _normalise(saved, reorder), _normalise(current, reorder)
     if allow_reshard:
         _without_world_size(saved, current)
+        _without_fsdp1_layout(saved, current)
     training = saved.setdefault("training", {})
     migrated: list[str] = []
     for group in (legacy_metadata_keys, *legacy_metadata_groups):
@@ -422,7 +496,7 @@ def check_resume(
             + "\n  ".join([change.refused_line() for change in refused] + found)
             + "\nResume with the configuration it was saved with (models and roles, optimizer type and groups, "
             "schedulers, precision, accumulation, world size, dataloaders, metadata), or start a new run directory."
-            + _accept_hint(refused, bool(found)) + _reshard_hint(saved, current)
+            + _accept_hint(refused, bool(found)) + _reshard_hint(saved, current) + _fsdp1_layout_hint(saved, current)
         )
     if migrated and warn:
         warnings.warn(

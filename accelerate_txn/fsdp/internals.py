@@ -82,7 +82,10 @@ def uses_orig_params(unit: Any) -> bool:
 
 
 def inter_node_group(unit: Any) -> Any | None:
-    """The inter-node process group of a hybrid-sharded unit, None otherwise (the attribute is absent then)."""
+    """The inter-node process group of a hybrid-sharded unit, None otherwise (the attribute is absent then). Its
+    ranks hold the same shard (one per replica); ``unit.process_group`` is then the shard (intra-node) group.
+    torch 2.7.0 to 2.15.0: set by ``_init_process_group_state_for_hybrid_shard`` only (from a device mesh's
+    outer dimension, the given ``(intra, inter)`` pair, or node groups of ``device_count()`` ranks)."""
     return getattr(unit, "_inter_node_pg", None)
 
 
@@ -361,6 +364,9 @@ TORCH_FSDP1: tuple[Piece, ...] = (
     Piece("torch", f"{_FSDP}._common_utils", "clean_tensor_name", "code", "FSDP1's parameter names in checkpoints"),
     Piece("torch", f"{_FSDP}._init_utils", "_init_core_state", "assigns",
           "an FSDP unit's handle and use_orig_params", ("_handle", "_use_orig_params")),
+    Piece("torch", f"{_FSDP}._init_utils", "_init_process_group_state_for_hybrid_shard", "assigns",
+          "a hybrid-sharded unit's replica group (protected HYBRID_SHARD: the number of replicas)",
+          ("_inter_node_pg",)),
     Piece("torch", f"{_FSDP}._flat_param", "FlatParameter._init_metadata", "assigns",
           "the layout of a flat parameter: original shapes, padding",
           ("_params", "_shapes", "_numels_with_padding", "_is_padding_mask")),

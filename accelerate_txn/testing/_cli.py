@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
         run.add_argument(f"--{size.replace('_', '-')}", type=int, default=None, metavar="N", dest=size,
                          help=f"ParallelismConfig {size} (FSDP2 on an N-D mesh, as accelerate launch's "
                               f"--parallelism_config_{size})")
+    run.add_argument("--ranks-per-node", type=int, default=None, metavar="N",
+                     help="FSDP1 HYBRID_SHARD/_HYBRID_SHARD_ZERO2 (the script's plugin's, or FSDP_SHARDING_STRATEGY): "
+                          "the ranks of one emulated node, i.e. of one shard group (default: half the processes)")
     run.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                      help="hard time limit of the whole job; then every worker is killed, exit status 124 "
                           "(default 600)")
@@ -111,7 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 auto_wrap=options.auto_wrap, timeout=options.timeout, grace=options.grace, stream=sys.stdout,
                 log_dir=options.log_dir, kill_on_output=options.kill_on_output, kill_on_path=options.kill_on_path,
                 parallelism={size: getattr(options, size) for size in PARALLELISM_SIZES
-                             if getattr(options, size) is not None} or None)
+                             if getattr(options, size) is not None} or None,
+                ranks_per_node=options.ranks_per_node)
         except (ValueError, FileNotFoundError) as exc:  # CheckpointConfigurationError is a ValueError
             parser.exit(USAGE_ERROR, f"{PROG} run: error: {exc}\n")
 

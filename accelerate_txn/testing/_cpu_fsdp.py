@@ -83,14 +83,27 @@ def auto_wrap_fields(auto_wrap: type | None, fsdp_version: int) -> dict[str, Any
     return {"auto_wrap_policy": transformer_auto_wrap_policy, "transformer_cls_names_to_wrap": [auto_wrap.__name__]}
 
 
+HYBRID_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+"""FSDP1's hybrid sharding strategies: shard inside a node, replicate across nodes."""
+
+RANKS_PER_NODE_ENV = "ACCELERATE_TXN_CPU_RANKS_PER_NODE"
+"""The environment variable that sets how many ranks one emulated node holds for FSDP1 hybrid sharding on CPU (the
+launcher's ``ranks_per_node``); without it, half the ranks (two replicas)."""
+
+
 def make_plugin(*, fsdp_version: int = 1, state_dict_type: str = "SHARDED_STATE_DICT", use_orig_params: bool = True,
-                cpu_offload: bool = False, auto_wrap: type | None = None) -> Any:
+                cpu_offload: bool = False, auto_wrap: type | None = None, sharding_strategy: str | None = None) -> Any:
     """A ``FullyShardedDataParallelPlugin`` that runs on CPU: no ``sync_module_states`` and no
-    ``cpu_ram_efficient_loading`` (both need an accelerator device). The caller has refused unsupported types."""
+    ``cpu_ram_efficient_loading`` (both need an accelerator device). The caller has refused unsupported types.
+    ``sharding_strategy`` (FSDP1 only): a ``ShardingStrategy`` name, ``None`` for Accelerate's default."""
     from accelerate import FullyShardedDataParallelPlugin
     from torch.distributed.fsdp import CPUOffload
 
     fsdp1 = fsdp_version == 1
+    if sharding_strategy is not None and not fsdp1:
+        raise configuration_error(
+            f"sharding_strategy={sharding_strategy!r} is FSDP1's setting; FSDP2 hybrid sharding is a "
+            "ParallelismConfig(dp_replicate_size=..., dp_shard_size=...) (parallelism_config=).")
     return FullyShardedDataParallelPlugin(
         fsdp_version=fsdp_version,
         state_dict_type=state_dict_type,
@@ -99,7 +112,72 @@ def make_plugin(*, fsdp_version: int = 1, state_dict_type: str = "SHARDED_STATE_
         cpu_offload=CPUOffload(offload_params=cpu_offload) if fsdp1 else cpu_offload,
         sync_module_states=False if fsdp1 else None,
         cpu_ram_efficient_loading=False,
+        **({"sharding_strategy": sharding_strategy.upper()} if sharding_strategy is not None else {}),
     )
+
+
+def hybrid_ranks_per_node(plugin: Any, world_size: int, ranks_per_node: int | None = None) -> int | None:
+    """For an FSDP1 plugin with a hybrid sharding strategy, the ranks of one emulated node (``ranks_per_node``, else
+    :data:`RANKS_PER_NODE_ENV`, else half the world: two replicas), checked to divide ``world_size``; else None."""
+    strategy = getattr(getattr(plugin, "sharding_strategy", None), "name", None)
+    if plugin.fsdp_version != 1 or strategy not in HYBRID_STRATEGIES:
+        if ranks_per_node is not None:
+            raise configuration_error(
+                f"ranks_per_node={ranks_per_node} applies to FSDP1 hybrid sharding only (sharding_strategy "
+                f"{' or '.join(HYBRID_STRATEGIES)}); this plugin shards with {strategy}. Leave it out.")
+        return None
+    if ranks_per_node is None:
+        given = os.environ.get(RANKS_PER_NODE_ENV)
+        ranks_per_node = int(given) if given else max(1, world_size // 2)
+    if ranks_per_node < 1 or world_size % ranks_per_node:
+        raise configuration_error(
+            f"FSDP1 {strategy} on CPU: {ranks_per_node} ranks per node do not divide the {world_size} ranks into "
+            f"equal nodes; give ranks_per_node (the shard group's size, {RANKS_PER_NODE_ENV}) a divisor of "
+            f"{world_size}.")
+    return ranks_per_node
+
+
+@contextlib.contextmanager
+def cpu_devices_per_node(count: int) -> Iterator[None]:
+    """Inside: ``torch.cpu.device_count()`` returns ``count``. FSDP1 hybrid sharding without a process group builds
+    its shard (intra-node) groups of ``device_count()`` consecutive ranks and its replicate (inter-node) groups
+    across them (``torch.distributed.fsdp._init_utils._init_intra_and_inter_node_groups``), as on a GPU node of
+    ``count`` devices; on CPU the count is 1, so every rank would be a node of its own (and FSDP would fall back
+    to NO_SHARD)."""
+    import torch
+
+    original = torch.cpu.device_count
+    torch.cpu.device_count = lambda: count  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cpu.device_count = original  # type: ignore[assignment]
+
+
+def emulate_nodes(accelerator: Any, ranks_per_node: int) -> None:
+    """Make ``accelerator.prepare`` build FSDP1 hybrid units over nodes of ``ranks_per_node`` consecutive ranks:
+    shard groups {0..k-1}, {k..2k-1}, ...; replica groups {0, k, ...}, {1, k+1, ...} (the layout torch gives
+    ``ranks_per_node`` GPUs per node). Only the model preparation sees the emulated device count."""
+    import functools
+
+    prepare_model = accelerator.prepare_model
+
+    @functools.wraps(prepare_model)
+    def prepare_on_nodes(*args: Any, **kwargs: Any) -> Any:
+        with cpu_devices_per_node(ranks_per_node):
+            return prepare_model(*args, **kwargs)
+
+    accelerator.prepare_model = prepare_on_nodes
+
+
+def hybrid_nodes(accelerator: Any, plugin: Any, ranks_per_node: int | None = None) -> None:
+    """After :func:`force_fsdp`: for an FSDP1 ``plugin`` with ``HYBRID_SHARD`` or ``_HYBRID_SHARD_ZERO2``, the ranks
+    form emulated nodes of ``ranks_per_node`` ranks (:func:`hybrid_ranks_per_node`, :func:`emulate_nodes`): sharded
+    inside a node, replicated across nodes, as Accelerate's FSDP1 preparation builds it on GPU nodes. Nothing for
+    any other plugin (``ranks_per_node`` given for one is refused)."""
+    per_node = hybrid_ranks_per_node(plugin, accelerator.num_processes, ranks_per_node)
+    if per_node is not None:
+        emulate_nodes(accelerator, per_node)
 
 
 def plugin_for_script(plugin: Any, *, fsdp_version: int | None = None, state_dict_type: str | None = None,

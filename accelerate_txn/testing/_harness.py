@@ -13,7 +13,14 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointConfigurationError
-from ._cpu_fsdp import force_fsdp, make_plugin, no_parallelism_environment, parallelism_for_cpu, refuse_unsupported
+from ._cpu_fsdp import (
+    force_fsdp,
+    hybrid_nodes,
+    make_plugin,
+    no_parallelism_environment,
+    parallelism_for_cpu,
+    refuse_unsupported,
+)
 
 
 def fsdp_accelerator(
@@ -29,6 +36,8 @@ def fsdp_accelerator(
     fsdp_version: int = 1,
     project_config: Any = None,
     parallelism_config: Any = None,
+    sharding_strategy: str | None = None,
+    ranks_per_node: int | None = None,
     **accelerator_kwargs: Any,
 ) -> Any:
     """A real ``Accelerator`` using FSDP on CPU (gloo). Call once per process, in every rank.
@@ -44,6 +53,12 @@ def fsdp_accelerator(
     ``ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)`` on 4 ranks; ``tp_size``), its mesh built on CPU
     (``Accelerator(parallelism_config=...)`` itself refuses one on CPU); the environment of ``accelerate launch
     --parallelism_config_*`` is read as Accelerate reads it.
+    ``sharding_strategy`` (FSDP1): a ``ShardingStrategy`` name (``None``: Accelerate's default, FULL_SHARD).
+    ``"HYBRID_SHARD"`` and ``"_HYBRID_SHARD_ZERO2"`` shard inside a node and replicate across nodes; on GPUs torch
+    takes a node to be ``torch.cuda.device_count()`` consecutive ranks, so here ``ranks_per_node`` consecutive ranks
+    form one emulated node (default: half the ranks; 4 ranks are then 2 replicas x 2 shards: shard groups {0, 1}
+    and {2, 3}, replica groups {0, 2} and {1, 3}). Accelerate's own FSDP1 preparation builds the groups, with
+    ``torch.cpu.device_count()`` reporting ``ranks_per_node`` while it does (``_cpu_fsdp.emulate_nodes``).
     To run a whole training script this way without changing it, see :func:`run_script`.
     """
     refuse_unsupported(
@@ -63,7 +78,7 @@ def fsdp_accelerator(
     from accelerate.utils import ProjectConfiguration
 
     plugin = make_plugin(fsdp_version=fsdp_version, state_dict_type=state_dict_type, use_orig_params=use_orig_params,
-                         cpu_offload=cpu_offload, auto_wrap=auto_wrap)
+                         cpu_offload=cpu_offload, auto_wrap=auto_wrap, sharding_strategy=sharding_strategy)
     project = project_config if project_config is not None else ProjectConfiguration(
         project_dir=str(project_dir) if project_dir is not None else None,
         automatic_checkpoint_naming=automatic_checkpoint_naming,
@@ -74,6 +89,7 @@ def fsdp_accelerator(
         accelerator = Accelerator(cpu=True, project_config=project,
                                   gradient_accumulation_steps=gradient_accumulation_steps, **accelerator_kwargs)
     force_fsdp(accelerator, plugin, parallelism)
+    hybrid_nodes(accelerator, plugin, ranks_per_node)
     return accelerator
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..errors import CheckpointConfigurationError
-from ._cpu_fsdp import STATE_DICT_TYPES, refuse_unsupported, state_dict_kind
+from ._cpu_fsdp import RANKS_PER_NODE_ENV, STATE_DICT_TYPES, refuse_unsupported, state_dict_kind
 from ._lifeline import LIFELINE_FD_ENV, lifeline
 from ._processes import LaunchError, free_port, rank_environment
 
@@ -366,6 +366,19 @@ def parallelism_environment(parallelism: dict[str, int] | None, num_processes: i
     return environment
 
 
+def nodes_environment(ranks_per_node: int | None, num_processes: int) -> dict[str, str]:
+    """The variable that makes every FSDP1 hybrid-sharded model of the job shard over emulated nodes of
+    ``ranks_per_node`` ranks (``_cpu_fsdp.hybrid_ranks_per_node``), checked here, before any process starts."""
+    if ranks_per_node is None:
+        return {}
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1 \
+            or num_processes % ranks_per_node:
+        raise CheckpointConfigurationError(
+            f"ranks_per_node={ranks_per_node!r}: give the ranks of one emulated node (an FSDP1 hybrid shard group), "
+            f"a divisor of num_processes={num_processes}.")
+    return {RANKS_PER_NODE_ENV: str(ranks_per_node)}
+
+
 def start_script(
     script: str | os.PathLike[str],
     args: list[str] | tuple[str, ...] = (),
@@ -384,6 +397,7 @@ def start_script(
     kill_on_output: str | None = None,
     kill_on_path: str | os.PathLike[str] | None = None,
     parallelism: dict[str, int] | None = None,
+    ranks_per_node: int | None = None,
 ) -> ScriptJob:
     """Start ``python script ARGS`` (``module=True``: ``python -m script ARGS``) on ``num_processes`` CPU
     processes as one FSDP job; returns the running :class:`ScriptJob` (call :meth:`ScriptJob.wait`).
@@ -410,6 +424,11 @@ def start_script(
     the environment Accelerate reads (``ACCELERATE_USE_PARALLELISM_CONFIG``, ``PARALLELISM_CONFIG_*``); the product
     of the sizes must be ``num_processes``. A ``ParallelismConfig`` the script passes itself is used as given. Either
     way its device mesh is built on CPU.
+
+    FSDP1 hybrid sharding (a script's plugin with ``sharding_strategy="HYBRID_SHARD"`` or ``"_HYBRID_SHARD_ZERO2"``,
+    or ``FSDP_SHARDING_STRATEGY`` in ``env`` as ``accelerate launch --fsdp_sharding_strategy`` sets it for a plugin
+    that leaves it out): the ranks form emulated nodes of ``ranks_per_node`` consecutive ranks (default: half the
+    processes, two replicas); each node is one shard group, as torch makes each GPU node's devices one.
 
     Supervision: ``timeout`` seconds for the whole job, then every worker is killed; after the first failure the
     others get ``grace`` seconds, then are killed. ``stream``: where to echo each line as ``[rankN] line``;
@@ -445,6 +464,7 @@ def start_script(
     worker_env["CUDA_VISIBLE_DEVICES"] = ""
     worker_env.update(fsdp_environment(settings))
     worker_env.update(parallelism_environment(parallelism, num_processes, fsdp_version))
+    worker_env.update(nodes_environment(ranks_per_node, num_processes))
     worker_env.update(env or {})
     command = [sys.executable, str(WORKER), json.dumps(settings), *(["-m"] if module else []), target,
                *[os.fspath(arg) for arg in args]]
@@ -462,8 +482,8 @@ def run_script(
 
     Takes the options of :func:`start_script` (``module``, ``num_processes``, ``fsdp_version``,
     ``state_dict_type``, ``auto_wrap``, ``timeout``, ``grace``, ``env``, ``cwd``, ``stream``, ``log_dir``,
-    ``kill_on_output``, ``kill_on_path``). Does not raise when the script fails: check ``returncode``, or call
-    :meth:`ScriptResult.check`.
+    ``kill_on_output``, ``kill_on_path``, ``parallelism``, ``ranks_per_node``). Does not raise when the script
+    fails: check ``returncode``, or call :meth:`ScriptResult.check`.
     """
     with start_script(script, args, **options) as job:
         return job.wait()

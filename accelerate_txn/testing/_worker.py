@@ -118,6 +118,7 @@ def force_fsdp_on_every_accelerator(settings: dict[str, Any], cpu_fsdp: types.Mo
         with cpu_fsdp.no_parallelism_environment():
             result = wrapped(*bound.args, **bound.kwargs)
         cpu_fsdp.force_fsdp(instance, plugin, parallelism)
+        cpu_fsdp.hybrid_nodes(instance, plugin)  # FSDP1 HYBRID_SHARD: nodes of ACCELERATE_TXN_CPU_RANKS_PER_NODE ranks
         return result
 
     def plugin_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
