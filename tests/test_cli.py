@@ -470,7 +470,7 @@ def test_export_of_a_missing_checkpoint_is_a_usage_error_without_traceback(tmp_p
     assert result.returncode == 2 and "does not exist" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_inspect_summary_names_fsdp2_layouts_by_version_and_mesh() -> None:
+def test_inspect_summary_names_fsdp2_layouts_by_mesh_and_fsdp1_by_strategy_and_grid() -> None:
     from accelerate_txn.cli._describe import summarize
 
     fsdp2 = summarize({"models": [{"parameters": {}, "fsdp": [{"fsdp_version": 2, "mesh": [2]}]}]})["models"][0]
@@ -479,6 +479,9 @@ def test_inspect_summary_names_fsdp2_layouts_by_version_and_mesh() -> None:
     hsdp = summarize({"models": [{"parameters": {}, "fsdp": [{"fsdp_version": 2, "mesh": [2, 4],
                                                               "mesh_dims": ["dp_replicate", "dp_shard_cp"]}]}]})
     assert hsdp["models"][0]["sharding"] == ["FSDP2 mesh dp_replicate=2 x dp_shard_cp=4"]
+    hybrid = summarize({"models": [{"parameters": {}, "fsdp": [
+        {"sharding": "HYBRID_SHARD", "hybrid": {"replicate": 2, "shard": 4}}]}]})["models"][0]
+    assert hybrid["sharding"] == ["HYBRID_SHARD (2 replicas x 4 ranks)"]
 
 
 def test_verify_full_shows_a_progress_bar_on_a_terminal_only(tmp_path: Path) -> None:

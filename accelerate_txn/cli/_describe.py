@@ -34,10 +34,18 @@ def _model(model: dict[str, Any]) -> dict[str, Any]:
         "fsdp_units": len(units),
         # FSDP1 units record their sharding strategy; FSDP2 records its version and device-mesh shape instead (an
         # N-D mesh with its dimension names: HSDP's dp_replicate x dp_shard_cp, tp, ...).
-        "sharding": sorted({str(unit["sharding"]) if unit.get("sharding") is not None
+        # FSDP1 hybrid units also record their grid.
+        "sharding": sorted({_fsdp1_sharding(unit) if unit.get("sharding") is not None
                             else f"FSDP{unit.get('fsdp_version', '?')} mesh {_mesh(unit)}" for unit in units}),
         "config": _dict(model.get("config")),
     }
+
+
+def _fsdp1_sharding(unit: dict[str, Any]) -> str:
+    grid = unit.get("hybrid")
+    if isinstance(grid, dict):
+        return f"{unit['sharding']} ({grid.get('replicate')} replicas x {grid.get('shard')} ranks)"
+    return str(unit["sharding"])
 
 
 def _mesh(unit: dict[str, Any]) -> str:
