@@ -5,13 +5,13 @@ strided shards ``fully_shard`` makes over TP included, uneven ones too); save, t
 fresh ones) bitwise for model, optimizer, scheduler and RNG, and the next step equal; each tensor's chunks cover it
 once, a replicated shard stored once; layers a TP plan leaves alone; an asynchronous save; a damaged payload of
 rank 3 refused on every rank before anything changes; native Accelerate loads the protected checkpoint; elastic
-resume onto dp_shard 4 (no TP, 4 ranks) and dp_shard 2 (2 ranks) under ``allow_reshard``. Placements the protected
+resume onto dp_shard 4 (no TP, 4 ranks) and dp_shard 2 (2 ranks) under ``allow_reshard``; a 3-D mesh (dp_replicate 2
+x dp_shard 2 x tp 2) on 8 real ranks. Placements the protected
 path cannot store exactly are refused (unit tests)."""
 
 from __future__ import annotations
 
 import math
-import os
 from types import SimpleNamespace
 from typing import Any
 
@@ -123,8 +123,6 @@ def test_fsdp2_tp_resumes_exactly_onto_2_ranks_without_tp(tp: list[dict[str, Any
 
 
 @pytest.mark.distributed
-@pytest.mark.skipif(os.environ.get("ACCELERATE_TXN_TEST_8_RANKS") != "1",
-                    reason="8 ranks: run by hand with ACCELERATE_TXN_TEST_8_RANKS=1 (not in CI)")
 def test_fsdp2_tp_on_a_3d_mesh_dp_replicate_dp_shard_tp_round_trips_exactly(tmp_path: Any) -> None:
     observed = launch("tests._fsdp2_tp_scenarios:tp_3d", 8, args=(str(tmp_path),), timeout=600)
     for obs in observed:
