@@ -19,6 +19,7 @@ the flush happens where the data was written.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import pickle
@@ -128,6 +129,13 @@ def list_tree(directory: Path, *, max_depth: int = 64) -> dict[str, int]:
     return found
 
 
+@functools.lru_cache(maxsize=256)
+def _rank_template(template: str) -> re.Pattern[str]:
+    """The names a per-rank template produces, the rank as group 1 (compiled once: :func:`writer_rank` runs per
+    inventory entry)."""
+    return re.compile(re.escape(template).replace(re.escape("{rank}"), r"(\d+)"))
+
+
 def writer_rank(name: str, world_size: int, rank_files: Iterable[str] = RANK_FILES) -> int:
     """The rank that wrote ``name`` in a protected save: DCP's ``__R_*.distcp`` and per-rank files (RNG,
     registered private states) belong to their rank; everything else (DCP ``.metadata``, scheduler, scaler,
@@ -138,8 +146,7 @@ def writer_rank(name: str, world_size: int, rank_files: Iterable[str] = RANK_FIL
         rank = int(match.group(1))
         return rank if rank < world_size else 0
     for template in rank_files:
-        pattern = re.escape(template).replace(re.escape("{rank}"), r"(\d+)")
-        match = re.fullmatch(pattern, base)
+        match = _rank_template(template).fullmatch(base)
         if match:
             rank = int(match.group(1))
             return rank if rank < world_size else 0
