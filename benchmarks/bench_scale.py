@@ -95,6 +95,43 @@ def counting_collectives() -> Iterator[Counter[str]]:
             setattr(dist, name, function)
 
 
+@contextlib.contextmanager
+def timing_exchanges() -> Iterator[list[tuple[str, float, float]]]:
+    """Record, while active, each exchange of the library's rank phases (``core.ranks.collective``): its phase,
+    when it began and how long it took (its wait for the slowest rank included), as perf_counter seconds."""
+    from accelerate_txn.core import ranks
+
+    events: list[tuple[str, float, float]] = []
+    original = ranks.collective
+
+    @contextlib.contextmanager
+    def timed(context: str, group: Any = None, earlier: BaseException | None = None) -> Iterator[None]:
+        start = time.perf_counter()
+        with original(context, group, earlier):
+            yield
+        events.append((context, start, time.perf_counter() - start))
+
+    ranks.collective = timed  # type: ignore[assignment]
+    try:
+        yield events
+    finally:
+        ranks.collective = original  # type: ignore[assignment]
+
+
+def _breakdown(events: list[tuple[str, float, float]], start: float, end: float) -> dict[str, Any]:
+    """One protected call's time: in the library's exchanges, and the local work before the hashing exchange (the
+    hash and fsync of this rank's files: the time since the exchange before it)."""
+    hashing = next((i for i, (context, _, _) in enumerate(events) if context.startswith("Hashing and flushing")),
+                   None)
+    local_hash = None
+    if hashing:
+        previous = events[hashing - 1]
+        local_hash = events[hashing][1] - (previous[1] + previous[2])
+    return {"total_s": end - start, "exchanges": len(events), "in_exchanges_s": sum(e[2] for e in events),
+            "hash_and_fsync_s": local_hash,
+            "timeline": [(context[:70], round(at - start, 4), round(took, 4)) for context, at, took in events]}
+
+
 def worker(root: str, million: float, repeats: int, fsdp_version: int = 1) -> dict[str, Any]:
     import accelerate_txn
     from accelerate_txn.testing import fsdp_accelerator
@@ -117,6 +154,7 @@ def worker(root: str, million: float, repeats: int, fsdp_version: int = 1) -> di
     times: dict[str, list[float]] = {key: [] for key in ("save_native", "save_protected", "load_native",
                                                           "load_protected")}
     counts: dict[str, dict[str, int]] = {}
+    breakdown: dict[str, Any] = {}
 
     def one(mode: str, name: str, counted: bool = False) -> None:
         if mode == "native":
@@ -126,13 +164,16 @@ def worker(root: str, million: float, repeats: int, fsdp_version: int = 1) -> di
         path = os.path.join(root, name)
         for phase, call in (("save", accelerator.save_state), ("load", accelerator.load_state)):
             accelerator.wait_for_everyone()
-            with counting_collectives() if counted else contextlib.nullcontext(Counter()) as seen:
+            with counting_collectives() if counted else contextlib.nullcontext(Counter()) as seen, \
+                    timing_exchanges() if counted else contextlib.nullcontext([]) as events:
                 start = time.perf_counter()
                 call(path)
                 elapsed = time.perf_counter() - start
             accelerator.wait_for_everyone()
             if counted:
                 counts[f"{phase}_{mode}"] = dict(seen)
+                if mode == "protected":
+                    breakdown[phase] = _breakdown(events, start, start + elapsed)
             else:
                 times[f"{phase}_{mode}"].append(elapsed)
         if accelerator.process_index == 0:
@@ -151,7 +192,7 @@ def worker(root: str, million: float, repeats: int, fsdp_version: int = 1) -> di
               for phase in ("save", "load")}
     return {"world": accelerator.num_processes, "parameters": parameters, "fsdp_version": fsdp_version,
             "times": {key: statistics.median(values) for key, values in times.items()}, "extra": extra,
-            "ratios": ratios, "collectives": counts}
+            "ratios": ratios, "collectives": counts, "breakdown": breakdown}
 
 
 def real_runs(worlds: list[int], million: float, repeats: int, fsdp_version: int) -> list[dict[str, Any]]:
@@ -313,7 +354,7 @@ def simulated(world: int) -> Iterator[SimulatedProcessGroup]:
 
 # The exchanges of one protected save and one protected load, in the kinds and numbers the real runs count at W = 2,
 # 4 and 8 (``collectives`` in the results, protected minus native): each run_phase is one fixed-size all-reduce (12
-# bytes), each on_main a run_phase and a broadcast of its value, each agree one all-reduce of 256 bytes, each any_rank
+# bytes), each on_main a run_phase and a broadcast of its value, each agree one all-reduce of 64 bytes, each any_rank
 # one of 4 bytes, gather_rows an all-reduce of 8 bytes and a gather. Rank 0's publish and the other ranks' hashing run
 # in them as placeholders; their real cost is measured apart (``rank0_s`` and ``other_s``).
 SAVE_PHASES = 10  # plain run_phase calls (settings, releases, path, preflight, lock, native save, loader states,
@@ -612,8 +653,8 @@ def _calls(result: dict[str, Any], phase: str, mode: str) -> int:
 
 
 def report(results: dict[str, Any]) -> None:
-    print(f"load average before {results['loadavg_before']}, after {results['loadavg_after']}; "
-          f"{results['cpus']} CPUs")
+    print(f"load average before {results['loadavg_before']}, after the real runs {results['loadavg_after_real']}, "
+          f"after the model {results['loadavg_after']} (its simulated ranks are threads); {results['cpus']} CPUs")
     if results["real"]:
         print("| W | phase | native ms | protected ms | protected - native ms | median of pair ratios |")
         print("| --- | --- | --- | --- | --- | --- |")
@@ -624,13 +665,17 @@ def report(results: dict[str, Any]) -> None:
                       f"{rank0['times'][f'{phase}_protected'] * 1000:.0f} | {rank0['extra'][phase] * 1000:+.0f} | "
                       f"{rank0['ratios'][phase]:.2f} |")
         print()
-        print("| W | phase | collective calls per rank, native | protected (rank 0) | protected (other ranks, max) |")
-        print("| --- | --- | --- | --- | --- |")
+        print("| W | phase | torch.distributed calls per rank, native | protected (rank 0) | protected (other "
+              "ranks, max) | library exchanges | ms in them (rank 0) | hash + fsync ms (rank 0) |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for row in results["real"]:
             for phase in ("save", "load"):
+                split = row["rank0"]["breakdown"][phase]
+                hashed = split["hash_and_fsync_s"]
                 print(f"| {row['world']} | {phase} | {_calls(row['rank0'], phase, 'native')} | "
                       f"{_calls(row['rank0'], phase, 'protected')} | "
-                      f"{max(_calls(r, phase, 'protected') for r in row['ranks'][1:])} |")
+                      f"{max(_calls(r, phase, 'protected') for r in row['ranks'][1:])} | {split['exchanges']} | "
+                      f"{split['in_exchanges_s'] * 1000:.0f} | {'-' if hashed is None else f'{hashed * 1000:.0f}'} |")
         print()
     if results["model"]:
         print("| W | files | manifest KiB | save: messages/rank | save: rank 0 receives KiB | save: other rank "
@@ -664,6 +709,7 @@ def main() -> None:
     results: dict[str, Any] = {"loadavg_before": _load_average(), "cpus": os.cpu_count(),
                                "million": args.million, "fsdp_version": args.fsdp_version}
     results["real"] = real_runs(args.ranks, args.million, args.repeats, args.fsdp_version) if args.ranks else []
+    results["loadavg_after_real"] = _load_average()  # the model's thousands of threads raise the load average
     results["model"] = model(args.model, cli=not args.no_cli) if args.model else []
     results["loadavg_after"] = _load_average()
     report(results)

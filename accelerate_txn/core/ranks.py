@@ -6,7 +6,7 @@ in the same order. Without a process group they run locally.
 * :func:`run_phase` runs a local function on every rank, then exchanges one flag per rank (a fixed-size
   all-reduce). Only if some rank failed are the failure messages gathered; every rank then raises the same
   exception. ``BaseException`` is caught on purpose: DCP's ``CheckpointException`` derives from it.
-* :func:`agree` all-reduces a fixed-size sha256 digest of a value (the same bytes at any world size). Only on a
+* :func:`agree` all-reduces a fixed-size sha256 digest of a value (64 bytes at any world size). Only on a
   mismatch is rank 0's value broadcast, so each disagreeing rank can explain what differs.
 * :func:`gather_rows` brings every rank's inventory rows to rank 0: each rank sends its own rows, rank 0 receives
   O(files written) bytes; no rank receives anything per rank but rank 0.
@@ -444,13 +444,15 @@ def agree(value: Any, what: str, group: Any = None) -> None:
     """Check that every rank holds the same JSON-able ``value``; raise the same error everywhere if not."""
     if not distributed() or world_size(group) == 1:
         return
-    # One fixed-size all-reduce (MAX) of [d, 255 - d] per digest byte d: every rank holds the same digest exactly
-    # when each byte's maximum equals its minimum (255 - max(255 - d)). Nothing per rank travels to any rank.
-    own = torch.tensor(list(digest(value)), dtype=torch.int32)
-    exchange = torch.cat([own, 255 - own]).to(_device(group))
+    # One fixed-size all-reduce (MAX) of the digest's four 64-bit words d and their complements ~d: every rank holds
+    # the same digest exactly when each word's maximum equals its minimum (~max(~d)). Nothing per rank travels to
+    # any rank, and eight elements keep a small-message all-reduce as cheap as the all-gather it replaces.
+    own = torch.frombuffer(bytearray(digest(value)), dtype=torch.int64)
+    exchange = torch.cat([own, torch.bitwise_not(own)]).to(_device(group))
     with collective(f"Agreeing on {what}", group):
         dist.all_reduce(exchange, op=dist.ReduceOp.MAX, group=group)
-    highest, lowest = exchange[:_DIGEST].cpu(), 255 - exchange[_DIGEST:].cpu()
+    words = _DIGEST // 8
+    highest, lowest = exchange[:words].cpu(), torch.bitwise_not(exchange[words:].cpu())
     if torch.equal(highest, lowest):
         return
     # Rare path: explain. Only rank 0's value travels, to every rank.
