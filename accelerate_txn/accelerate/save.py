@@ -200,7 +200,8 @@ def _own_rows(staging: Path, templates: list[str], integrity: str,
     wrote them (``written``, by absolute path) are only fsynced and their size checked."""
     world, me = world_size(), rank()
     bases = [template.rsplit("/", 1)[-1] for template in templates]
-    mine = [name for name in list_tree(staging) if writer_rank(name, world, bases) == me]
+    # Each rank lists the staged tree (a directory listing) but stats only its own files.
+    mine = list(list_tree(staging, keep=lambda name: writer_rank(name, world, bases) == me))
     return hash_rows(staging, mine, algorithm=HASH, integrity=integrity, flush=True,
                      after_first=lambda: _faults.point("save:during-flush"), written=_relative(written, staging))
 

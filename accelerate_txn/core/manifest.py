@@ -19,6 +19,7 @@ the flush happens where the data was written.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import pickle
@@ -78,8 +79,10 @@ def relative_inside(name: str) -> Path:
     return path
 
 
-def list_tree(directory: Path, *, max_depth: int = 64) -> dict[str, int]:
-    """Relative POSIX name -> size of every file under ``directory`` (the manifest excluded).
+def list_tree(directory: Path, *, max_depth: int = 64, keep: Callable[[str], bool] | None = None) -> dict[str, int]:
+    """Relative POSIX name -> size of every file under ``directory`` (the manifest excluded); with ``keep``, of the
+    files whose name it accepts only: the others are not stat'ed (a rank selecting its own files among every rank's
+    pays one directory listing, not one ``stat`` per file of the world).
 
     Refuses symbolic links (to files or directories), anything that is not a regular file or directory, and a
     directory nested more than ``max_depth`` levels below ``directory`` (no checkpoint is that deep; a hostile one must
@@ -121,11 +124,18 @@ def list_tree(directory: Path, *, max_depth: int = 64) -> dict[str, int]:
                     )
                 stack.append((Path(entry.path), f"{name}/", depth + 1))
             elif entry.is_file(follow_symlinks=False):
-                if name != MANIFEST:
+                if name != MANIFEST and (keep is None or keep(name)):
                     found[name] = entry.stat(follow_symlinks=False).st_size
             else:
                 raise CheckpointIntegrityError(f"Checkpoint entry {shown(name)} is not a regular file or directory")
     return found
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_template(template: str) -> re.Pattern[str]:
+    """The names a per-rank template produces, the rank as group 1 (compiled once: :func:`writer_rank` runs per
+    inventory entry)."""
+    return re.compile(re.escape(template).replace(re.escape("{rank}"), r"(\d+)"))
 
 
 def writer_rank(name: str, world_size: int, rank_files: Iterable[str] = RANK_FILES) -> int:
@@ -138,8 +148,7 @@ def writer_rank(name: str, world_size: int, rank_files: Iterable[str] = RANK_FIL
         rank = int(match.group(1))
         return rank if rank < world_size else 0
     for template in rank_files:
-        pattern = re.escape(template).replace(re.escape("{rank}"), r"(\d+)")
-        match = re.fullmatch(pattern, base)
+        match = _rank_template(template).fullmatch(base)
         if match:
             rank = int(match.group(1))
             return rank if rank < world_size else 0
@@ -325,7 +334,8 @@ def read_dcp_metadata(directory: Path) -> Any:
 
 def dcp_payload_names(metadata: Any) -> set[str]:
     """Relative names of the payload files a DCP ``Metadata`` reads."""
-    return {relative_inside(str(storage.relative_path)).as_posix() for storage in (metadata.storage_data or {}).values()}
+    paths = {str(storage.relative_path) for storage in (metadata.storage_data or {}).values()}
+    return {relative_inside(path).as_posix() for path in paths}  # one check per file, not per chunk
 
 
 def check_dcp_payloads(directory: Path) -> Any:
@@ -391,7 +401,10 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
                 "written by accelerate-txn (or was altered); the checkpoint is not loadable."
             )
         with os.fdopen(fd, "rb", closefd=False) as stream:
-            data = stream.read(MAX_MANIFEST_BYTES + 1)
+            # As many bytes as the file holds (one more shows growth), never a buffer of the whole limit.
+            data = stream.read(size + 1)
+            if len(data) > size:  # it grew since: read on, still bounded
+                data += stream.read(MAX_MANIFEST_BYTES + 1 - len(data))
     finally:
         os.close(fd)
     return parse_manifest(data, str(path))

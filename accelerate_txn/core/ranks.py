@@ -6,8 +6,10 @@ in the same order. Without a process group they run locally.
 * :func:`run_phase` runs a local function on every rank, then exchanges one flag per rank (a fixed-size
   all-reduce). Only if some rank failed are the failure messages gathered; every rank then raises the same
   exception. ``BaseException`` is caught on purpose: DCP's ``CheckpointException`` derives from it.
-* :func:`agree` exchanges a fixed-size sha256 digest of a value (O(world) bytes, not O(world x value)). Only on
-  a mismatch is rank 0's value broadcast, so each disagreeing rank can explain what differs.
+* :func:`agree` all-reduces a fixed-size sha256 digest of a value (64 bytes at any world size). Only on a
+  mismatch is rank 0's value broadcast, so each disagreeing rank can explain what differs.
+* :func:`gather_rows` brings every rank's inventory rows to rank 0: each rank sends its own rows, rank 0 receives
+  O(files written) bytes; no rank receives anything per rank but rank 0.
 * :func:`on_main` computes a value on rank 0 (as a phase) and broadcasts it.
 
 A rank that goes away (killed, or ended by a signal, at any instant) makes the next collective of the others fail
@@ -366,29 +368,62 @@ def run_phase(function: Callable[[], T], context: str = "Checkpoint phase", grou
     raise_gathered(failures, context, caught, group)
 
 
+def row_payload(who: int, rows: dict[str, dict[str, Any]]) -> bytes:
+    """What rank ``who`` sends rank 0 in :func:`gather_rows`: its rank and rows as compact JSON (rows are JSON: they
+    become the manifest's inventory), so rank 0 parses data, never unpickles it."""
+    return json.dumps([who, rows], sort_keys=True, separators=(",", ":")).encode()
+
+
+def merge_row_payloads(own: dict[str, dict[str, Any]], payloads: list[bytes], world: int,
+                       me: int = 0) -> dict[str, dict[str, Any]]:
+    """Rank 0's side of :func:`gather_rows`: its ``own`` rows and the other ranks' :func:`row_payload` (trailing
+    blanks of the padding allowed) merged; raises unless exactly the ranks ``0..world-1`` contributed. Linear in the
+    bytes received: no term in the number of ranks squared."""
+    parts: list[tuple[int, dict[str, dict[str, Any]]]] = [(me, own)]
+    for payload in payloads:
+        who, rows = json.loads(payload)
+        parts.append((who, rows))
+    contributed = sorted(part[0] for part in parts)
+    if contributed != list(range(world)):
+        raise CheckpointRankError(
+            f"The checkpoint was started on ranks 0..{world - 1}, but ranks {contributed} contributed their "
+            "files: nothing was published.")
+    merged: dict[str, dict[str, Any]] = {}
+    for _rank, rows in parts:
+        merged.update(rows)
+    return merged
+
+
 def gather_rows(rows: dict[str, dict[str, Any]], world: int, group: Any = None) -> dict[str, dict[str, Any]]:
     """Rank 0 receives every rank's rows (the other ranks get ``{}``), and proves that each of the ``world`` ranks
-    of the saving world contributed: a rank that lost its process group must never publish alone."""
+    of the saving world contributed: a rank that lost its process group must never publish alone.
+
+    Two collectives, neither of which sends any rank a per-rank list: a fixed-size all-reduce of the longest
+    payload, then a gather to rank 0 of each other rank's :func:`row_payload`, padded to that length with blanks
+    (rank 0 keeps its own rows). Each rank other than 0 sends and receives O(1) bytes beyond its own rows; rank 0
+    receives (W - 1) x the longest payload. (``gather_object`` would all-gather every rank's size first: W sizes to
+    every rank.)"""
     if not distributed():
         if world != 1:
             raise CheckpointRankError(
                 f"The checkpoint was started on {world} ranks, but this process no longer belongs to a process group "
                 "(destroy_process_group() was called during the save): nothing was published.")
         return rows
-    gathered: list[Any] = [None] * world_size(group) if rank(group) == 0 else []
+    me = rank(group)
+    payload = b"" if me == 0 else row_payload(rank(), rows)
+    device = _device(group)
+    root = dist.get_global_rank(group, 0) if group is not None else 0
     with collective("Gathering every rank's file rows", group):
-        dist.gather_object((rank(), rows), gathered if rank(group) == 0 else None, dst=dist.get_global_rank(group, 0)
-                           if group is not None else 0, group=group)
-    merged: dict[str, dict[str, Any]] = {}
-    if rank(group) == 0:
-        contributed = sorted(part[0] for part in gathered)
-        if contributed != list(range(world)):
-            raise CheckpointRankError(
-                f"The checkpoint was started on ranks 0..{world - 1}, but ranks {contributed} contributed their "
-                "files: nothing was published.")
-        for _rank, part in gathered:
-            merged.update(part)
-    return merged
+        longest = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
+        padded = bytearray(payload.ljust(int(longest.item()), b" ")) or bytearray(b" ")
+        mine = torch.frombuffer(padded, dtype=torch.uint8).to(device)
+        gathered = [torch.empty_like(mine) for _ in range(world_size(group))] if me == 0 else None
+        dist.gather(mine, gathered, dst=root, group=group)
+    if me != 0:
+        return {}
+    return merge_row_payloads(rows, [bytes(part.cpu().numpy()) for part in gathered[1:]], world,  # type: ignore[index]
+                              rank())
 
 
 def any_rank(flag: bool, group: Any = None) -> bool:
@@ -409,12 +444,16 @@ def agree(value: Any, what: str, group: Any = None) -> None:
     """Check that every rank holds the same JSON-able ``value``; raise the same error everywhere if not."""
     if not distributed() or world_size(group) == 1:
         return
-    device = _device(group)
-    mine = torch.frombuffer(bytearray(digest(value)), dtype=torch.uint8).to(device)
-    everyone = [torch.empty(_DIGEST, dtype=torch.uint8, device=device) for _ in range(world_size(group))]
+    # One fixed-size all-reduce (MAX) of the digest's four 64-bit words d and their complements ~d: every rank holds
+    # the same digest exactly when each word's maximum equals its minimum (~max(~d)). Nothing per rank travels to
+    # any rank, and eight elements keep a small-message all-reduce as cheap as the all-gather it replaces.
+    own = torch.frombuffer(bytearray(digest(value)), dtype=torch.int64)
+    exchange = torch.cat([own, torch.bitwise_not(own)]).to(_device(group))
     with collective(f"Agreeing on {what}", group):
-        dist.all_gather(everyone, mine, group=group)
-    if all(torch.equal(everyone[0], other) for other in everyone[1:]):
+        dist.all_reduce(exchange, op=dist.ReduceOp.MAX, group=group)
+    words = _DIGEST // 8
+    highest, lowest = exchange[:words].cpu(), torch.bitwise_not(exchange[words:].cpu())
+    if torch.equal(highest, lowest):
         return
     # Rare path: explain. Only rank 0's value travels, to every rank.
     holder = [value if rank(group) == 0 else None]
