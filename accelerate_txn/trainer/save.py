@@ -208,7 +208,7 @@ def _map_recorded_paths(trainer: Any, staging: Path, run_dir: Path, tree: Path) 
 def _own_rows(tree: Path) -> dict[str, dict[str, Any]]:
     """Hash and fsync the staged files this rank wrote (``core.manifest.writer_rank``)."""
     world, me = world_size(), rank()
-    mine = [name for name in list_tree(tree) if writer_rank(name, world, RANK_TEMPLATES) == me]
+    mine = list(list_tree(tree, keep=lambda name: writer_rank(name, world, RANK_TEMPLATES) == me))
     return hash_rows(tree, mine, algorithm=HASH, integrity=INTEGRITY, flush=True,
                      after_first=lambda: faults.point("save:during-flush"))
 
