@@ -446,6 +446,12 @@ def test_bad_options_are_refused_before_any_process_starts(tmp_path: Path, capsy
     with pytest.raises(CheckpointConfigurationError, match=r"ranks_per_node=3: give the ranks of one emulated node "
                        r"\(an FSDP1 hybrid shard group\), a divisor of num_processes=4"):
         run_script(script, num_processes=4, ranks_per_node=3)
+    with pytest.raises(CheckpointConfigurationError, match=r"the sizes multiply to 4, but the job has num_processes=2"):
+        run_script(script, num_processes=2, parallelism={"dp_replicate_size": 2, "dp_shard_size": 2})
+    with pytest.raises(CheckpointConfigurationError, match=r"give sizes .* of dp_replicate_size.*unknown: \['dp_size'\]"):
+        run_script(script, num_processes=2, parallelism={"dp_size": 2})
+    with pytest.raises(CheckpointConfigurationError, match=r"a ParallelismConfig mesh needs FSDP2"):
+        run_script(script, num_processes=4, fsdp_version=1, parallelism={"dp_replicate_size": 2, "dp_shard_size": 2})
 
     with pytest.raises(SystemExit) as exited:
         cli_main(["run", "--state-dict-type", "FULL_STATE_DICT", str(script)])
@@ -507,3 +513,45 @@ def test_fsdp1_hybrid_sharding_on_cpu_makes_nodes_that_divide_the_ranks(monkeypa
     with pytest.raises(CheckpointConfigurationError, match=r"sharding_strategy='HYBRID_SHARD' is FSDP1's setting; "
                        r"FSDP2 hybrid sharding is a ParallelismConfig"):
         make_plugin(fsdp_version=2, sharding_strategy="HYBRID_SHARD")
+
+
+_MESH_SCRIPT = """
+import json, os, sys
+import torch
+import accelerate_txn
+from accelerate import Accelerator
+
+accelerator = Accelerator()
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+optimizer = torch.optim.AdamW(model.parameters())
+model, optimizer = accelerator.prepare(model, optimizer)
+model(torch.randn(2, 8)).sum().backward()
+optimizer.step()
+optimizer.zero_grad()
+accelerator.save_state(sys.argv[1])
+weight = next(model.parameters())
+print("REPORT " + json.dumps({"mesh": list(accelerator.torch_device_mesh.shape),
+                              "names": list(accelerator.torch_device_mesh.mesh_dim_names),
+                              "placements": [str(p) for p in weight.placements]}))
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_the_command_line_builds_an_hsdp_mesh_from_accelerate_launchs_parallelism_sizes(tmp_path: Path) -> None:
+    script = tmp_path / "mesh.py"
+    script.write_text(_MESH_SCRIPT)
+    out = tmp_path / "checkpoint"
+    completed = subprocess.run(
+        [sys.executable, "-m", "accelerate_txn.testing", "run", "-n", "4", "--fsdp-version", "2",
+         "--dp-replicate-size", "2", "--dp-shard-size", "2", "--timeout", str(JOB_TIMEOUT), str(script), str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=JOB_TIMEOUT + 60, check=False,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    reports = [json.loads(line.split("REPORT ", 1)[1]) for line in completed.stdout.splitlines() if "REPORT " in line]
+    assert len(reports) == 4
+    assert all(report == {"mesh": [2, 2], "names": ["dp_replicate", "dp_shard"],
+                          "placements": ["R", "S(0)"]} for report in reports), reports
+    manifest = json.loads((out / "checkpoint_manifest.json").read_text())
+    assert manifest["components"][""]["models"][0]["fsdp"] == [
+        {"fsdp_version": 2, "mesh": [2, 2], "mesh_dims": ["dp_replicate", "dp_shard_cp"]}]
