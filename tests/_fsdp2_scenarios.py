@@ -41,6 +41,16 @@ def _train(accelerator: Any, model: Any, optimizer: Any, scheduler: Any, steps: 
         optimizer.zero_grad(set_to_none=True)
 
 
+def next_step_differences(train: Any, original: tuple[Any, ...], restored: tuple[Any, ...]) -> list[str]:
+    """One step of ``train`` from the restored run (accelerator, model, optimizer, scheduler) and one from the
+    original, both from the restored global RNG state; what then differs (empty: the same next step)."""
+    restored_rng = torch.get_rng_state()
+    train(*restored, 1, seed=5)
+    torch.set_rng_state(restored_rng)
+    train(*original, 1, seed=5)
+    return _differences(_snapshot(*original[1:]), _snapshot(*restored[1:]), ("params", "optim", "scheduler"))
+
+
 def _local(value: Any) -> Any:
     return value.to_local().detach().clone() if hasattr(value, "to_local") else (
         value.detach().clone() if torch.is_tensor(value) else value)
@@ -158,12 +168,7 @@ def roundtrip(root: str) -> dict[str, Any]:
     obs["saved_step"] = acc.step
     # The next step from the restored state equals the next step of the original run (dropout draws from the
     # global RNG, which both continue from the restored state).
-    restored_rng = torch.get_rng_state()
-    _train(acc2, model2, opt2, sched2, 1, seed=5)
-    torch.set_rng_state(restored_rng)
-    _train(acc, model, opt, sched, 1, seed=5)
-    obs["next_step_differences"] = _differences(_snapshot(model, opt, sched), _snapshot(model2, opt2, sched2),
-                                                ("params", "optim", "scheduler"))
+    obs["next_step_differences"] = next_step_differences(_train, (acc, model, opt, sched), (acc2, model2, opt2, sched2))
     # SGD with momentum, saved before the first step (no optimizer state at all), into a fresh optimizer.
     acc3, model3, opt3, sched3 = _build(3, optimizer="sgd")
     early = base / "before_first_step"

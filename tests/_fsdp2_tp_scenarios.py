@@ -20,7 +20,7 @@ import torch
 import accelerate_txn
 from accelerate_txn.testing import TinyModel, fsdp_accelerator
 from tests._corruption_scenarios import flip_middle_byte
-from tests._fsdp2_scenarios import _differences, _snapshot
+from tests._fsdp2_scenarios import _differences, _snapshot, next_step_differences
 from tests._scenarios import _error, warmup_lambda
 
 WIDTH = 18  # 18 rows over tp 2 are 9, over dp_shard 2 then 5 and 4: uneven strided shards
@@ -187,12 +187,7 @@ def tp_roundtrip(root: str) -> dict[str, Any]:
     torch.manual_seed(1234 + rank)
     obs["fresh_error"] = _error(lambda: acc2.load_state(str(path)))
     obs["fresh_differences"] = _differences(expected, _snapshot(model2, opt2, sched2))
-    restored_rng = torch.get_rng_state()
-    _train(acc2, model2, opt2, sched2, 1, seed=5)
-    torch.set_rng_state(restored_rng)
-    _train(acc, model, opt, sched, 1, seed=5)
-    obs["next_step_differences"] = _differences(_snapshot(model, opt, sched), _snapshot(model2, opt2, sched2),
-                                                ("params", "optim", "scheduler"))
+    obs["next_step_differences"] = next_step_differences(_train, (acc, model, opt, sched), (acc2, model2, opt2, sched2))
 
     # A flipped byte in rank 3's model payload: refused on every rank, nothing restored anywhere.
     damaged = base / "damaged"

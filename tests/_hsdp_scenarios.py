@@ -8,7 +8,6 @@ and compares what it restored with that checkpoint's reference, bitwise.
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -16,20 +15,14 @@ from typing import Any
 import torch
 from accelerate.parallelism_config import ParallelismConfig
 
-from accelerate_txn.testing import TinyModel, fsdp_accelerator
 from tests._crash_fsdp2 import local_state
-from tests._scenarios import _same, warmup_lambda
+from tests._remote_scenarios import _build_for
+from tests._scenarios import _same
 
 
 def _build(root: str, seed: int) -> tuple[Any, ...]:
-    accelerator = fsdp_accelerator(fsdp_version=2, project_dir=root, automatic_checkpoint_naming=True,
-                                   parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2))
-    torch.manual_seed(seed)
-    raw = TinyModel(width=16)
-    optimizer = torch.optim.AdamW(raw.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(warmup_lambda, warmup=3))
-    model, optimizer, scheduler = accelerator.prepare(raw, optimizer, scheduler)
-    return accelerator, model, optimizer, scheduler
+    return _build_for(2, seed, project_dir=root, automatic_checkpoint_naming=True,
+                      parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2))
 
 
 def _train(accelerator: Any, model: Any, optimizer: Any, scheduler: Any, steps: int) -> None:
