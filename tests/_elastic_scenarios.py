@@ -27,11 +27,14 @@ def _build(fsdp_version: int, seed: int, variant: str = "adamw", parallelism: di
     """``variant``: "adamw", or "rmsprop-flat" (RMSprop with momentum, centered; FSDP1 flat parameters).
     ``parallelism``: FSDP2 on an N-D mesh, the sizes of a ``ParallelismConfig`` (HSDP: ``dp_replicate_size``,
     ``dp_shard_size``)."""
-    from accelerate.parallelism_config import ParallelismConfig
+    mesh = None
+    if parallelism:  # Accelerate 1.10 and later: the matrix runs these scenarios on earlier releases too
+        from accelerate.parallelism_config import ParallelismConfig
 
+        mesh = ParallelismConfig(**parallelism)
     accelerator = fsdp_accelerator(fsdp_version=fsdp_version, use_orig_params=variant == "adamw",
                                    dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
-                                   parallelism_config=ParallelismConfig(**parallelism) if parallelism else None)
+                                   parallelism_config=mesh)
     torch.manual_seed(seed)
     raw = TinyModel(width=16)
     data = torch.utils.data.TensorDataset(torch.arange(96, dtype=torch.float32).view(96, 1))
