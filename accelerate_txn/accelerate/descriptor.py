@@ -25,6 +25,7 @@ from ..fsdp.optimizer_state import raw_optimizer
 from .config import checkpoint_config, plain
 from .data_order import order_settings
 from .internals import custom_objects, prepared_dataloaders, prepared_models, prepared_optimizers, prepared_schedulers
+from .layouts import mesh_text, unit_text
 from .resume_changes import Change, accept_hint, builtin_settings, named_changes
 
 SUPPORTED_BACKENDS = ("FSDP", "NO", "MULTI_CPU", "MULTI_GPU")
@@ -178,13 +179,7 @@ def _without_fsdp1_layout(saved: dict[str, Any], current: dict[str, Any]) -> Non
 
 def _fsdp1_layout(descriptor: dict[str, Any]) -> list[list[str]]:
     """Each model's FSDP1 units as ``"STRATEGY"`` or ``"STRATEGY (R replicas x S ranks)"`` (hybrid)."""
-    def name(unit: dict[str, Any]) -> str:
-        grid = unit.get("hybrid")
-        if isinstance(grid, dict):
-            return f"{unit['sharding']} ({grid.get('replicate')} replicas x {grid.get('shard')} ranks)"
-        return str(unit["sharding"])
-
-    return [[name(unit) for unit in model.get("fsdp", []) if isinstance(unit, dict) and "sharding" in unit]
+    return [[unit_text(unit) for unit in model.get("fsdp", []) if isinstance(unit, dict) and "sharding" in unit]
             for model in descriptor.get("models", []) if isinstance(model, dict)]
 
 
@@ -523,10 +518,11 @@ _MESH_KEYS = ("mesh", "mesh_dims")
 def _without_world_size(saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Elastic resume: drop what only records how the state is spread over the ranks (both sides normalised in
     place). The world size itself; an FSDP2 device mesh (its shape and dimension names: 1-D, HSDP, with TP) and
-    each parameter's DTensor placements (DCP stores every tensor by its global shape and reads it onto any mesh);
-    an FSDP1 unit's sharding strategy when either run has one rank (FSDP1 then runs every unit as NO_SHARD); and the
-    number of processes each data loader shards over (the elastic data-order policy of docs/elastic.md applies)."""
-    worlds = (saved.pop("world_size", None), current.pop("world_size", None))
+    each parameter's DTensor placements (DCP stores every tensor by its global shape and reads it onto any mesh); and
+    the number of processes each data loader shards over (the elastic data-order policy of docs/elastic.md applies).
+    FSDP1's strategy and grid: :func:`_without_fsdp1_layout`."""
+    saved.pop("world_size", None)
+    current.pop("world_size", None)
     for loader in [*saved.get("dataloaders", []), *current.get("dataloaders", [])]:
         if isinstance(loader, dict):
             loader.pop("processes", None)
@@ -539,14 +535,10 @@ def _without_world_size(saved: dict[str, Any], current: dict[str, Any]) -> None:
             for parameter in [*old.get("parameters", {}).values(), *new.get("parameters", {}).values()]:
                 if isinstance(parameter, dict):
                     parameter.pop("placements", None)
-        for old_unit, new_unit in zip(old.get("fsdp", []), new.get("fsdp", [])):
-            if 1 in worlds and "sharding" in old_unit and "sharding" in new_unit:
-                old_unit.pop("sharding")
-                new_unit.pop("sharding")
 
 
-def _meshes(descriptor: dict[str, Any]) -> list[Any]:
-    return [[unit.get(key) for key in _MESH_KEYS] for model in descriptor.get("models", [])
+def _meshes(descriptor: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{key: unit.get(key) for key in _MESH_KEYS} for model in descriptor.get("models", [])
             for unit in model.get("fsdp", []) if isinstance(unit, dict) and "mesh" in unit]
 
 
@@ -556,9 +548,9 @@ def _reshard_hint(saved: dict[str, Any], current: dict[str, Any]) -> str:
     if saved.get("world_size") == current.get("world_size"):
         if _meshes(saved) == _meshes(current):
             return ""
-        old, new = (next(iter(_meshes(side)), [None, None]) for side in (saved, current))
-        return (f"\nThis checkpoint was saved on the device mesh {_mesh_text(old)} and this run has "
-                f"{_mesh_text(new)}: a mesh change is refused before anything is restored. Resume on the same mesh "
+        old, new = (next(iter(_meshes(side)), {"mesh": "(none)"}) for side in (saved, current))
+        return (f"\nThis checkpoint was saved on the device mesh {mesh_text(old)} and this run has "
+                f"{mesh_text(new)}: a mesh change is refused before anything is restored. Resume on the same mesh "
                 "(the same ParallelismConfig), or opt in to elastic resume with "
                 "configure_checkpointing(accelerator, allow_reshard=True) (model and optimizer are resharded onto the "
                 "new mesh: docs/elastic.md).")
@@ -567,15 +559,6 @@ def _reshard_hint(saved: dict[str, Any], current: dict[str, Any]) -> str:
             f"{saved.get('world_size')} ranks, or opt in to elastic resume with "
             "configure_checkpointing(accelerator, allow_reshard=True) (model and optimizer are resharded; per-rank "
             "RNG, data-loader and private state follow the documented policy: docs/elastic.md).")
-
-
-def _mesh_text(mesh: list[Any]) -> str:
-    shape, names = mesh
-    if not isinstance(shape, list):
-        return "(none)"
-    if isinstance(names, list) and len(names) == len(shape):
-        return " x ".join(f"{name}={size}" for name, size in zip(names, shape))
-    return f"{shape}"
 
 
 def participants(owners: Any) -> dict[str, Any]:

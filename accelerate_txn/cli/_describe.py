@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..accelerate.layouts import unit_text
+
 
 def _dict(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
@@ -32,27 +34,10 @@ def _model(model: dict[str, Any]) -> dict[str, Any]:
         "tensors": len(rows),
         "dtypes": sorted({str(row.get("dtype")) for row in rows}),
         "fsdp_units": len(units),
-        # FSDP1 units record their sharding strategy; FSDP2 records its version and device-mesh shape instead (an
-        # N-D mesh with its dimension names: HSDP's dp_replicate x dp_shard_cp, tp, ...).
-        # FSDP1 hybrid units also record their grid.
-        "sharding": sorted({_fsdp1_sharding(unit) if unit.get("sharding") is not None
-                            else f"FSDP{unit.get('fsdp_version', '?')} mesh {_mesh(unit)}" for unit in units}),
+        # FSDP1 units record their sharding strategy (hybrid ones their grid too); FSDP2 its version and mesh.
+        "sharding": sorted({unit_text(unit) for unit in units}),
         "config": _dict(model.get("config")),
     }
-
-
-def _fsdp1_sharding(unit: dict[str, Any]) -> str:
-    grid = unit.get("hybrid")
-    if isinstance(grid, dict):
-        return f"{unit['sharding']} ({grid.get('replicate')} replicas x {grid.get('shard')} ranks)"
-    return str(unit["sharding"])
-
-
-def _mesh(unit: dict[str, Any]) -> str:
-    shape, names = unit.get("mesh"), unit.get("mesh_dims")
-    if isinstance(shape, list) and isinstance(names, list) and len(names) == len(shape):
-        return " x ".join(f"{name}={size}" for name, size in zip(names, shape))
-    return str(shape)
 
 
 def _optimizer(optimizer: dict[str, Any]) -> dict[str, Any]:
