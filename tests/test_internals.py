@@ -304,6 +304,24 @@ def test_storage_item_is_where_filesystem_reader_keeps_each_stored_tensor(tmp_pa
     assert set(seen) == set(saved) and all(torch.equal(seen[k], saved[k]) for k in saved)
 
 
+def test_storage_info_is_the_record_dcp_writes(tmp_path: Path) -> None:
+    # fsdp.dcp_writer returns it for every item it writes: equal to what FileSystemWriter records, and pickled the
+    # same way into .metadata (transform_descriptors left out when None).
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(6.0)}, checkpoint_id=str(tmp_path), no_dist=True)
+    reader = dcp.FileSystemReader(str(tmp_path))
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+    (stored,) = reader.storage_data.values()
+    made = _internals.storage_info(stored.relative_path, stored.offset, stored.length)
+    assert made == stored and type(made) is type(stored)
+    assert pickle.loads(pickle.dumps(made)) == stored and made.__getstate__() == stored.__getstate__()
+
+
 def test_private_pickle_globals_of_dcp_metadata_resolve() -> None:
     # _manifest allowlists them by name (not reached through _internals); each must still exist.
     from accelerate_txn.core.manifest import MetadataUnpickler as _MetadataUnpickler

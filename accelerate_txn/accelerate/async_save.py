@@ -62,6 +62,7 @@ from ..core.manifest import HASH
 from ..core.ranks import drop_background_group, is_background_group, run_phase
 from ..errors import CheckpointError
 from ..fsdp.capture import materialize
+from ..fsdp.dcp_writer import write_directly
 from ..fsdp.host_memory import StagingPool, staged_copy, staging_into
 from ..store.posix import start_writeback
 
@@ -104,12 +105,15 @@ def _dcp_save(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: d
     if capture is None:
         return wrapped(*args, **kwargs)
     writer = kwargs.get("storage_writer")
-    if _writes_into(writer, capture.root) and hash_while_writing(writer, capture.hashes, HASH, start_writeback) \
-            and getattr(writer, "sync_files", None) is True and kwargs.get("process_group") is None:
-        # DCP's own per-file fsync would be the second of two: the transaction's hash pass fsyncs every file
-        # (each by the rank that wrote it: over the default group, file and global rank agree) and rank 0 the
-        # directories, before anything is published.
-        writer.sync_files = False
+    if _writes_into(writer, capture.root) and hash_while_writing(writer, capture.hashes, HASH, start_writeback):
+        # Each tensor written from its own memory, O_DIRECT where the file system takes it (fsdp.dcp_writer);
+        # a writer it does not reproduce keeps DCP's writes, hashed as they are written.
+        write_directly(writer, capture.hashes, HASH, start_writeback)
+        if getattr(writer, "sync_files", None) is True and kwargs.get("process_group") is None:
+            # DCP's own per-file fsync would be the second of two: the transaction's hash pass fsyncs every file
+            # (each by the rank that wrote it: over the default group, file and global rank agree) and rank 0
+            # the directories, before anything is published.
+            writer.sync_files = False
     if not capture.stage:
         return wrapped(*args, **kwargs)
     state_dict = args[0] if args else kwargs.get("state_dict")

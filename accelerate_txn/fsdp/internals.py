@@ -234,6 +234,16 @@ def storage_item(reader: Any, index: Any) -> tuple[str, int, int, bool]:
             bool(getattr(info, "transform_descriptors", None)))
 
 
+def storage_info(relative_path: str, offset: int, length: int) -> Any:
+    """The record ``FileSystemWriter`` returns for one written item (``WriteResult.storage_data``): file relative
+    to the checkpoint directory, byte offset, byte length, no storage transform.
+    torch 2.7.0 to 2.15: ``filesystem._StorageInfo(relative_path, offset, length, transform_descriptors=None)``
+    (a dataclass; ``transform_descriptors`` left out of its pickled state when None)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo(relative_path, offset, length)
+
+
 # --- torch.distributed: the default process group's store ----------------------------------------------------
 # The key-value store the default group was rendezvoused through, which every rank reaches without a collective.
 # torch 2.9 to 2.14: public ``ProcessGroup.get_group_store()`` returns the same ``PrefixStore`` as the private
