@@ -7,6 +7,18 @@ there). Reports per-phase wall-time medians, the ratio protected/native, and eac
 growth during ``load_state`` next to its own optimizer-shard bytes. ``--fsdp-version 2`` runs the same on
 Accelerate's FSDP2 (``fully_shard`` per ``Linear``, DTensor parameters; model and optimizer prepared together).
 
+Against the hardware, in the same run and the same pairs rotation: after both modes of each repeat, both ranks
+concurrently run ``dd if=/dev/zero of=<root>/dd_<rank> bs=16M iflag=count_bytes count=<bytes> conv=fdatasync``
+(the disk's synchronous write bandwidth), then read that file back with ``dd of=/dev/null bs=16M`` (it is in the
+page cache then), each timed as wall time between barriers like the saves. ``<bytes>`` is the rank's share of the
+protected checkpoint that repeat saved: its own DCP shards (``__{rank}_*.distcp``, model and optimizer) plus an
+equal share of every other file (manifest, RNG states, metadata; the remainder of the division to rank 0), so the
+ranks' dd files add up to exactly the checkpoint's bytes. Bandwidths are checkpoint bytes / wall time (per mode:
+the bytes of the checkpoint that mode saved); the fractions (protected save / dd write, protected stepped load /
+page-cache read) are medians of the per-repeat ratios. Peak RSS growth is also sampled during each
+``save_state``; protected minus native is reported against the rank's state bytes (its parameter shard plus its
+optimizer shard).
+
     .venv/bin/python benchmarks/bench_checkpoint.py --sizes 50 --repeats 3
     MALLOC_MMAP_THRESHOLD_=65536 .venv/bin/python benchmarks/bench_checkpoint.py --sizes 50 --repeats 3
     .venv/bin/python benchmarks/bench_checkpoint.py --sizes 50 --repeats 3 --fsdp-version 2
@@ -18,8 +30,10 @@ import argparse
 import gc
 import json
 import os
+import re
 import shutil
 import statistics
+import subprocess
 import tempfile
 import threading
 import time
@@ -77,6 +91,32 @@ def _local(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if hasattr(value, "to_local") else value
 
 
+_DISTCP = re.compile(r"__(\d+)_\d+\.distcp")
+DD_BLOCK = "16M"
+
+
+def checkpoint_bytes(path: str, rank: int, world_size: int) -> tuple[int, int]:
+    """``(total, this rank's share)`` of the files under ``path``: the rank's own ``__{rank}_*.distcp`` shards plus
+    an equal share of every other file (the remainder of the division to rank 0), so the shares add up to the
+    total."""
+    total = own = distcp = 0
+    for directory, _, names in os.walk(path):
+        for name in names:
+            size = os.path.getsize(os.path.join(directory, name))
+            total += size
+            match = _DISTCP.fullmatch(name)
+            if match:
+                distcp += size
+                if int(match.group(1)) == rank:
+                    own += size
+    rest = total - distcp
+    return total, own + rest // world_size + (rest % world_size if rank == 0 else 0)
+
+
+def _dd(*arguments: str) -> None:
+    subprocess.run(["dd", *arguments, "status=none"], check=True)
+
+
 def worker(root: str, million: int, repeats: int, optimizer_name: str = "adamw",
            fsdp_version: int = 1) -> dict[str, Any]:
     import accelerate_txn
@@ -97,8 +137,13 @@ def worker(root: str, million: int, repeats: int, optimizer_name: str = "adamw",
     shard_bytes = sum(_local(v).numel() * v.element_size() for s in raw.state.values() for v in s.values()
                       if torch.is_tensor(v))
     parameters = sum(_local(p).numel() for p in model.parameters()) * accelerator.num_processes
-    times: dict[str, list[float]] = {key: [] for key in ("save_native", "save_protected", "load_native", "load_protected")}
-    growth: dict[str, list[int]] = {"load_native": [], "load_protected": [], "load_fresh_protected": []}
+    param_bytes = sum(_local(p).numel() * p.element_size() for p in model.parameters())
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    times: dict[str, list[float]] = {key: [] for key in ("save_native", "save_protected", "load_native", "load_protected",
+                                                         "dd_write", "dd_read")}
+    growth: dict[str, list[int]] = {"load_native": [], "load_protected": [], "load_fresh_protected": [],
+                                    "save_native": [], "save_protected": []}
+    sizes: dict[str, list[int]] = {"native": [], "protected": [], "rank_protected": []}
     for repeat in range(repeats):
         # Alternating pairs: each repeat measures both modes back to back, in alternating order, so drift in the
         # machine's load (page cache, other processes) affects both alike.
@@ -110,9 +155,15 @@ def worker(root: str, million: int, repeats: int, optimizer_name: str = "adamw",
             path = os.path.join(root, f"{mode}_{repeat}")
             accelerator.wait_for_everyone()
             start = time.perf_counter()
-            accelerator.save_state(path)
+            with _PeakRss() as peak:
+                accelerator.save_state(path)
             accelerator.wait_for_everyone()
             times[f"save_{mode}"].append(time.perf_counter() - start)
+            growth[f"save_{mode}"].append(peak.growth)
+            total, share = checkpoint_bytes(path, rank, world_size)
+            sizes[mode].append(total)
+            if mode == "protected":
+                sizes["rank_protected"].append(share)
             start = time.perf_counter()
             with _PeakRss() as peak:
                 accelerator.load_state(path)
@@ -131,18 +182,53 @@ def worker(root: str, million: int, repeats: int, optimizer_name: str = "adamw",
                 growth["load_fresh_protected"].append(peak.growth)
             if accelerator.process_index == 0:
                 shutil.rmtree(path)
+        # The hardware baseline of this repeat: both ranks write their share of the protected checkpoint's bytes
+        # with dd (fdatasync before dd exits), then read it back from the page cache.
+        target = os.path.join(root, f"dd_{rank}")
+        accelerator.wait_for_everyone()
+        start = time.perf_counter()
+        _dd("if=/dev/zero", f"of={target}", f"bs={DD_BLOCK}", "iflag=count_bytes",
+            f"count={sizes['rank_protected'][-1]}", "conv=fdatasync")
+        accelerator.wait_for_everyone()
+        times["dd_write"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        _dd(f"if={target}", "of=/dev/null", f"bs={DD_BLOCK}")
+        accelerator.wait_for_everyone()
+        times["dd_read"].append(time.perf_counter() - start)
+        os.remove(target)
+        accelerator.wait_for_everyone()
+    # Bandwidths, per repeat: checkpoint bytes (all ranks) / wall time; dd moved the protected checkpoint's bytes.
+    per_repeat = {
+        "save_native": [b / t for b, t in zip(sizes["native"], times["save_native"])],
+        "save_protected": [b / t for b, t in zip(sizes["protected"], times["save_protected"])],
+        "load_protected": [b / t for b, t in zip(sizes["protected"], times["load_protected"])],
+        "dd_write": [b / t for b, t in zip(sizes["protected"], times["dd_write"])],
+        "dd_read": [b / t for b, t in zip(sizes["protected"], times["dd_read"])],
+    }
+    fractions = {
+        "save_dd": statistics.median(s / d for s, d in zip(per_repeat["save_protected"], per_repeat["dd_write"])),
+        "load_read": statistics.median(lo / r for lo, r in zip(per_repeat["load_protected"], per_repeat["dd_read"])),
+        "save_growth_state": statistics.median((p - n) / (param_bytes + shard_bytes)
+                                               for p, n in zip(growth["save_protected"], growth["save_native"])),
+    }
     ratios = {phase: statistics.median(p / n for p, n in zip(times[f"{phase}_protected"], times[f"{phase}_native"]))
               for phase in ("save", "load")}
     return {"parameters": parameters, "shard_bytes": shard_bytes, "optimizer": optimizer_name,
             "fsdp_version": fsdp_version, "ratios": ratios,
             "times": {key: statistics.median(values) for key, values in times.items()},
-            "growth": {key: max(values) for key, values in growth.items()}}
+            "growth": {key: max(values) for key, values in growth.items()},
+            "param_bytes": param_bytes, "state_bytes": param_bytes + shard_bytes,
+            "checkpoint_bytes": {mode: statistics.median(values) for mode, values in sizes.items()},
+            "bandwidth": {key: statistics.median(values) for key, values in per_repeat.items()},
+            "fractions": fractions,
+            "raw": {"times": times, "growth": growth, "bytes": sizes, "bandwidth": per_repeat}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[50], help="model sizes in millions of parameters")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", "--pairs", dest="repeats", type=int, default=3,
+                        help="alternating native/protected pairs (each followed by the dd baseline)")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
     parser.add_argument("--fsdp-version", type=int, choices=(1, 2), default=1,
                         help="Accelerate FSDP version of the benchmarked model (2: fully_shard, DTensor)")
@@ -180,6 +266,28 @@ def main() -> None:
             cells = [f"{result['growth'][key] / 2**20:.0f} ({result['growth'][key] / shard:.2f}x)"
                      for key in ("load_native", "load_protected", "load_fresh_protected")]
             print(f"| {result['parameters'] / 1e6:.0f}M | {rank} | {shard / 2**20:.0f} | " + " | ".join(cells) + " |")
+    print()
+    print("Against the hardware (GB/s: checkpoint bytes / wall time, rank 0, median of the repeats; load: the protected "
+          "load into a stepped optimizer; fractions: medians of the per-repeat ratios; save growth: peak RSS growth "
+          "during save_state, max over repeats, worst rank; (protected-native)/state: median over repeats, worst "
+          "rank, of that growth difference over the rank's parameter + optimizer shard bytes):")
+    print("| model | ranks | bytes | native save GB/s | protected save GB/s | dd fdatasync GB/s | protected/dd "
+          "| load GB/s | page-cache read GB/s | load/read | save growth native MiB | protected MiB "
+          "| (protected-native)/state |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        rank0 = row["ranks"][0]
+        bandwidth, fractions = rank0["bandwidth"], rank0["fractions"]
+        native_growth = max(result["growth"]["save_native"] for result in row["ranks"])
+        protected_growth = max(result["growth"]["save_protected"] for result in row["ranks"])
+        difference = max(result["fractions"]["save_growth_state"] for result in row["ranks"])
+        print(f"| {rank0['parameters'] / 1e6:.0f}M | {len(row['ranks'])} "
+              f"| {rank0['checkpoint_bytes']['protected'] / 1e9:.2f} GB "
+              f"| {bandwidth['save_native'] / 1e9:.3f} | {bandwidth['save_protected'] / 1e9:.3f} "
+              f"| {bandwidth['dd_write'] / 1e9:.3f} | {fractions['save_dd']:.2f} "
+              f"| {bandwidth['load_protected'] / 1e9:.3f} | {bandwidth['dd_read'] / 1e9:.3f} "
+              f"| {fractions['load_read']:.2f} | {native_growth / 2**20:.0f} | {protected_growth / 2**20:.0f} "
+              f"| {difference:.3f} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 
