@@ -19,6 +19,12 @@ page-cache read) are medians of the per-repeat ratios. Peak RSS growth is also s
 ``save_state``; protected minus native is reported against the rank's state bytes (its parameter shard plus its
 optimizer shard).
 
+Each load is measured twice, for both modes: after a restart (every file of the checkpoint written back and dropped
+from the page cache, ``posix_fadvise(DONTNEED)``: the restore reads the disk; baseline ``dd iflag=direct`` of the dd
+file, also dropped) and in the page cache (every file read once before: the baseline is the page-cache ``dd``).
+The protected save writes its DCP files with ``O_DIRECT`` (``fsdp.dcp_writer``): they are not in the page cache after
+the save, native's are, so a load straight after the save would compare a disk read with a memory copy.
+
     .venv/bin/python benchmarks/bench_checkpoint.py --sizes 50 --repeats 3
     MALLOC_MMAP_THRESHOLD_=65536 .venv/bin/python benchmarks/bench_checkpoint.py --sizes 50 --repeats 3
     .venv/bin/python benchmarks/bench_checkpoint.py --sizes 50 --repeats 3 --fsdp-version 2
@@ -113,6 +119,31 @@ def checkpoint_bytes(path: str, rank: int, world_size: int) -> tuple[int, int]:
     return total, own + rest // world_size + (rest % world_size if rank == 0 else 0)
 
 
+def _files(path: str) -> list[str]:
+    return [os.path.join(directory, name) for directory, _, names in os.walk(path) for name in names]
+
+
+def evict(path: str) -> None:
+    """Every file under ``path`` out of the page cache (written back first: ``fadvise(DONTNEED)`` drops only
+    clean pages), as after a restart: the next read comes from the disk."""
+    for name in _files(path):
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def warm(path: str) -> None:
+    """Every file under ``path`` read once, so that it is in the page cache."""
+    buffer = bytearray(16 << 20)
+    for name in _files(path):
+        with open(name, "rb", buffering=0) as stream:
+            while stream.readinto(buffer):
+                pass
+
+
 def _dd(*arguments: str) -> None:
     subprocess.run(["dd", *arguments, "status=none"], check=True)
 
@@ -140,7 +171,8 @@ def worker(root: str, million: int, repeats: int, optimizer_name: str = "adamw",
     param_bytes = sum(_local(p).numel() * p.element_size() for p in model.parameters())
     rank, world_size = accelerator.process_index, accelerator.num_processes
     times: dict[str, list[float]] = {key: [] for key in ("save_native", "save_protected", "load_native", "load_protected",
-                                                         "dd_write", "dd_read")}
+                                                         "load_cold_native", "load_cold_protected",
+                                                         "dd_write", "dd_read", "dd_cold_read")}
     growth: dict[str, list[int]] = {"load_native": [], "load_protected": [], "load_fresh_protected": [],
                                     "save_native": [], "save_protected": []}
     sizes: dict[str, list[int]] = {"native": [], "protected": [], "rank_protected": []}
@@ -164,6 +196,18 @@ def worker(root: str, million: int, repeats: int, optimizer_name: str = "adamw",
             sizes[mode].append(total)
             if mode == "protected":
                 sizes["rank_protected"].append(share)
+            # The restore after a restart: nothing of the checkpoint in the page cache.
+            if rank == 0:
+                evict(path)
+            accelerator.wait_for_everyone()
+            start = time.perf_counter()
+            accelerator.load_state(path)
+            accelerator.wait_for_everyone()
+            times[f"load_cold_{mode}"].append(time.perf_counter() - start)
+            # The restore of a checkpoint in the page cache (every byte read once before).
+            if rank == 0:
+                warm(path)
+            accelerator.wait_for_everyone()
             start = time.perf_counter()
             with _PeakRss() as peak:
                 accelerator.load_state(path)
@@ -195,6 +239,12 @@ def worker(root: str, million: int, repeats: int, optimizer_name: str = "adamw",
         _dd(f"if={target}", "of=/dev/null", f"bs={DD_BLOCK}")
         accelerator.wait_for_everyone()
         times["dd_read"].append(time.perf_counter() - start)
+        evict(target)
+        accelerator.wait_for_everyone()
+        start = time.perf_counter()
+        _dd(f"if={target}", "of=/dev/null", f"bs={DD_BLOCK}", "iflag=direct")
+        accelerator.wait_for_everyone()
+        times["dd_cold_read"].append(time.perf_counter() - start)
         os.remove(target)
         accelerator.wait_for_everyone()
     # Bandwidths, per repeat: checkpoint bytes (all ranks) / wall time; dd moved the protected checkpoint's bytes.
@@ -204,15 +254,19 @@ def worker(root: str, million: int, repeats: int, optimizer_name: str = "adamw",
         "load_protected": [b / t for b, t in zip(sizes["protected"], times["load_protected"])],
         "dd_write": [b / t for b, t in zip(sizes["protected"], times["dd_write"])],
         "dd_read": [b / t for b, t in zip(sizes["protected"], times["dd_read"])],
+        "load_cold_protected": [b / t for b, t in zip(sizes["protected"], times["load_cold_protected"])],
+        "dd_cold_read": [b / t for b, t in zip(sizes["protected"], times["dd_cold_read"])],
     }
     fractions = {
         "save_dd": statistics.median(s / d for s, d in zip(per_repeat["save_protected"], per_repeat["dd_write"])),
         "load_read": statistics.median(lo / r for lo, r in zip(per_repeat["load_protected"], per_repeat["dd_read"])),
+        "cold_load_read": statistics.median(lo / r for lo, r in zip(per_repeat["load_cold_protected"],
+                                                                     per_repeat["dd_cold_read"])),
         "save_growth_state": statistics.median((p - n) / (param_bytes + shard_bytes)
                                                for p, n in zip(growth["save_protected"], growth["save_native"])),
     }
     ratios = {phase: statistics.median(p / n for p, n in zip(times[f"{phase}_protected"], times[f"{phase}_native"]))
-              for phase in ("save", "load")}
+              for phase in ("save", "load", "load_cold")}
     return {"parameters": parameters, "shard_bytes": shard_bytes, "optimizer": optimizer_name,
             "fsdp_version": fsdp_version, "ratios": ratios,
             "times": {key: statistics.median(values) for key, values in times.items()},
@@ -251,9 +305,10 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- |")
     for row in rows:
         rank0 = row["ranks"][0]
-        for phase in ("save", "load"):
+        for phase, shown in (("save", "save"), ("load", "load (in the page cache)"),
+                             ("load_cold", "load (after a restart: from the disk)")):
             native, protected = rank0["times"][f"{phase}_native"], rank0["times"][f"{phase}_protected"]
-            print(f"| {rank0['parameters'] / 1e6:.0f}M | {phase} | {native:.2f} | {protected:.2f} | "
+            print(f"| {rank0['parameters'] / 1e6:.0f}M | {shown} | {native:.2f} | {protected:.2f} | "
                   f"{rank0['ratios'][phase]:.2f} |")
     print()
     print("Peak RSS growth during load_state, MiB (ratio to the rank's own optimizer shard):")
@@ -272,9 +327,9 @@ def main() -> None:
           "during save_state, max over repeats, worst rank; (protected-native)/state: median over repeats, worst "
           "rank, of that growth difference over the rank's parameter + optimizer shard bytes):")
     print("| model | ranks | bytes | native save GB/s | protected save GB/s | dd fdatasync GB/s | protected/dd "
-          "| load GB/s | page-cache read GB/s | load/read | save growth native MiB | protected MiB "
-          "| (protected-native)/state |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| load GB/s | page-cache read GB/s | load/read | cold load GB/s | disk read GB/s | cold load/read "
+          "| save growth native MiB | protected MiB | (protected-native)/state |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         rank0 = row["ranks"][0]
         bandwidth, fractions = rank0["bandwidth"], rank0["fractions"]
@@ -286,7 +341,9 @@ def main() -> None:
               f"| {bandwidth['save_native'] / 1e9:.3f} | {bandwidth['save_protected'] / 1e9:.3f} "
               f"| {bandwidth['dd_write'] / 1e9:.3f} | {fractions['save_dd']:.2f} "
               f"| {bandwidth['load_protected'] / 1e9:.3f} | {bandwidth['dd_read'] / 1e9:.3f} "
-              f"| {fractions['load_read']:.2f} | {native_growth / 2**20:.0f} | {protected_growth / 2**20:.0f} "
+              f"| {fractions['load_read']:.2f} | {bandwidth['load_cold_protected'] / 1e9:.3f} "
+              f"| {bandwidth['dd_cold_read'] / 1e9:.3f} | {fractions['cold_load_read']:.2f} "
+              f"| {native_growth / 2**20:.0f} | {protected_growth / 2**20:.0f} "
               f"| {difference:.3f} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
