@@ -74,7 +74,13 @@ class _Sink:
         if not self.direct:
             self.fd = os.open(path, flags, 0o666)
         self.path = path
-        self._buffer = mmap.mmap(-1, CHUNK) if self.direct else None
+        # O_DIRECT: two aligned buffers; one is written (a thread: os.write releases the GIL) while the other fills.
+        self._buffers = [mmap.mmap(-1, CHUNK), mmap.mmap(-1, CHUNK)] if self.direct else []
+        self._buffer = self._buffers[0] if self.direct else None
+        self._pending: list[Any] = [None, None]  # the write in flight from each buffer
+        self._current = 0
+        self._executor: Any = None
+        self._written = 0  # bytes handed to the file (O_DIRECT: whole chunks)
         self._fill = 0
         self._digest = new_hasher(algorithm)
         self._writeback = writeback
@@ -88,7 +94,7 @@ class _Sink:
         if not count:
             return 0
         self._digest.update(view)
-        if self.direct:
+        if self._buffers:  # opened with O_DIRECT: every byte through the aligned buffers, in order
             position = 0
             while position < count:
                 take = min(CHUNK - self._fill, count - position)
@@ -112,30 +118,54 @@ class _Sink:
         pass
 
     def _flush_buffer(self, length: int) -> None:
-        try:
-            _write_all(self.fd, memoryview(self._buffer)[:length])  # type: ignore[arg-type]
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            # The file system accepted O_DIRECT at open but not this write: go on buffered.
-            import fcntl
+        """Hand the current buffer's first ``length`` bytes to the writer thread and fill the other one."""
+        if self._executor is None:
+            from concurrent.futures import ThreadPoolExecutor
 
-            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-            self.direct = False
-            _write_all(self.fd, memoryview(self._buffer)[:length])  # type: ignore[arg-type]
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="accelerate-txn-write")
+        buffer = self._buffer
+        self._pending[self._current] = self._executor.submit(self._write_chunk, buffer, length)
+        self._current = 1 - self._current
+        self._buffer = self._buffers[self._current]
         self._fill = 0
+        self._wait(self._current)  # the write from the buffer about to be filled is done
+
+    def _wait(self, index: int) -> None:
+        pending, self._pending[index] = self._pending[index], None
+        if pending is not None:
+            pending.result()  # raises the write's error here
+
+    def _write_chunk(self, buffer: Any, length: int) -> None:
+        view = memoryview(buffer)[:length]
+        try:
+            if self.direct:
+                try:
+                    _write_all(self.fd, view)
+                    return
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL or self._written % _ALIGN:
+                        raise
+                    # The file system accepted O_DIRECT at open but not this write: the rest goes buffered.
+                    import fcntl
+
+                    fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                    self.direct = False
+            _write_all(self.fd, view)
+        finally:
+            view.release()
+            self._written += length
 
     def finish(self, fsync: bool) -> tuple[int, str]:
         """Write what is buffered, close; ``(size, digest)`` of the file."""
         try:
             if self._buffer is not None and self._fill:
-                if self.direct:  # the last block, padded to the alignment, then cut back to the true size
-                    padded = -(-self._fill // _ALIGN) * _ALIGN
-                    self._buffer[self._fill:padded] = bytes(padded - self._fill)
-                    self._flush_buffer(padded)
-                    os.ftruncate(self.fd, self.size)
-                else:
-                    self._flush_buffer(self._fill)
+                padded = -(-self._fill // _ALIGN) * _ALIGN  # O_DIRECT: the last block padded, then cut back
+                self._buffer[self._fill:padded] = bytes(padded - self._fill)
+                self._flush_buffer(padded)
+            self._wait(0)
+            self._wait(1)
+            if self._buffers:
+                os.ftruncate(self.fd, self.size)
             if fsync:
                 os.fsync(self.fd)
         finally:
@@ -143,12 +173,18 @@ class _Sink:
         return self.size, self._digest.hexdigest()
 
     def close(self) -> None:
+        """Release everything (after an error too: the writes in flight are waited for, their errors dropped,
+        since the error that stopped the file is the one raised)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        if self._buffer is not None:
-            self._buffer.close()
-            self._buffer = None
+        for buffer in self._buffers:
+            buffer.close()
+        self._buffers = []
+        self._buffer = None
 
 
 def _write_all(fd: int, view: memoryview) -> None:
