@@ -151,7 +151,7 @@ def test_direct_io_on_this_file_system_and_buffered_when_switched_off(tmp_path: 
     assert (after[2] - before[2]) + (after[3] - before[3]) == 1
     loaded = _load(state, tmp_path / "disk")
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
-    monkeypatch.setattr(dcp_writer, "DIRECT_IO", False)  # ACCELERATE_TXN_DIRECT_IO=0
+    monkeypatch.setenv("ACCELERATE_TXN_DIRECT_IO", "0")
     before = _counts()
     _save(state, tmp_path / "buffered")
     after = _counts()

@@ -14,7 +14,7 @@ for a tensor that views part of a larger storage (an FSDP1 shard box, a slice), 
   byte), so DCP's reader, native Accelerate and this library's direct reader load it as before;
 * the file is hashed as it is written and recorded like :func:`accelerate_txn.core.hashing.hash_while_writing`'s
   streams (the hash pass then only fsyncs it);
-* where the file system takes ``O_DIRECT`` (:data:`DIRECT_IO`), the bytes go to the disk through one reused,
+* where the file system takes ``O_DIRECT`` (:func:`direct_io`), the bytes go to the disk through one reused,
   page-aligned buffer of :data:`CHUNK` bytes instead of through the page cache: no page-cache page is allocated
   and dirtied for the checkpoint (on a machine where fresh memory is slow to touch, that allocation, not the disk,
   limits a buffered write), and the fsync finds nothing left to write. Elsewhere (``tmpfs``, some network file
@@ -43,9 +43,13 @@ import torch
 from ..store.base import new_hasher
 from .internals import storage_info
 
-#: Whether a protected save's DCP files are written with ``O_DIRECT`` where the file system allows it.
-#: ``ACCELERATE_TXN_DIRECT_IO=0`` writes them through the page cache (still straight from the tensors' memory).
-DIRECT_IO = os.environ.get("ACCELERATE_TXN_DIRECT_IO", "1") != "0"
+
+def direct_io() -> bool:
+    """Whether a protected save writes its DCP files with ``O_DIRECT`` where the file system allows it (read at
+    every save): ``ACCELERATE_TXN_DIRECT_IO=0`` writes them through the page cache, still straight from the
+    tensors' memory."""
+    return os.environ.get("ACCELERATE_TXN_DIRECT_IO", "1").strip() != "0"
+
 
 #: Bytes per ``O_DIRECT`` write (a multiple of every block size in use: 4 KiB pages and 512-byte sectors).
 CHUNK = 16 * 1024 * 1024
@@ -308,7 +312,7 @@ def _write_data(writer: Any, record: dict[Path, tuple[int, str]], algorithm: str
     path = Path(os.path.abspath(os.path.join(str(writer.path), file_name)))
     record.pop(path, None)
     results = []
-    sink = _Sink(path, algorithm, writeback, DIRECT_IO)
+    sink = _Sink(path, algorithm, writeback, direct_io())
     try:
         items = ([item for item in plan.items if item.type == WriteItemType.BYTE_IO]
                  + [item for item in plan.items if item.type != WriteItemType.BYTE_IO])
