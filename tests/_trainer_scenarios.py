@@ -90,6 +90,8 @@ def train(output_dir: str, resume: Any, max_steps: int, fsdp_version: int = 2,
     import torch
     from transformers import TrainerCallback
 
+    from accelerate_txn.fsdp import dcp_writer
+
     trainer = build(output_dir, max_steps, fsdp_version, save_total_limit)
     began: dict[str, Any] = {}
     saved: dict[int, Any] = {}
@@ -112,7 +114,8 @@ def train(output_dir: str, resume: Any, max_steps: int, fsdp_version: int = 2,
     local = [getattr(p, "_local_tensor", p).detach().clone() for p in trainer.model.parameters()]
     return {"weights": local, "step": trainer.state.global_step, "entries": sorted(os.listdir(output_dir)),
             "best": trainer.state.best_model_checkpoint, "optimizer": optimizer_state(trainer.optimizer),
-            "began": began, "optimizer_at_save": saved, "loop_seconds": loop_seconds}
+            "began": began, "optimizer_at_save": saved, "loop_seconds": loop_seconds,
+            "direct_writes": dcp_writer.DirectWriteCounts.direct}
 
 
 def train_keeping_best(output_dir: str, max_steps: int) -> dict[str, Any]:

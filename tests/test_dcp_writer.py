@@ -24,7 +24,7 @@ def _save(state: dict, path: Path, **writer_options: object) -> tuple[dict, bool
 
     writer = dcp.FileSystemWriter(str(path), **writer_options)
     record: dict[Path, tuple[int, str]] = {}
-    installed = dcp_writer.write_directly(writer, record, "xxh3_128")
+    installed = dcp_writer.write_directly(writer, record, xxhash.xxh3_128)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(single process|torch.distributed is disabled).*")
         dcp.save(state, storage_writer=writer, no_dist=True)

@@ -98,6 +98,8 @@ def test_a_protected_trainer_save_publishes_a_checkpoint_with_a_manifest_and_no_
     assert read_manifest(root / "checkpoint-6")["run_id"] == read_manifest(root / "checkpoint-8")["run_id"]
     # The optimizer the reference saved is not empty (what the FSDP1 restore test compares against).
     assert all(result["optimizer_at_save"][8] for result in results)
+    # Trainer's FSDP DCP files were written as a protected Accelerate save writes them (fsdp.dcp_writer).
+    assert all(result["direct_writes"] > 0 for result in results)
 
 
 # --- the FSDP1 kill chain ------------------------------------------------------------------------------------

@@ -64,6 +64,7 @@ from ..errors import CheckpointError
 from ..fsdp.capture import materialize
 from ..fsdp.dcp_writer import write_directly
 from ..fsdp.host_memory import StagingPool, staged_copy, staging_into
+from ..store.base import new_hasher
 from ..store.posix import start_writeback
 
 logger = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ def _dcp_save(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: d
     if _writes_into(writer, capture.root) and hash_while_writing(writer, capture.hashes, HASH, start_writeback):
         # Each tensor written from its own memory, O_DIRECT where the file system takes it (fsdp.dcp_writer);
         # a writer it does not reproduce keeps DCP's writes, hashed as they are written.
-        write_directly(writer, capture.hashes, HASH, start_writeback)
+        write_directly(writer, capture.hashes, lambda: new_hasher(HASH), start_writeback)
         if getattr(writer, "sync_files", None) is True and kwargs.get("process_group") is None:
             # DCP's own per-file fsync would be the second of two: the transaction's hash pass fsyncs every file
             # (each by the rank that wrote it: over the default group, file and global rank agree) and rank 0

@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 
-from ..store.base import new_hasher
 from .internals import storage_info
 
 
@@ -65,7 +64,7 @@ class _Sink:
     """One file written strictly in sequence, hashed as written; ``O_DIRECT`` through an aligned buffer where
     the file system takes it, else buffered straight from the caller's memory."""
 
-    def __init__(self, path: Path, algorithm: str, writeback: Writeback | None, direct: bool) -> None:
+    def __init__(self, path: Path, hasher: Callable[[], Any], writeback: Writeback | None, direct: bool) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         self.fd = -1
         if direct and hasattr(os, "O_DIRECT"):
@@ -86,7 +85,7 @@ class _Sink:
         self._executor: Any = None
         self._written = 0  # bytes handed to the file (O_DIRECT: whole chunks)
         self._fill = 0
-        self._digest = new_hasher(algorithm)
+        self._digest = hasher()
         self._writeback = writeback
         self._started = 0
         self.size = 0
@@ -301,8 +300,8 @@ class DirectWriteCounts:
     files_buffered = 0
 
 
-def _write_data(writer: Any, record: dict[Path, tuple[int, str]], algorithm: str, writeback: Writeback | None,
-                plan: Any, planner: Any) -> Any:
+def _write_data(writer: Any, record: dict[Path, tuple[int, str]], hasher: Callable[[], Any],
+                writeback: Writeback | None, plan: Any, planner: Any) -> Any:
     from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
@@ -312,7 +311,7 @@ def _write_data(writer: Any, record: dict[Path, tuple[int, str]], algorithm: str
     path = Path(os.path.abspath(os.path.join(str(writer.path), file_name)))
     record.pop(path, None)
     results = []
-    sink = _Sink(path, algorithm, writeback, direct_io())
+    sink = _Sink(path, hasher, writeback, direct_io())
     try:
         items = ([item for item in plan.items if item.type == WriteItemType.BYTE_IO]
                  + [item for item in plan.items if item.type != WriteItemType.BYTE_IO])
@@ -346,12 +345,13 @@ def _write_data(writer: Any, record: dict[Path, tuple[int, str]], algorithm: str
     return done
 
 
-def write_directly(writer: Any, record: dict[Path, tuple[int, str]], algorithm: str,
+def write_directly(writer: Any, record: dict[Path, tuple[int, str]], hasher: Callable[[], Any],
                    writeback: Writeback | None = None) -> bool:
     """Make ``writer`` (a DCP ``FileSystemWriter`` of a protected save) write its plan with this module, recording
-    each file's ``(size, digest)`` of ``algorithm`` in ``record`` (absolute path). Returns False, changing nothing,
+    each file's ``(size, hexdigest)`` in ``record`` (absolute path), the digest of a fresh ``hasher()`` (an object
+    with ``update`` and ``hexdigest``, such as ``xxhash.xxh3_128``) fed every byte written. Returns False, changing nothing,
     for a writer whose ``write_data`` it does not reproduce (see the module docstring)."""
     if not _writes_plan(writer):
         return False
-    writer.write_data = functools.partial(_write_data, writer, record, algorithm, writeback)
+    writer.write_data = functools.partial(_write_data, writer, record, hasher, writeback)
     return True

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 from weakref import WeakKeyDictionary
 
+from ..accelerate.async_save import capture_dcp_saves
 from ..core import faults
 from ..core.carry import carry_note, carry_user_files, find_user_files, shown, user_file_rows
 from ..core.manifest import (
@@ -205,12 +206,15 @@ def _map_recorded_paths(trainer: Any, staging: Path, run_dir: Path, tree: Path) 
             state.save_to_json(str(tree / TRAINER_STATE))
 
 
-def _own_rows(tree: Path) -> dict[str, dict[str, Any]]:
-    """Hash and fsync the staged files this rank wrote (``core.manifest.writer_rank``)."""
+def _own_rows(tree: Path, written: dict[Path, tuple[int, str]]) -> dict[str, dict[str, Any]]:
+    """Hash and fsync the staged files this rank wrote (``core.manifest.writer_rank``); the DCP files hashed as
+    they were written (``written``, absolute paths) are only fsynced and their size checked."""
     world, me = world_size(), rank()
     mine = list(list_tree(tree, keep=lambda name: writer_rank(name, world, RANK_TEMPLATES) == me))
+    root = tree.absolute()
+    hashed = {path.relative_to(root).as_posix(): value for path, value in written.items() if path.is_relative_to(root)}
     return hash_rows(tree, mine, algorithm=HASH, integrity=INTEGRITY, flush=True,
-                     after_first=lambda: faults.point("save:during-flush"))
+                     after_first=lambda: faults.point("save:during-flush"), written=hashed)
 
 
 def protected_save(wrapped: Any, trainer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -232,16 +236,23 @@ def protected_save(wrapped: Any, trainer: Any, args: tuple[Any, ...], kwargs: di
         staging = Path(on_main(lambda: reservation.open(), f"Reserving {final}"))  # type: ignore[union-attr]
         tree = staging / final.name
 
+        written: dict[Path, tuple[int, str]] = {}
+
         def native() -> Any:
-            with redirected_output_dir(trainer, str(staging)):
-                return wrapped(*args, **kwargs)
+            # The FSDP DCP files are written as in a protected Accelerate save (``fsdp.dcp_writer``, hashed as
+            # written: ``accelerate.async_save.capture_dcp_saves``).
+            with redirected_output_dir(trainer, str(staging)), capture_dcp_saves(False, staging) as capture:
+                try:
+                    return wrapped(*args, **kwargs)
+                finally:
+                    written.update(capture.hashes)
 
         result = run_phase(native, f"Saving the Trainer checkpoint into {tree}")
         run_phase(lambda: _map_recorded_paths(trainer, staging, run_dir, tree), "Recording the published paths")
         on_main(lambda: write_adapter_config(trainer, tree), f"Writing the adapter's {ADAPTER_CONFIG} into {tree}")
         faults.point("save:after-native-save")
         record = {**training_record(trainer), "versions": trainer_versions()}
-        rows = gather_rows(run_phase(lambda: _own_rows(tree), "Hashing and flushing the staged checkpoint"),
+        rows = gather_rows(run_phase(lambda: _own_rows(tree, written), "Hashing and flushing the staged checkpoint"),
                            world_size())
         published = on_main(lambda: reservation.publish(record, rows), f"Publishing {final}")  # type: ignore[union-attr]
         RUN_IDS[trainer] = run_id
