@@ -14,11 +14,12 @@ for a tensor that views part of a larger storage (an FSDP1 shard box, a slice), 
   byte), so DCP's reader, native Accelerate and this library's direct reader load it as before;
 * the file is hashed as it is written and recorded like :func:`accelerate_txn.core.hashing.hash_while_writing`'s
   streams (the hash pass then only fsyncs it);
-* where the file system takes ``O_DIRECT`` (:func:`direct_io`), the bytes go to the disk through one reused,
-  page-aligned buffer of :data:`CHUNK` bytes instead of through the page cache: no page-cache page is allocated
-  and dirtied for the checkpoint (on a machine where fresh memory is slow to touch, that allocation, not the disk,
-  limits a buffered write), and the fsync finds nothing left to write. Elsewhere (``tmpfs``, some network file
-  systems) the file is written buffered, directly from the tensors' memory, with the early write-back.
+* where the file system takes ``O_DIRECT`` (:func:`direct_io`), the bytes go to the disk through two reused,
+  page-aligned buffers of :data:`CHUNK` bytes (one written by a thread while the other fills) instead of through
+  the page cache: no page-cache page is allocated and dirtied for the checkpoint (on a machine where fresh memory
+  is slow to touch, that allocation, not the disk, limits a buffered write), and the fsync finds nothing left to
+  write. A file system that refuses ``O_DIRECT`` (some network file systems, FUSE) gets the file written
+  buffered, directly from the tensors' memory, with the early write-back.
 
 What it does not reproduce byte for byte goes through DCP's own steps unchanged, inside the same file: a tensor
 that is not a dense, contiguous, strided CPU tensor of a plain dtype (quantized, sparse, a tensor subclass, a
@@ -34,6 +35,7 @@ import functools
 import io
 import mmap
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,8 +52,22 @@ def direct_io() -> bool:
     return os.environ.get("ACCELERATE_TXN_DIRECT_IO", "1").strip() != "0"
 
 
-#: Bytes per ``O_DIRECT`` write (a multiple of every block size in use: 4 KiB pages and 512-byte sectors).
-CHUNK = 16 * 1024 * 1024
+#: Bytes per ``O_DIRECT`` write (a multiple of every block size in use: 4 KiB pages and 512-byte sectors). Two
+#: such buffers per file being written, kept for the next file (:func:`_take_buffers`).
+CHUNK = 8 * 1024 * 1024
+_FREE: list[mmap.mmap] = []  # aligned buffers of finished files, reused (fresh memory is slow to touch)
+_FREE_LOCK = threading.Lock()
+
+
+def _take_buffers() -> list[mmap.mmap]:
+    with _FREE_LOCK:
+        taken = [_FREE.pop() for _ in range(min(2, len(_FREE)))]
+    return taken + [mmap.mmap(-1, CHUNK) for _ in range(2 - len(taken))]
+
+
+def _give_back(buffers: list[mmap.mmap]) -> None:
+    with _FREE_LOCK:
+        _FREE.extend(buffers[:max(0, 2 - len(_FREE))])
 _ALIGN = 4096
 #: Buffered writes ask the kernel to start writing back every this many bytes (as ``core.hashing`` does).
 WRITEBACK_EVERY = 16 * 1024 * 1024
@@ -78,7 +94,7 @@ class _Sink:
             self.fd = os.open(path, flags, 0o666)
         self.path = path
         # O_DIRECT: two aligned buffers; one is written (a thread: os.write releases the GIL) while the other fills.
-        self._buffers = [mmap.mmap(-1, CHUNK), mmap.mmap(-1, CHUNK)] if self.direct else []
+        self._buffers = _take_buffers() if self.direct else []
         self._buffer = self._buffers[0] if self.direct else None
         self._pending: list[Any] = [None, None]  # the write in flight from each buffer
         self._current = 0
@@ -184,8 +200,7 @@ class _Sink:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        for buffer in self._buffers:
-            buffer.close()
+        _give_back(self._buffers)  # the writes in flight were waited for (executor shut down)
         self._buffers = []
         self._buffer = None
 
