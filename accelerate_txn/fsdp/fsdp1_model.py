@@ -14,7 +14,7 @@ that lands whole in one destination read with one ``preadv`` (``dcp_reader.Direc
 never written. Persistent buffers (full tensors in the checkpoint) are read into the live buffers, as native does.
 The only collectives are DCP's own plan exchange and this module's agreement flags.
 
-Exactly where the result is native's bit for bit: the layouts ``capture._units`` reproduces (FULL_SHARD or
+Exactly where the result is native's bit for bit: the layouts ``fsdp1_layout.exact_units`` accepts (FULL_SHARD or
 SHARD_GRAD_OP over the whole group, currently sharded, no parameter mixed precision, no shared, zero-size or 0-dim
 or ignored parameters, geometry equal to FSDP's own record), with SHARDED_STATE_DICT without DTensor output, no
 buffer mixed precision, no user state-dict or load-state-dict hooks (they could change what native loads), and a
@@ -34,34 +34,23 @@ import torch.distributed as dist
 
 from ..core.manifest import read_dcp_metadata
 from ..core.ranks import any_rank, run_phase
-from .capture import _has_state_dict_hooks, _persistent_buffers, _Unit, _units
 from .dcp_optimizer import read_state
-from .geometry import boxes
-from .internals import (
-    lazy_init,
-    load_state_dict_hooks,
-    local_shard,
-    shard_metadata,
-    sharded_tensor,
-    uses_dtensor_state_dict,
+from .fsdp1_layout import (
+    Unit,
+    exact_units,
+    has_user_load_state_dict_hooks,
+    has_user_state_dict_hooks,
+    persistent_state_buffers,
 )
+from .geometry import boxes
+from .internals import lazy_init, local_shard, shard_metadata, sharded_tensor, uses_dtensor_state_dict
 
 logger = logging.getLogger(__name__)
 #: How many model loads took the direct path in this process (observable by tests and benchmarks).
 DIRECT_LOADS: list[str] = []
 
 
-def _has_load_hooks(model: Any) -> bool:
-    """User ``load_state_dict`` hooks anywhere in the model (FSDP registers its own; those are expected)."""
-    for module in model.modules():
-        for hook in load_state_dict_hooks(module):
-            owner = getattr(hook, "__module__", "") or getattr(getattr(hook, "func", None), "__module__", "")
-            if not str(owner).startswith("torch.distributed.fsdp"):
-                return True
-    return False
-
-
-def _eligible(fsdp_plugin: Any, model: Any) -> list[_Unit] | None:
+def _eligible(fsdp_plugin: Any, model: Any) -> list[Unit] | None:
     """The model's FSDP1 units when the direct read reproduces native's load exactly, else None (local)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import StateDictType
@@ -69,12 +58,12 @@ def _eligible(fsdp_plugin: Any, model: Any) -> list[_Unit] | None:
     if (not isinstance(model, FSDP) or fsdp_plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT
             or uses_dtensor_state_dict(fsdp_plugin.state_dict_config)):
         return None
-    if _has_state_dict_hooks(model) or _has_load_hooks(model):
+    if has_user_state_dict_hooks(model) or has_user_load_state_dict_hooks(model):
         return None
     lazy_init(model)  # native's template (model.state_dict()) runs it first too; it sets the local shards
     if any(getattr(unit.mixed_precision, "buffer_dtype", None) is not None for unit in FSDP.fsdp_modules(model)):
         return None  # buffers kept in a low precision: native's state dict casts them back
-    return _units(model)
+    return exact_units(model)
 
 
 def _sharded(member: Any, data: torch.Tensor, position: int, rank: int, group: Any) -> Any:
@@ -93,7 +82,7 @@ def _sharded(member: Any, data: torch.Tensor, position: int, rank: int, group: A
     return sharded_tensor(shards, shards_metadata, member.shape, data.dtype, group)
 
 
-def _plan(units: list[_Unit], model: Any, directory: Path, group: Any) -> dict[str, Any] | None:
+def _plan(units: list[Unit], model: Any, directory: Path, group: Any) -> dict[str, Any] | None:
     """DCP's destination: ``{"model": {fqn: ShardedTensor over the flat shard, buffer name: live buffer}}``, or
     None where the checkpoint lacks an entry or stores another shape (native then reports it as it does). Local."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -113,7 +102,7 @@ def _plan(units: list[_Unit], model: Any, directory: Path, group: Any) -> dict[s
                 return None
             piece = member.pieces.get(rank)
             state[member.fqn] = _sharded(member, data, piece.shard_offset if piece is not None else 0, rank, group)
-    for name, buffer in _persistent_buffers(model).items():
+    for name, buffer in persistent_state_buffers(model).items():
         if name in state or not matches(name, tuple(buffer.shape)):
             return None
         state[name] = buffer.detach()
