@@ -46,7 +46,7 @@ from .geometry import boxes
 from .internals import lazy_init, local_shard, shard_metadata, sharded_tensor, uses_dtensor_state_dict
 
 logger = logging.getLogger(__name__)
-#: How many model loads took the direct path in this process (observable by tests and benchmarks).
+#: The directories of the model loads that took the direct path in this process (tests and benchmarks count them).
 DIRECT_LOADS: list[str] = []
 
 
