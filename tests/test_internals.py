@@ -241,6 +241,10 @@ def test_module_state_dict_accessors_see_hooks_persistent_buffers_and_fsdp_names
     module._register_state_dict_hook(lambda *args: None)
     module.register_state_dict_pre_hook(lambda *args: None)
     assert len(_internals.state_dict_hooks(module)) == 2
+    assert _internals.load_state_dict_hooks(module) == []
+    module.register_load_state_dict_post_hook(lambda *args: None)
+    module.register_load_state_dict_pre_hook(lambda *args: None)
+    assert len(_internals.load_state_dict_hooks(module)) == 2
     assert _internals.clean_fsdp_name("body._fsdp_wrapped_module.0.weight") == "body.0.weight"
     assert _internals.uses_dtensor_state_dict(ShardedStateDictConfig()) is False
 
@@ -436,6 +440,7 @@ def fsdp_internals(root: str) -> dict[str, Any]:
     """Rank body: every FSDP1 accessor on FULL_SHARD units with and without use_orig_params and on HYBRID_SHARD
     units, the Accelerator accessors on an FSDP Accelerator, and ShardedTensor/DCP helpers."""
     import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
 
     from accelerate_txn.testing import TinyModel, fsdp_accelerator
@@ -448,12 +453,20 @@ def fsdp_internals(root: str) -> dict[str, Any]:
             accelerator.state.fsdp_plugin.sharding_strategy = ShardingStrategy[strategy]
         model = accelerator.prepare(TinyModel())
         optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        flats = [_internals.flat_param(u) for u in FSDP.fsdp_modules(model) if _internals.flat_param(u) is not None]
+        before = [_internals.flat_local_shard(f) is None for f in flats]
+        _internals.lazy_init(model)  # what the protected FSDP1 model restore runs before reading into the shards
+        lazy = {"before": before, "after": [_internals.flat_local_shard(f) is not None for f in flats],
+                "fsdp_load_hooks": bool(_internals.load_state_dict_hooks(model)) and all(
+                    str(getattr(h, "__module__", "")).startswith("torch.distributed.fsdp")
+                    for h in _internals.load_state_dict_hooks(model))}
         model(torch.randn(2, 16)).sum().backward()  # FSDP's lazy init (local shards) and one reshard
         obs[label] = {
             "models": [id(m) for m in _internals.prepared_models(accelerator)] == [id(model)],
             "optimizers": [id(o) for o in _internals.prepared_optimizers(accelerator)] == [id(optimizer)],
             "names": sorted({n for fqns in _internals.param_to_fqns(model).values() for n in fqns}) == sorted(reference),
             "units": _unit_observations(model, reference),
+            "lazy": lazy,
         }
     obs["sharded"] = _sharded_tensor_observations(str(Path(root) / "sharded"), dist.get_rank())  # group: Accelerator's
     return obs
@@ -470,6 +483,9 @@ def test_fsdp1_flat_parameter_accessors_describe_real_units(fsdp_observed: list[
         for label, orig in (("orig", True), ("flat", False), ("hybrid", True)):
             seen = obs[label]
             assert seen["models"] and seen["optimizers"] and seen["names"], (rank, label, seen)
+            # A fresh model has no local shards until FSDP's lazy init, which lazy_init runs; FSDP's own load hooks.
+            assert all(seen["lazy"]["before"]) and all(seen["lazy"]["after"]), (rank, label, seen["lazy"])
+            assert seen["lazy"]["fsdp_load_hooks"], (rank, label)
             units = seen["units"]
             # The root unit of TinyModel owns no parameters (every Linear is its own unit): no flat parameter.
             assert [u["flat"] for u in units].count(False) == 1 and len(units) == 5, (rank, label, units)

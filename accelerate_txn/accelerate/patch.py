@@ -309,6 +309,17 @@ def _load_fsdp_model(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
                 and bound.get("use_dcp", True)):
             # Accelerate's own sharded FSDP2 model load, reading each tensor into the parameter in place.
             return load_fsdp2_model(bound["fsdp_plugin"], bound["model"], bound["input_dir"])
+        return wrapped(*args, **kwargs)
+    from ..fsdp.fsdp1_model import load_fsdp1_model
+
+    names = ("fsdp_plugin", "accelerator", "model", "input_dir", "model_index", "adapter_only", "use_dcp")
+    bound = {**dict(zip(names, args)), **kwargs}
+    # Each rank's elements read straight into its flat-parameter shard, no all-gather; where that would not equal
+    # native's result exactly (it says so on every rank, having changed nothing), Accelerate's native load.
+    # Accelerate discards load_fsdp_model's return value (the load's missing/unexpected keys: none here).
+    if (not bound.get("adapter_only", False) and bound.get("use_dcp", True)
+            and load_fsdp1_model(bound["fsdp_plugin"], bound["model"], bound["input_dir"])):
+        return None
     return wrapped(*args, **kwargs)
 
 

@@ -95,6 +95,24 @@ def flat_local_shard(flat: Any) -> Any | None:
     return getattr(flat, "_local_shard", None)
 
 
+def lazy_init(model: Any) -> None:
+    """FSDP1's lazy initialisation of a root ``FullyShardedDataParallel`` (``_runtime_utils._lazy_init(state,
+    module)``, torch 2.7 to 2.14; a no-op once done): what its first forward, ``state_dict`` or ``load_state_dict``
+    runs first. It sets each flat parameter's ``_local_shard`` and moves buffers to the compute device; no
+    collective."""
+    from torch.distributed.fsdp._runtime_utils import _lazy_init
+
+    _lazy_init(model, model)
+
+
+def load_state_dict_hooks(module: Any) -> list[Any]:
+    """Every ``load_state_dict`` pre-hook and post-hook registered on one ``nn.Module``
+    (``_load_state_dict_pre_hooks``, whose ``_WrappedHook`` entries carry the hook's ``__module__``, and
+    ``_load_state_dict_post_hooks``; torch 2.7 to 2.14), FSDP's own included."""
+    return [*getattr(module, "_load_state_dict_pre_hooks", {}).values(),
+            *getattr(module, "_load_state_dict_post_hooks", {}).values()]
+
+
 def state_dict_hooks(module: Any) -> list[Any]:
     """Every state-dict hook and pre-hook registered on one ``nn.Module`` (``_state_dict_hooks``,
     ``_state_dict_pre_hooks``; torch 2.7 to 2.14), FSDP's own included."""
