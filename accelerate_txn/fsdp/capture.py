@@ -74,7 +74,8 @@ _SCALARS = (bool, int, float, type(None))
 
 @dataclass
 class Deferred:
-    """A state dict to be built in the background from staged local copies: ``build(group)`` returns it."""
+    """A state dict to be built when DCP writes it (in the background from staged local copies, or synchronously
+    from views of the live local data): ``build(group)`` returns it."""
 
     build: Callable[[Any], dict[str, Any]]
     what: str
