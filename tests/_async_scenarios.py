@@ -387,8 +387,8 @@ def _first_error(exc: BaseException) -> str:
 
 def fsdp1_collective_free(root: str, use_orig_params: bool) -> dict[str, Any]:
     """FSDP1 asynchronous save: the caller stages local shards without FSDP collectives; the files hold the
-    same DCP entries as a synchronous (native-built) save and restore exactly with the protected loader and with
-    native Accelerate's load_state."""
+    same DCP entries as native Accelerate's own (collective-built) save and a synchronous protected save, and
+    restore exactly with the protected loader and with native Accelerate's load_state."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     from accelerate_txn.accelerate.native import native_method
@@ -424,28 +424,30 @@ def fsdp1_collective_free(root: str, use_orig_params: bool) -> dict[str, Any]:
     except (RuntimeError, CheckpointException) as exc:  # DCP wraps the rank's error
         obs["native_differences"] = None
         obs["native_async_error"] = _first_error(exc)
-    # A synchronous protected save of the same (restored) state is built by native FSDP1, with its collectives.
-    with _tensor_collectives() as seen_sync:
-        acc2.save_state(str(base / "sync"), async_save=False)
-    obs["sync_collectives"] = len(seen_sync)
+    # Native Accelerate's own save of the same (restored) state is built by native FSDP1, with its collectives;
+    # a synchronous protected save (collective-free too: tests/test_sync_capture.py) writes the same files.
+    with _tensor_collectives() as seen_native:
+        native_method(acc2, "save_state")(str(base / "native"))
+    obs["sync_collectives"] = len(seen_native)
+    acc2.save_state(str(base / "sync"), async_save=False)
     relative = lambda top: sorted(str(p.relative_to(top)) for p in Path(top).rglob("*"))  # noqa: E731
     obs["same_files_as_sync"] = relative(base / "async") == relative(base / "sync")
-    if obs["native_differences"] is None:  # the same native failure on the synchronous files
+    if obs["native_differences"] is None:  # the same native failure on native Accelerate's own files
         acc4, model4, opt4, sched4 = _build_buffered(9, use_orig_params)
         _train(acc4, model4, opt4, sched4, 1, seed=3)
         try:
-            native_method(acc4, "load_state")(str(base / "sync"))
+            native_method(acc4, "load_state")(str(base / "native"))
             obs["native_sync_error"] = None
         except (RuntimeError, CheckpointException) as exc:
             obs["native_sync_error"] = _first_error(exc)
     obs["dcp_differences"] = sorted(
-        f"{folder}:{key}" for folder in ("pytorch_model_fsdp_0", "optimizer_0")
-        for key in set(_entries(base / "async" / folder)) | set(_entries(base / "sync" / folder))
-        if _entries(base / "async" / folder).get(key) != _entries(base / "sync" / folder).get(key))
+        f"{name}/{folder}:{key}" for name in ("async", "sync") for folder in ("pytorch_model_fsdp_0", "optimizer_0")
+        for key in set(_entries(base / name / folder)) | set(_entries(base / "native" / folder))
+        if _entries(base / name / folder).get(key) != _entries(base / "native" / folder).get(key))
     obs["dcp_entries"] = len(_entries(base / "async" / "optimizer_0"))
     groups = [_saved_groups(read_dcp_metadata(base / name / "optimizer_0"), base / name / "optimizer_0")
-              for name in ("async", "sync")]
-    obs["same_param_groups"] = groups[0]["param_groups"] == groups[1]["param_groups"]
+              for name in ("async", "sync", "native")]
+    obs["same_param_groups"] = groups[0]["param_groups"] == groups[1]["param_groups"] == groups[2]["param_groups"]
 
     # A rank that cannot stage locally (a user state-dict hook on rank 1's model only) makes every rank build the
     # model state dict natively: no rank waits in a collective the others never join.

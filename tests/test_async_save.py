@@ -216,11 +216,12 @@ def test_fsdp1_async_staging_runs_no_fsdp_collective_and_writes_files_both_loade
         tmp_path: Path, use_orig_params: bool) -> None:
     for obs in launch("tests._async_scenarios:fsdp1_collective_free", 2, args=(str(tmp_path), use_orig_params),
                       timeout=TIMEOUT):
-        # The caller staged local shards only; the synchronous save of the same state ran FSDP's gathers (the
+        # The caller staged local shards only; native Accelerate's save of the same state ran FSDP's gathers (the
         # counter sees them), so the empty list is a measurement, not a blind spot.
         assert obs["async_collectives"] == [], obs["async_collectives"]
         assert obs["sync_collectives"] > 0
-        # The same DCP entries (keys, global shapes, dtypes), files and parameter groups as the native-built save.
+        # The same DCP entries (keys, global shapes, dtypes) and parameter groups as native Accelerate's save (the
+        # asynchronous and the synchronous protected save), the same files as the synchronous one.
         assert obs["dcp_differences"] == [] and obs["dcp_entries"] > 0
         assert obs["same_files_as_sync"] and obs["same_param_groups"]
         assert obs["protected_differences"] == [] and obs["persistent_buffer_restored"]

@@ -27,7 +27,10 @@ the caller). The staged copy is fresh host memory released after its write, or, 
 
 Every protected save, synchronous or not, goes through the same wrapper: the ``FileSystemWriter`` of a DCP save
 into the staging directory hashes each file as DCP writes it (``core.hashing``), so the hash pass does not read
-the shards back, and skips DCP's own per-file fsync, since the hash pass fsyncs every file.
+the shards back, and skips DCP's own per-file fsync, since the hash pass fsyncs every file. A synchronous
+protected save also skips FSDP1's collective build: ``fsdp.capture`` takes views of this rank's live local shards
+(no copy) and the wrapper builds the same DCP entries from them right before the wrapped ``dcp.save`` writes
+them, over the group DCP itself uses; setups it cannot reproduce exactly build natively, as above.
 
 At most one save is in flight per Accelerator: :func:`settle` (called by the next save and by
 :func:`wait_for_checkpoint`) waits for it and raises its error once. ``Accelerator.end_training`` and
@@ -116,6 +119,13 @@ def _dcp_save(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: d
             # the directories, before anything is published.
             writer.sync_files = False
     if not capture.stage:
+        # FSDP1 state captured as views of the live tensors (fsdp.capture) becomes DCP's ShardedTensors here,
+        # over the group DCP itself uses (the default one unless Accelerate names another)
+        group = kwargs.get("process_group")
+        if args:
+            args = (materialize(args[0], group), *args[1:])
+        elif "state_dict" in kwargs:
+            kwargs = {**kwargs, "state_dict": materialize(kwargs["state_dict"], group)}
         return wrapped(*args, **kwargs)
     state_dict = args[0] if args else kwargs.get("state_dict")
     if state_dict is None or writer is None or kwargs.get("checkpoint_id") is not None:
@@ -149,7 +159,7 @@ def capture_dcp_saves(stage: bool, root: Path, pool: StagingPool | None = None) 
         from ..fsdp import capture as _async_capture
 
         wrapt.wrap_function_wrapper(dcp, "save", _dcp_save)
-        _async_capture.install(lambda: getattr(getattr(_capturing, "current", None), "stage", False))
+        _async_capture.install(_capture_mode)
         _installed_capture.append(True)
     capture = Capture(stage, root)
     _capturing.current = capture
@@ -161,6 +171,13 @@ def capture_dcp_saves(stage: bool, root: Path, pool: StagingPool | None = None) 
 
 
 _installed_capture: list[bool] = []
+
+
+def _capture_mode() -> bool | None:
+    """For ``fsdp.capture``: whether the protected save running in this thread stages (True, asynchronous) or
+    writes before it returns (False); None outside a protected save."""
+    capture: Capture | None = getattr(_capturing, "current", None)
+    return None if capture is None else capture.stage
 
 
 def wait_for_all() -> None:

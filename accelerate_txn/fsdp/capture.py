@@ -1,32 +1,39 @@
-"""Collective-free staging of FSDP1 sharded state dicts for asynchronous saves.
+"""Collective-free FSDP1 sharded state dicts for protected saves (asynchronous: staged copies; synchronous: views).
 
 Native FSDP1 builds its ``SHARDED_STATE_DICT`` model and optimizer state dicts in the caller with collectives:
 ``model.state_dict()`` unshards (all-gathers) every flat parameter and re-chunks each original parameter along
-dim 0; ``FSDP.optim_state_dict`` all-gathers every optimizer state tensor and chunks it the same way. During an
-asynchronous protected save (``accelerate.async_save``) these two calls are intercepted in the saving thread instead:
+dim 0; ``FSDP.optim_state_dict`` all-gathers every optimizer state tensor and chunks it the same way. During a
+protected save these two calls are intercepted in the saving thread instead:
 
-* the caller copies this rank's *local* data only (its boxes of every original parameter and of its
-  parameter-shaped optimizer state, each a contiguous tensor DCP writes as is; the persistent buffers, the scalar
-  state and the group options) into host memory: no collective over the training group;
-* the background thread builds, from those copies, the state dicts native FSDP1 would have passed to DCP: the
-  same nested keys, every original parameter (and its parameter-shaped optimizer state) a ``ShardedTensor`` of
-  its global shape. Its shards are this rank's flat range of the parameter as row-major boxes, and its global
-  metadata lists every rank's boxes, computed locally from the flat-parameter geometry
-  (``fsdp.geometry.flat_members``, the same geometry the protected optimizer restore reads into), so the
-  ``ShardedTensor`` is created without a collective (``fsdp.internals.sharded_tensor``). DCP writes it over the
-  background group.
+* the caller takes this rank's *local* data only (its boxes of every original parameter and of its
+  parameter-shaped optimizer state, each a contiguous tensor; the persistent buffers, the scalar state and the
+  group options): no collective over the training group. An asynchronous save (``accelerate.async_save``)
+  copies them into host memory (training moves on during the write); a synchronous save takes *views* of the
+  live flat-parameter shards, buffers and optimizer state (no staging memory, no copy: it writes them before
+  ``save_state`` returns, and nothing mutates them meanwhile). The 0-dim state (``step``) and the group options
+  are copied either way (a few bytes);
+* the DCP save (in the background thread, or in the caller right before the wrapped ``dcp.save``) builds from
+  them the state dicts native FSDP1 would have passed to DCP: the same nested keys, every original parameter
+  (and its parameter-shaped optimizer state) a ``ShardedTensor`` of its global shape. Its shards are this
+  rank's flat range of the parameter as row-major boxes, and its global metadata lists every rank's boxes,
+  computed locally from the flat-parameter geometry (``fsdp.geometry.flat_members``, the same geometry the
+  protected optimizer restore reads into), so the ``ShardedTensor`` is created without a collective
+  (``fsdp.internals.sharded_tensor``). DCP writes it over the background group (asynchronous) or over the
+  group DCP's own save uses (synchronous: the default one).
 
 DCP stores each saved box with its offsets, and every reader (native Accelerate's template of dim-0 chunks, the
 protected restore's flat-range boxes) reads the overlapping parts, so the files load with both; the DCP entries
-(keys, global shapes, dtypes) equal a synchronous save's (tests/test_async_save.py checks all three).
+(keys, global shapes, dtypes) equal a native save's (tests/test_async_save.py and tests/test_sync_capture.py check
+all three). DCP's default writer clones a view whose storage is larger than it, one tensor at a time as it writes.
 
 Every rank must take the same path (a rank building natively runs collectives the others would never join), so
-the ranks agree with one 4-byte all-reduce on the background group (idle then) before the caller returns.
-Anything this module cannot reproduce exactly is left to native FSDP1 (the collective path, still staged and
-written in the background): another state-dict type or ``_use_dtensor``, a unit not sharded over the whole group
-or not currently sharded, parameter mixed precision, shared or zero-size or 0-dim parameters, parameters outside
-flat parameters, user state-dict hooks, optimizer state that is not parameter-shaped tensors and scalars, and any
-layout where the computed geometry disagrees with FSDP's own record.
+the ranks agree with one 4-byte all-reduce before the caller returns: on the background group (idle then) for an
+asynchronous save, on the default group (where native FSDP1 would gather at this point) for a synchronous one.
+Anything this module cannot reproduce exactly is left to native FSDP1 (the collective path, staged and written in
+the background when asynchronous): another state-dict type or ``_use_dtensor``, a unit not sharded over the whole
+group or not currently sharded, parameter mixed precision, shared or zero-size or 0-dim parameters, parameters
+outside flat parameters, user state-dict hooks, optimizer state that is not parameter-shaped tensors and scalars,
+and any layout where the computed geometry disagrees with FSDP's own record.
 """
 
 from __future__ import annotations
@@ -67,7 +74,8 @@ _SCALARS = (bool, int, float, type(None))
 
 @dataclass
 class Deferred:
-    """A state dict to be built in the background from staged local copies: ``build(group)`` returns it."""
+    """A state dict to be built when DCP writes it (in the background from staged local copies, or synchronously
+    from views of the live local data): ``build(group)`` returns it."""
 
     build: Callable[[Any], dict[str, Any]]
     what: str
@@ -174,14 +182,27 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def _local_boxes(member: Member, rank: int, data: torch.Tensor, position: int) -> list[torch.Tensor]:
-    """Copies of this rank's boxes of ``member`` (its flat elements start at ``data[position]``), each contiguous
-    with its own storage: DCP writes them as they are (a view of a larger storage it would clone first)."""
+def _local_boxes(member: Member, rank: int, data: torch.Tensor, position: int, copy: bool) -> list[torch.Tensor]:
+    """This rank's boxes of ``member`` (its flat elements start at ``data[position]``), each contiguous. With
+    ``copy`` (asynchronous) host copies with their own storage: DCP writes them as they are (a view of a larger
+    storage it would clone first) while training moves on. Without (synchronous) views of ``data`` itself: the
+    save writes them before it returns, and nothing mutates ``data`` meanwhile."""
     piece = member.pieces.get(rank)
     if piece is None:
         return []
-    return [staged_tensor(data[position + flat_start - piece.start:][:math.prod(sizes)].view(sizes))
-            for _offsets, sizes, flat_start in boxes(member.shape, piece.start, piece.stop)]
+    views = [data[position + flat_start - piece.start:][:math.prod(sizes)].view(sizes)
+             for _offsets, sizes, flat_start in boxes(member.shape, piece.start, piece.stop)]
+    return [staged_tensor(view) for view in views] if copy else views
+
+
+def _placement(holder: int, device: torch.device) -> str:
+    """A box's placement: ``holder``'s device of the same type as this rank's local ``device`` (the ShardedTensor
+    checks a local box's placement against its tensor's device; CUDA placements follow FSDP1's own rank-to-device
+    rule), e.g. ``rank:1/cpu`` or ``rank:1/cuda:1``."""
+    if device.type == "cpu":
+        return f"rank:{holder}/cpu"
+    count = torch.cuda.device_count() if device.type == "cuda" else 1
+    return f"rank:{holder}/{device.type}:{holder % max(count, 1)}"
 
 
 def _boxed(member: Member, local: list[torch.Tensor], dtype: torch.dtype, group: Any) -> Any:
@@ -190,11 +211,14 @@ def _boxed(member: Member, local: list[torch.Tensor], dtype: torch.dtype, group:
     import torch.distributed as dist
 
     rank = dist.get_rank(group)
+    device = local[0].device if local else torch.device("cpu")
     shards_metadata, shards = [], []
     for holder, piece in sorted(member.pieces.items()):
         global_holder = dist.get_global_rank(group, holder) if group is not None else holder
         for index, (offsets, sizes, _start) in enumerate(boxes(member.shape, piece.start, piece.stop)):
-            box = shard_metadata(list(offsets), list(sizes), f"rank:{global_holder}/cpu")
+            box = shard_metadata(list(offsets), list(sizes),
+                                 f"rank:{global_holder}/{local[index].device}" if holder == rank
+                                 else _placement(global_holder, device))
             shards_metadata.append(box)
             if holder == rank:
                 shards.append(local_shard(local[index], box))
@@ -210,8 +234,10 @@ def _persistent_buffers(model: Any) -> dict[str, torch.Tensor]:
     return found
 
 
-def capture_model(model: Any) -> Deferred | None:
-    """This rank's model state, staged for the background (None: let native FSDP1 build it)."""
+def capture_model(model: Any, copy: bool = True) -> Deferred | None:
+    """This rank's model state, to be built collective-free (None: let native FSDP1 build it): with ``copy``
+    staged in host memory for the background, else views of the live flat parameters and buffers (a synchronous
+    save, which writes them before it returns)."""
     if not _sharded_settings(model, optimizer_side=False) or _has_state_dict_hooks(model):
         return None
     units = _units(model)
@@ -224,9 +250,11 @@ def capture_model(model: Any) -> Deferred | None:
         for member in unit.members:
             piece = member.pieces.get(rank)
             position = piece.shard_offset if piece is not None else 0
-            shards.append((member, _local_boxes(member, rank, data, position), unit.flat.dtype))
-    buffers = {name: staged_tensor(buffer) for name, buffer in _persistent_buffers(model).items()}
-    _synchronize()
+            shards.append((member, _local_boxes(member, rank, data, position, copy), unit.flat.dtype))
+    buffers = {name: staged_tensor(buffer) if copy else buffer.detach()
+               for name, buffer in _persistent_buffers(model).items()}
+    if copy:
+        _synchronize()
 
     def build(group: Any) -> dict[str, Any]:
         state: dict[str, Any] = {member.fqn: _boxed(member, local, dtype, group) for member, local, dtype in shards}
@@ -237,8 +265,10 @@ def capture_model(model: Any) -> Deferred | None:
 
 
 # ----------------------------------------------------------------------------------------------- the optimizer
-def capture_optimizer(model: Any, optimizer: Any) -> Deferred | None:
-    """This rank's optimizer state as ``FSDP.optim_state_dict`` would key it, staged (None: native FSDP1)."""
+def capture_optimizer(model: Any, optimizer: Any, copy: bool = True) -> Deferred | None:
+    """This rank's optimizer state as ``FSDP.optim_state_dict`` would key it (None: native FSDP1): with ``copy``
+    its parameter-shaped state staged in host memory, else views of the live state tensors (a synchronous save).
+    0-dim state (``step``) and the group options are copied either way: a few bytes."""
     if not _sharded_settings(model, optimizer_side=True):
         return None
     optimizer = raw_optimizer(optimizer)
@@ -255,7 +285,7 @@ def capture_optimizer(model: Any, optimizer: Any) -> Deferred | None:
         else:
             owned[id(unit.flat)] = [(member, member.pieces[rank].shard_offset if rank in member.pieces else 0)
                                     for member in unit.members]
-    # Per (fqn): this rank's entry, parameter-shaped values as copied boxes (ranks holding none of a parameter
+    # Per (fqn): this rank's entry, parameter-shaped values as boxes (copied or views; ranks holding none of a parameter
     # with use_orig_params have no state for it and write no entry; DCP merges the ranks' entries).
     entries: dict[str, dict[str, tuple[str, Any]]] = {}
     groups: list[dict[str, Any]] = []
@@ -282,13 +312,14 @@ def capture_optimizer(model: Any, optimizer: Any) -> Deferred | None:
                     if staged[0] == "shard":
                         if parameter.numel() == 0:
                             continue  # use_orig_params, none of this parameter here
-                        local = _local_boxes(member, rank, value.detach(), position)
+                        local = _local_boxes(member, rank, value.detach(), position, copy)
                         entries.setdefault(member.fqn, {})[key] = ("shard", (local, value.dtype))
                     elif not (parameter.numel() == 0 and len(members) == 1):
                         entries.setdefault(member.fqn, {})[key] = staged
         groups.append({**{key: staged_copy(value) for key, value in group.items() if key != "params"},
                        "params": fqns})
-    _synchronize()
+    if copy:
+        _synchronize()
 
     def build(process_group: Any) -> dict[str, Any]:
         state: dict[str, Any] = {}
@@ -309,28 +340,32 @@ def capture_optimizer(model: Any, optimizer: Any) -> Deferred | None:
 _installed: list[bool] = []
 
 
-def _agreed(capture: Callable[[], Deferred | None], what: str) -> Deferred | None:
+def _agreed(capture: Callable[[], Deferred | None], what: str, staged: bool) -> Deferred | None:
     """``capture()`` if it succeeded on every rank, else None everywhere: a rank that built its state dict
-    natively (collectives over the training group) while another staged locally would hang both. One 4-byte
-    all-reduce on the background group (idle: the previous save was settled before this one started)."""
+    natively (collectives over the training group) while another captured locally would hang both. One 4-byte
+    all-reduce, in the caller's thread: for an asynchronous save (``staged``) on the background group (idle: the
+    previous save was settled before this one started); for a synchronous save on the default group, the group
+    native FSDP1's own gathers would use at this very point (the caller runs nothing else on it meanwhile)."""
     from ..core.ranks import any_rank, background_group
 
     try:
         deferred = capture()
     except Exception as exc:  # never fail a save over the fast path: native FSDP1 builds it instead
-        logger.warning("accelerate-txn: staging %s locally failed (%s: %s); FSDP1 builds it natively (with "
+        logger.warning("accelerate-txn: capturing %s locally failed (%s: %s); FSDP1 builds it natively (with "
                        "collectives) instead.", what, type(exc).__name__, exc)
         deferred = None
-    if any_rank(deferred is None, group=background_group()):
+    if any_rank(deferred is None, group=background_group() if staged else None):
         logger.debug("accelerate-txn: %s is built by native FSDP1 (not staged locally on every rank)", what)
         return None
     return deferred
 
 
-def install(capturing: Callable[[], bool]) -> None:
-    """Once: while ``capturing()`` (an asynchronous protected save in this thread), Accelerate's FSDP1 model
-    state dict (``accelerate.utils.fsdp_utils._get_model_state_dict``) and ``FSDP.optim_state_dict`` return a
-    :class:`Deferred` when this module can build them collective-free; everything else passes through."""
+def install(capturing: Callable[[], bool | None]) -> None:
+    """Once: while a protected save runs in this thread (``capturing()`` is True for an asynchronous save, False
+    for a synchronous one, None outside a protected save), Accelerate's FSDP1 model state dict
+    (``accelerate.utils.fsdp_utils._get_model_state_dict``) and ``FSDP.optim_state_dict`` return a
+    :class:`Deferred` when this module can build them collective-free: from host copies when asynchronous, from
+    views of the live tensors when synchronous. Everything else passes through."""
     if _installed:
         return
     import wrapt
@@ -338,24 +373,26 @@ def install(capturing: Callable[[], bool]) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     def model_state_dict(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        if capturing():
+        staged = capturing()
+        if staged is not None:
             model = args[0] if args else kwargs.get("model")
             adapter_only = args[1] if len(args) > 1 else kwargs.get("adapter_only", False)
             options = args[2] if len(args) > 2 else kwargs.get("sd_options")
             if options is None and not adapter_only:
-                deferred = _agreed(lambda: capture_model(model), "the FSDP1 model state dict")
+                deferred = _agreed(lambda: capture_model(model, copy=staged), "the FSDP1 model state dict", staged)
                 if deferred is not None:
                     return deferred
         return wrapped(*args, **kwargs)
 
     def optim_state_dict(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        if capturing():
+        staged = capturing()
+        if staged is not None:
             names = ("model", "optim", "optim_state_dict", "group")
             bound = dict(zip(names, args))
             bound.update(kwargs)
             if bound.get("optim_state_dict") is None and bound.get("group") is None and set(bound) <= set(names):
-                deferred = _agreed(lambda: capture_optimizer(bound["model"], bound["optim"]),
-                                   "the FSDP1 optimizer state dict")
+                deferred = _agreed(lambda: capture_optimizer(bound["model"], bound["optim"], copy=staged),
+                                   "the FSDP1 optimizer state dict", staged)
                 if deferred is not None:
                     return deferred
         return wrapped(*args, **kwargs)
