@@ -46,22 +46,15 @@ from typing import Any
 
 import torch
 
-from .geometry import GeometryMismatch, Member, boxes, flat_members
+from .fsdp1_layout import exact_units, has_user_state_dict_hooks, persistent_state_buffers
+from .geometry import Member, boxes
 from .host_memory import staged_tensor
 from .internals import (
-    clean_fsdp_name,
-    flat_local_shard,
-    flat_param,
-    inter_node_group,
     local_shard,
     original_params,
-    param_to_fqns,
-    persistent_buffers,
     shard_metadata,
     sharded_tensor,
-    state_dict_hooks,
     uses_dtensor_state_dict,
-    uses_orig_params,
 )
 from .optimizer_state import raw_optimizer
 
@@ -109,72 +102,6 @@ def _sharded_settings(model: Any, optimizer_side: bool) -> bool:
     config = settings.optim_state_dict_config if optimizer_side else settings.state_dict_config
     return (settings.state_dict_type == StateDictType.SHARDED_STATE_DICT
             and not uses_dtensor_state_dict(config))
-
-
-def _has_state_dict_hooks(model: Any) -> bool:
-    """User hooks that change a module's state dict (FSDP registers its own; those are expected)."""
-    for module in model.modules():
-        for hook in state_dict_hooks(module):
-            owner = getattr(hook, "__module__", "") or getattr(getattr(hook, "func", None), "__module__", "")
-            if not str(owner).startswith("torch.distributed.fsdp"):
-                return True
-    return False
-
-
-@dataclass
-class _Unit:
-    flat: Any
-    members: list[Member]
-    orig_params: bool  # use_orig_params: the optimizer sees the original parameters
-
-
-def _units(model: Any) -> list[_Unit] | None:
-    """Every FSDP1 unit's flat parameter and its members' geometry on every rank, or None if the layout is one
-    this module does not reproduce (see the module docstring)."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import ShardingStrategy
-
-    rank, world = _world()
-    if world < 2 or not isinstance(model, FSDP):
-        return None
-    names = param_to_fqns(model)
-    units: list[_Unit] = []
-    covered: set[int] = set()
-    for unit in FSDP.fsdp_modules(model):
-        flat = flat_param(unit)
-        if flat is None:
-            continue
-        orig_params = uses_orig_params(unit)
-        if (unit.sharding_strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
-                or dist.get_world_size(unit.process_group) != world
-                or inter_node_group(unit) is not None):
-            return None
-        local = flat_local_shard(flat)
-        if local is None or flat.data_ptr() != local.data_ptr() or flat.numel() != local.numel():
-            return None  # unsharded right now (inside summon_full_params, or no reshard after forward)
-        mixed = getattr(unit.mixed_precision, "param_dtype", None)
-        if mixed is not None and mixed != flat.dtype:
-            return None
-        if orig_params:
-            params = original_params(flat)
-            if any(len(names.get(p, ())) != 1 for p in params):
-                return None  # shared parameters
-            fqns = [names[p][0] for p in params]
-            covered.update(id(p) for p in params)
-        else:
-            fqns = list(names.get(flat, ()))
-        covered.add(id(flat))
-        try:
-            members = flat_members(flat, fqns, world, rank)
-        except GeometryMismatch:
-            return None
-        if any(not member.shape or math.prod(member.shape) == 0 for member in members):
-            return None
-        units.append(_Unit(flat, members, orig_params))
-    if any(id(p) not in covered for p in model.parameters()):
-        return None  # parameters FSDP does not shard (ignored modules)
-    return units
 
 
 def _synchronize() -> None:
@@ -226,21 +153,13 @@ def _boxed(member: Member, local: list[torch.Tensor], dtype: torch.dtype, group:
 
 
 # --------------------------------------------------------------------------------------------------- the model
-def _persistent_buffers(model: Any) -> dict[str, torch.Tensor]:
-    found: dict[str, torch.Tensor] = {}
-    for prefix, module in model.named_modules():
-        for name, buffer in persistent_buffers(module):
-            found[clean_fsdp_name(f"{prefix}.{name}" if prefix else name)] = buffer
-    return found
-
-
 def capture_model(model: Any, copy: bool = True) -> Deferred | None:
     """This rank's model state, to be built collective-free (None: let native FSDP1 build it): with ``copy``
     staged in host memory for the background, else views of the live flat parameters and buffers (a synchronous
     save, which writes them before it returns)."""
-    if not _sharded_settings(model, optimizer_side=False) or _has_state_dict_hooks(model):
+    if not _sharded_settings(model, optimizer_side=False) or has_user_state_dict_hooks(model):
         return None
-    units = _units(model)
+    units = exact_units(model)
     if units is None:
         return None
     rank, _world_size = _world()
@@ -252,7 +171,7 @@ def capture_model(model: Any, copy: bool = True) -> Deferred | None:
             position = piece.shard_offset if piece is not None else 0
             shards.append((member, _local_boxes(member, rank, data, position, copy), unit.flat.dtype))
     buffers = {name: staged_tensor(buffer) if copy else buffer.detach()
-               for name, buffer in _persistent_buffers(model).items()}
+               for name, buffer in persistent_state_buffers(model).items()}
     if copy:
         _synchronize()
 
@@ -272,7 +191,7 @@ def capture_optimizer(model: Any, optimizer: Any, copy: bool = True) -> Deferred
     if not _sharded_settings(model, optimizer_side=True):
         return None
     optimizer = raw_optimizer(optimizer)
-    units = _units(model)
+    units = exact_units(model)
     if units is None:
         return None
     rank, _world_size = _world()

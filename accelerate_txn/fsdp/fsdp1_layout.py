@@ -1,9 +1,8 @@
 """When an FSDP1 model's sharded state can be read or written from each rank's flat-parameter shard alone, exactly
 as native FSDP1 would produce or consume it: the eligibility shared by the collective-free paths.
 
-A copy of the rules ``fsdp.capture`` applies to asynchronous saves (``_units``, ``_has_state_dict_hooks``,
-``_persistent_buffers``), made public here for the protected model restore (``fsdp.fsdp1_model``); ``capture``
-is owned separately and is meant to import these instead of keeping its own (then there is one copy).
+Used by the collective-free save (``fsdp.capture``: asynchronous and synchronous FSDP1 saves) and the protected
+model restore (``fsdp.fsdp1_model``).
 
 Reproduced exactly: FULL_SHARD or SHARD_GRAD_OP units sharded over the whole group, currently sharded (the flat
 parameter's data is its local shard), without parameter mixed precision, hybrid sharding, shared, zero-size or
