@@ -18,7 +18,12 @@ are not built in the caller at all: ``fsdp.capture`` stages the local shards and
 3. releases the staged copy and the directory lock.
 
 The thread runs at a lower CPU priority (:data:`BACKGROUND_NICENESS`) so that training keeps the CPU. What blocks
-is the host copy of this rank's local state: FSDP2 state dicts are local DTensor views; for FSDP1, whose native
+is the host copy of this rank's local state, except with FSDP2: its state dicts are local DTensor views, and an
+FSDP2 save copies in the caller only what is small or may change in forward (buffers, ``step`` tensors); the
+parameters' local shards and the optimizer moments are copied by the background thread first, while training
+runs its next forward and backward, and each of the Accelerator's optimizers waits for that copy before its
+next ``step()`` (``accelerate.deferred_staging``, with a check that nothing else wrote into them meanwhile: the
+save then fails on every rank). For FSDP1, whose native
 sharded state dicts are built with collectives over the training group (every parameter unsharded, the optimizer
 state gathered), ``fsdp.capture`` copies the local flat-parameter and optimizer shards instead and builds the
 same DCP entries in the background (setups it cannot reproduce exactly keep native FSDP1's collective build in

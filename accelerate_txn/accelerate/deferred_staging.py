@@ -66,7 +66,8 @@ def deferrable_storages(models: Iterable[Any], optimizers: Iterable[Any]) -> fro
     found: set[int] = set()
 
     def add(tensor: Any) -> None:
-        pointer = tensor.to_local().untyped_storage().data_ptr()
+        with torch.no_grad():  # a view of the local shard, no autograd node
+            pointer = tensor.to_local().untyped_storage().data_ptr()
         if pointer:  # an empty shard has no memory (and nothing to defer)
             found.add(pointer)
 

@@ -460,7 +460,9 @@ def save_training_checkpoint(
 
     ``async_save`` (default: ``configure_checkpointing(async_save=...)``): return once this rank's state is
     staged in memory, with an ``AsyncCheckpoint`` handle (a path-like; ``.wait()``, ``.done()``); the rest of the
-    transaction runs in the background. A save in flight is always waited for first (its error raised).
+    transaction runs in the background (FSDP2: the parameter shards and optimizer moments are copied there too,
+    before the next optimizer step, which waits for it: ``accelerate.deferred_staging``). A save in flight is
+    always waited for first (its error raised).
     """
     check_arrival(owners, "save_training_checkpoint", output_dir)  # no collective yet: a call on some ranks only is explained
     # Everything that can differ between ranks (environment, configuration, arguments) is read inside a rank phase.
