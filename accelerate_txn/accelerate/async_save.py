@@ -267,6 +267,7 @@ class AsyncCheckpoint(os.PathLike):
                     deferred.copy()
                     for write in writes:
                         write.state_dict = deferred.resolve(write.state_dict)
+                    deferred.finish()  # each copy is held by its write only: released after that write
 
                 run_phase(copy, "Copying the saved state to host memory in the background", group)
             while writes:

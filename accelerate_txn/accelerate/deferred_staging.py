@@ -218,6 +218,6 @@ class DeferredCopy:
     def finish(self) -> None:
         """The save ended (or failed before copying): drop what is left and release any waiting step."""
         for pending in self._pending:
-            pending.source = None
+            pending.source = pending.target = None
         self._copies = []
         self.copied.set()
