@@ -509,9 +509,9 @@ def save_training_checkpoint(
         staging = Path(on_main(lambda: reservation.open(), f"Reserving {path}"))  # type: ignore[union-attr]
         steps = {name: owner.step for name, owner in group.items()}
         progress = progress_record(path, group)  # at staging time, as steps: an asynchronous save must not race training
-        comm = run_phase(background_group, "Creating the background process group") if background else None
-        deferred = run_phase(lambda: _deferred_copy(group), "Listing the state to copy in the background") \
-            if background else None
+        # one phase (one exchange): the background group, and what the background copies first (FSDP2)
+        comm, deferred = run_phase(lambda: (background_group(), _deferred_copy(group)),
+                                   "Creating the background process group") if background else (None, None)
         with _async.capture_dcp_saves(bool(background), staging, _staging_pool(primary), deferred) as capture:
             for name, owner in group.items():
                 target = staging / name
