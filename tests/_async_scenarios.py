@@ -462,3 +462,100 @@ def fsdp1_collective_free(root: str, use_orig_params: bool) -> dict[str, Any]:
     acc4.load_state(str(base / "declined"))
     obs["declined_differences"] = _same(expected, _local_state(model4, opt4))
     return obs
+
+
+# ------------------------------------------------------------------------------ FSDP2: the copy in the background
+def fsdp2_deferred_copy(root: str) -> dict[str, Any]:
+    """FSDP2 asynchronous saves copy the parameter shards and optimizer moments in the background: save_state
+    returns before that copy (held back by ``deferred_staging.COPY_GATE``), the next optimizer step waits for it,
+    the checkpoint holds the state at save_state; a parameter modified in place before the copy fails the save on
+    every rank; load_state right after a save waits for it and loads exactly."""
+    import threading
+
+    from accelerate_txn.accelerate import deferred_staging
+    from accelerate_txn.fsdp.internals import version_counter
+    from tests._fsdp2_scenarios import _build as build2
+    from tests._fsdp2_scenarios import _differences, _snapshot
+    from tests._fsdp2_scenarios import _train as train2
+
+    rank = int(os.environ["RANK"])
+    base = Path(root)
+    obs: dict[str, Any] = {}
+    acc, model, opt, sched = build2(0)
+    configure_checkpointing(acc, async_save=True)
+    train2(acc, model, opt, sched, 2, seed=1)
+    expected = _snapshot(model, opt, sched)
+    parameters = list(model.parameters())
+    gate, waiting = deferred_staging.COPY_GATE, deferred_staging.GUARD_WAITING
+
+    # (a) save_state returns while the large copy is held back; (b) the next step waits for it.
+    gate.clear()
+    waiting.clear()
+    try:
+        handle = acc.save_state(str(base / "held"))
+        deferred = handle._deferred
+        obs["pending_at_return"] = deferred.pending() if deferred is not None else 0
+        obs["copied_at_return"] = deferred is not None and deferred.copied.is_set()
+        # forward and backward only read the shards: they run while the copy is still held back
+        generator = torch.Generator().manual_seed(40 + rank)
+        acc.backward(model(torch.randn(4, 16, generator=generator)).pow(2).mean())
+        versions = [version_counter(p) for p in parameters]
+        seen: dict[str, Any] = {}
+
+        def release_when_step_waits() -> None:
+            # Woken by the guard (a step waiting) or by the main thread once its step returned (it did not wait).
+            waiting.wait()
+            seen["copied_while_step_waited"] = deferred is not None and deferred.copied.is_set()
+            seen["unchanged_while_step_waited"] = [version_counter(p) for p in parameters] == versions
+            gate.set()
+
+        helper = threading.Thread(target=release_when_step_waits)
+        helper.start()
+        opt.step()  # must wait for the background copy, which waits for the helper
+        obs["step_waited"] = waiting.is_set()
+        waiting.set()
+        helper.join()
+        obs.update(seen)
+    finally:
+        gate.set()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    train2(acc, model, opt, sched, 2, seed=2)  # the live state moves on
+    obs["live_moved"] = _differences(expected, _snapshot(model, opt, sched), ("params", "optim")) != []
+    handle.wait()
+    obs["held_published"] = (base / "held" / accelerate_txn.MANIFEST).is_file()
+
+    def restored(path: Path) -> dict[str, Any]:
+        acc2, model2, opt2, sched2 = build2(9)
+        acc2.load_state(str(path))
+        return _snapshot(model2, opt2, sched2)
+
+    obs["held_differences"] = _differences(expected, restored(base / "held"), ("params", "optim", "groups"))
+
+    # (c) a parameter modified in place (rank 1 only) after save_state, before the held-back copy
+    train2(acc, model, opt, sched, 1, seed=3)
+    gate.clear()
+    try:
+        modified = acc.save_state(str(base / "modified"))
+        if rank == 1:
+            with torch.no_grad():
+                parameters[0].mul_(0.5)  # an in-place write outside optimizer.step
+    finally:
+        gate.set()
+    obs["modified_error"] = _error(modified.wait)
+    obs["modified_published"] = (base / "modified").exists()
+    obs["modified_staging_left"] = sorted(p.name for p in base.iterdir() if ".staging-" in p.name)
+    train2(acc, model, opt, sched, 1, seed=4)  # the guard released: steps go on
+    acc.save_state(str(base / "after_failure")).wait()
+    obs["after_failure_published"] = (base / "after_failure" / accelerate_txn.MANIFEST).is_file()
+
+    # (d) load_state right after an asynchronous save_state: waits for it, then loads exactly
+    train2(acc, model, opt, sched, 1, seed=5)
+    expected_load = _snapshot(model, opt, sched)
+    loaded = acc.save_state(str(base / "load"))
+    acc.load_state(str(base / "load"))
+    obs["load_published"] = loaded.done() and (base / "load" / accelerate_txn.MANIFEST).is_file()
+    obs["load_differences"] = _differences(expected_load, _snapshot(model, opt, sched), ("params", "optim", "groups"))
+    obs["load_checkpoint_differences"] = _differences(expected_load, restored(base / "load"), ("params", "optim"))
+    acc.end_training()
+    return obs

@@ -244,6 +244,10 @@ def configure_checkpointing(
       flushing, the manifest, the atomic publish and retention run in a background thread (one save in flight;
       the next save, ``wait_for_checkpoint`` and ``end_training`` wait for it and raise its error). Costs one
       host copy of this rank's model and optimizer shards while the write runs (released after the write).
+      FSDP2: ``save_state`` does not even wait for that copy of the parameter shards and optimizer moments; the
+      background makes it while the next forward and backward run, and the next ``optimizer.step()`` waits for
+      it. Modify parameters or optimizer state in place outside ``optimizer.step`` only after
+      ``wait_for_checkpoint`` (such a write before the copy fails the save on every rank; nothing is published).
       Default False.
     * ``reuse_staging_memory``: with ``async_save``, keep that host copy allocated between saves and copy into it
       again: the blocking copy skips the kernel's page allocation (several times faster), at the cost of holding

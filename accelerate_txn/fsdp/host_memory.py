@@ -67,17 +67,30 @@ def staging_into(pool: StagingPool | None) -> Iterator[None]:
             pool.end_save()
 
 
-def staged_tensor(source: torch.Tensor, *, pin: bool = True) -> torch.Tensor:
-    """A host-memory copy of ``source`` (pinned when it is on CUDA and ``pin``), with its own storage."""
+def reserved_buffer(source: torch.Tensor, *, pin: bool = True) -> torch.Tensor | None:
+    """The buffer a copy of ``source`` goes into, taken now from the pool active in this thread (see
+    :func:`staging_into`); None without a pool (fresh memory, allocated by :func:`copy_to_host` where the copy is
+    made). Lets the caller reserve a save's buffers while the copy itself runs later, in another thread."""
+    pool: StagingPool | None = getattr(_active, "pool", None)
+    if pool is None:
+        return None
+    return pool.take(source.shape, source.dtype, pin and source.is_cuda)
+
+
+def copy_to_host(source: torch.Tensor, target: torch.Tensor | None = None, *, pin: bool = True) -> torch.Tensor:
+    """``source`` copied into ``target`` (or fresh host memory, pinned when ``source`` is on CUDA and ``pin``).
+    From CUDA the copy is asynchronous on the current stream: synchronise before reading it."""
     source = source.detach()
     pinned = pin and source.is_cuda
-    pool: StagingPool | None = getattr(_active, "pool", None)
-    if pool is not None:
-        target = pool.take(source.shape, source.dtype, pinned)
-    else:
+    if target is None:
         target = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=pinned)
     target.copy_(source, non_blocking=pinned)
     return target
+
+
+def staged_tensor(source: torch.Tensor, *, pin: bool = True) -> torch.Tensor:
+    """A host-memory copy of ``source`` (pinned when it is on CUDA and ``pin``), with its own storage."""
+    return copy_to_host(source, reserved_buffer(source, pin=pin), pin=pin)
 
 
 # --------------------------------------------------------------------------------------------------- staging
