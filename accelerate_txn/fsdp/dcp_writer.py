@@ -270,7 +270,7 @@ def _plain_bytes(tensor: torch.Tensor) -> memoryview | None:
     for anything else (DCP's own steps write it)."""
     if (type(tensor) is not torch.Tensor or tensor.device.type != "cpu" or tensor.layout != torch.strided
             or tensor.dtype not in _PLAIN_DTYPES or tensor.is_quantized or tensor.is_conj() or tensor.is_neg()
-            or not tensor.is_contiguous() or tensor.numel() == 0 or tensor.has_names()):
+            or not tensor.is_contiguous() or tensor.numel() == 0):
         return None
     try:
         return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
