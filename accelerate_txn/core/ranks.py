@@ -292,14 +292,21 @@ def _peer_lost(context: str, group: Any, exc: BaseException, earlier: BaseExcept
 @contextlib.contextmanager
 def collective(context: str, group: Any = None, earlier: BaseException | None = None) -> Iterator[None]:
     """Run a collective of phase ``context`` over ``group``: if it fails (a rank went away: gloo's "Connection reset by
-    peer"), raise :class:`CheckpointRankError` naming the ranks that went away; if this rank leaves it on another
-    exception (a signal handler's, Ctrl-C), record that in the store first, for the others' error."""
+    peer"), raise :class:`CheckpointRankError` naming the ranks that went away; if ``group`` was destroyed under it
+    (an asynchronous save's phase while the script called ``destroy_process_group``), the same error as a phase
+    that starts after the destruction; if this rank leaves it on another exception (a signal handler's, Ctrl-C),
+    record that in the store first, for the others' error."""
     try:
         yield
     except CheckpointError:
         raise
-    except RuntimeError as exc:  # gloo/NCCL: RuntimeError, DistBackendError, DistNetworkError
-        raise _peer_lost(context, group, exc, earlier) from exc
+    except Exception as exc:
+        if group is not None and not distributed():  # the script destroyed the group under this collective
+            raise _group_destroyed(context) from exc  # (c10d then raises anything: KeyError, ValueError, ...)
+        if isinstance(exc, RuntimeError):  # gloo/NCCL: RuntimeError, DistBackendError, DistNetworkError
+            raise _peer_lost(context, group, exc, earlier) from exc
+        _note_departure(exc, group)
+        raise
     except BaseException as exc:
         _note_departure(exc, group)
         raise
