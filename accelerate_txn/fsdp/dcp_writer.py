@@ -294,14 +294,13 @@ def _write_tensor(sink: _Sink, tensor: torch.Tensor) -> bool:
 def _writes_plan(writer: Any) -> bool:
     """Whether ``writer`` is a ``FileSystemWriter`` whose ``write_data`` this module reproduces."""
     from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.filesystem import SerializationFormat
 
     transforms = getattr(writer, "transforms", None)
     return (isinstance(writer, FileSystemWriter) and type(writer).write_data is FileSystemWriter.write_data
             and getattr(writer, "single_file_per_rank", False) is True and getattr(writer, "thread_count", 1) == 1
             and not tuple(getattr(transforms, "extensions", ()) or ())
-            and getattr(writer, "serialization_format", SerializationFormat.TORCH_SAVE)
-            == SerializationFormat.TORCH_SAVE
+            # torch.save archives (SerializationFormat.TORCH_SAVE; torch 2.7 has no other format, nor the attribute)
+            and getattr(getattr(writer, "serialization_format", None), "value", "torch_save") == "torch_save"
             and hasattr(torch.serialization, "skip_data"))
 
 
