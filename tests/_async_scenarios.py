@@ -464,98 +464,122 @@ def fsdp1_collective_free(root: str, use_orig_params: bool) -> dict[str, Any]:
     return obs
 
 
-# ------------------------------------------------------------------------------ FSDP2: the copy in the background
-def fsdp2_deferred_copy(root: str) -> dict[str, Any]:
-    """FSDP2 asynchronous saves copy the parameter shards and optimizer moments in the background: save_state
-    returns before that copy (held back by ``deferred_staging.COPY_GATE``), the next optimizer step waits for it,
-    the checkpoint holds the state at save_state; a parameter modified in place before the copy fails the save on
-    every rank; load_state right after a save waits for it and loads exactly."""
+# --------------------------------------------------------------- exact: any mutation after save_state returned
+def _mutations(fsdp_version: int) -> dict[str, Any]:
+    """In-place changes a training script may make right after an asynchronous ``save_state`` returned, each a
+    function of (model, optimizer, rank). None of them goes through ``optimizer.step``; several bypass autograd's
+    version counters (``.data``, ``to_local()``, ``_foreach_`` under ``no_grad``)."""
+
+    def params(model: Any) -> list[Any]:
+        return list(model.parameters())
+
+    def state(optimizer: Any) -> list[dict[str, Any]]:
+        raw = getattr(optimizer, "optimizer", optimizer)
+        return [s for s in raw.state.values() if s]
+
+    def data_add(model: Any, optimizer: Any, rank: int) -> None:
+        for p in params(model):
+            p.data.add_(1.0)
+
+    def manual_update(model: Any, optimizer: Any, rank: int) -> None:
+        for p in params(model):  # a hand-written SGD step through .data
+            p.data.sub_(0.5 * torch.ones_like(p.data))
+
+    def foreach_mul(model: Any, optimizer: Any, rank: int) -> None:
+        with torch.no_grad():  # an EMA-style update with the fused list ops
+            torch._foreach_mul_(params(model), 0.5)
+
+    def clamp(model: Any, optimizer: Any, rank: int) -> None:
+        for p in params(model):  # weight clipping
+            p.data.clamp_(-1e-3, 1e-3)
+
+    def moments_fill(model: Any, optimizer: Any, rank: int) -> None:
+        for s in state(optimizer):
+            s["exp_avg_sq"].data.fill_(7.0)
+            s["exp_avg"].mul_(3.0)
+
+    def load_state_dict(model: Any, optimizer: Any, rank: int) -> None:
+        model.load_state_dict({k: torch.zeros_like(v) for k, v in model.state_dict().items()})
+
+    def set_storage(model: Any, optimizer: Any, rank: int) -> None:
+        with torch.no_grad():
+            for p in params(model):  # the parameter moved to new memory (a DTensor's too)
+                p.data = torch.full_like(p.data, 3.0)
+
+    def other_optimizer(model: Any, optimizer: Any, rank: int) -> None:
+        extra = torch.optim.SGD(model.parameters(), lr=10.0)
+        for p in params(model):
+            p.grad = torch.ones_like(p)
+        extra.step()
+        extra.zero_grad(set_to_none=True)
+
+    def one_rank_only(model: Any, optimizer: Any, rank: int) -> None:
+        if rank == 1:
+            data_add(model, optimizer, rank)
+
+    found = {"p.data.add_": data_add, "manual update through p.data": manual_update,
+             "torch._foreach_mul_ under no_grad": foreach_mul, "p.data.clamp_": clamp,
+             "optimizer state .data.fill_ and mul_": moments_fill, "model.load_state_dict": load_state_dict,
+             "another optimizer's step": other_optimizer,
+             "one rank only": one_rank_only}
+    if fsdp_version == 2:
+
+        def to_local_mul(model: Any, optimizer: Any, rank: int) -> None:
+            with torch.no_grad():  # a write below the DTensor dispatch
+                for p in params(model):
+                    p.to_local().mul_(2.0)
+
+        found["p.to_local().mul_"] = to_local_mul
+    else:  # FSDP1 (use_orig_params): the parameter rebound to new memory (a DTensor keeps its local tensor)
+        found["new memory through p.data ="] = set_storage
+    return found
+
+
+def async_exact_under_mutation(root: str, fsdp_version: int) -> dict[str, Any]:
+    """An asynchronous save holds the state at the moment ``save_state`` returned, whatever the script does next:
+    for each mutation, the background writes are held back (a gate on DCP's ``save``: no sleep) until the script
+    has mutated the live state, then the checkpoint is restored into a fresh model and compared bitwise with the
+    state at ``save_state``."""
     import threading
 
-    from accelerate_txn.accelerate import deferred_staging
-    from accelerate_txn.fsdp.internals import version_counter
+    from torch.distributed.checkpoint import state_dict_saver
+
     from tests._fsdp2_scenarios import _build as build2
     from tests._fsdp2_scenarios import _differences, _snapshot
-    from tests._fsdp2_scenarios import _train as train2
 
+    build = build2 if fsdp_version == 2 else _build
     rank = int(os.environ["RANK"])
     base = Path(root)
-    obs: dict[str, Any] = {}
-    acc, model, opt, sched = build2(0)
+    obs: dict[str, Any] = {"differences": {}, "live_changed": {}, "errors": {}}
+    acc, model, opt, sched = build(0)
     configure_checkpointing(acc, async_save=True)
-    train2(acc, model, opt, sched, 2, seed=1)
-    expected = _snapshot(model, opt, sched)
-    parameters = list(model.parameters())
-    gate, waiting = deferred_staging.COPY_GATE, deferred_staging.GUARD_WAITING
+    gate = threading.Event()
+    original_write = state_dict_saver.save
 
-    # (a) save_state returns while the large copy is held back; (b) the next step waits for it.
-    gate.clear()
-    waiting.clear()
+    def gated_write(*args: Any, **kwargs: Any) -> Any:
+        gate.wait()
+        return original_write(*args, **kwargs)
+
+    state_dict_saver.save = gated_write  # the background thread looks it up at each write
     try:
-        handle = acc.save_state(str(base / "held"))
-        deferred = handle._deferred
-        obs["pending_at_return"] = deferred.pending() if deferred is not None else 0
-        obs["copied_at_return"] = deferred is not None and deferred.copied.is_set()
-        # forward and backward only read the shards: they run while the copy is still held back
-        generator = torch.Generator().manual_seed(40 + rank)
-        acc.backward(model(torch.randn(4, 16, generator=generator)).pow(2).mean())
-        versions = [version_counter(p) for p in parameters]
-        seen: dict[str, Any] = {}
-
-        def release_when_step_waits() -> None:
-            # Woken by the guard (a step waiting) or by the main thread once its step returned (it did not wait).
-            waiting.wait()
-            seen["copied_while_step_waited"] = deferred is not None and deferred.copied.is_set()
-            seen["unchanged_while_step_waited"] = [version_counter(p) for p in parameters] == versions
-            gate.set()
-
-        helper = threading.Thread(target=release_when_step_waits)
-        helper.start()
-        opt.step()  # must wait for the background copy, which waits for the helper
-        obs["step_waited"] = waiting.is_set()
-        waiting.set()
-        helper.join()
-        obs.update(seen)
+        for index, (name, mutate) in enumerate(_mutations(fsdp_version).items()):
+            _train(acc, model, opt, sched, 1, seed=10 + index)
+            expected = _snapshot(model, opt, sched)
+            gate.clear()
+            try:
+                handle = acc.save_state(str(base / f"m{index}"))
+                mutate(model, opt, rank)  # before anything was written
+            finally:
+                gate.set()
+            obs["errors"][name] = _error(handle.wait)
+            obs["live_changed"][name] = _differences(expected, _snapshot(model, opt, sched),
+                                                     ("params", "optim")) != []
+            acc2, model2, opt2, sched2 = build(9)
+            acc2.load_state(str(base / f"m{index}"))
+            obs["differences"][name] = _differences(expected, _snapshot(model2, opt2, sched2),
+                                                    ("params", "optim", "groups"))
+            acc.load_state(str(base / f"m{index}"))  # the next case starts from a sane state
     finally:
-        gate.set()
-    sched.step()
-    opt.zero_grad(set_to_none=True)
-    train2(acc, model, opt, sched, 2, seed=2)  # the live state moves on
-    obs["live_moved"] = _differences(expected, _snapshot(model, opt, sched), ("params", "optim")) != []
-    handle.wait()
-    obs["held_published"] = (base / "held" / accelerate_txn.MANIFEST).is_file()
-
-    def restored(path: Path) -> dict[str, Any]:
-        acc2, model2, opt2, sched2 = build2(9)
-        acc2.load_state(str(path))
-        return _snapshot(model2, opt2, sched2)
-
-    obs["held_differences"] = _differences(expected, restored(base / "held"), ("params", "optim", "groups"))
-
-    # (c) a parameter modified in place (rank 1 only) after save_state, before the held-back copy
-    train2(acc, model, opt, sched, 1, seed=3)
-    gate.clear()
-    try:
-        modified = acc.save_state(str(base / "modified"))
-        if rank == 1:
-            with torch.no_grad():
-                parameters[0].mul_(0.5)  # an in-place write outside optimizer.step
-    finally:
-        gate.set()
-    obs["modified_error"] = _error(modified.wait)
-    obs["modified_published"] = (base / "modified").exists()
-    obs["modified_staging_left"] = sorted(p.name for p in base.iterdir() if ".staging-" in p.name)
-    train2(acc, model, opt, sched, 1, seed=4)  # the guard released: steps go on
-    acc.save_state(str(base / "after_failure")).wait()
-    obs["after_failure_published"] = (base / "after_failure" / accelerate_txn.MANIFEST).is_file()
-
-    # (d) load_state right after an asynchronous save_state: waits for it, then loads exactly
-    train2(acc, model, opt, sched, 1, seed=5)
-    expected_load = _snapshot(model, opt, sched)
-    loaded = acc.save_state(str(base / "load"))
-    acc.load_state(str(base / "load"))
-    obs["load_published"] = loaded.done() and (base / "load" / accelerate_txn.MANIFEST).is_file()
-    obs["load_differences"] = _differences(expected_load, _snapshot(model, opt, sched), ("params", "optim", "groups"))
-    obs["load_checkpoint_differences"] = _differences(expected_load, restored(base / "load"), ("params", "optim"))
+        state_dict_saver.save = original_write
     acc.end_training()
     return obs

@@ -104,13 +104,6 @@ def async_save_then_destroy(root: str, fsdp_version: int, bypass: bool) -> dict[
         return original_write(*args, **kwargs)
 
     state_dict_saver.save = gated_write  # the background thread looks it up at each write
-    # An FSDP2 (and FSDP1) asynchronous save copies its large tensors in the background before writing: that copy
-    # phase is held by the same gate (accelerate.deferred_staging's test gate), so no background collective runs
-    # before the script destroys the group.
-    from accelerate_txn.accelerate import deferred_staging
-
-    copy_gate = deferred_staging.COPY_GATE
-    copy_gate.clear()
     path = Path(root) / "checkpoint"
     try:
         handle = acc.save_state(str(path))
@@ -119,13 +112,11 @@ def async_save_then_destroy(root: str, fsdp_version: int, bypass: bool) -> dict[
         if bypass:
             destroy.__wrapped__()  # type: ignore[attr-defined]
             gate.set()
-            copy_gate.set()
         else:
             gate.set()
-            copy_gate.set()
             destroy()
     finally:
-        copy_gate.set()
+        gate.set()
     obs["initialized_after_destroy"] = dist.is_initialized()
     obs["wait"] = _error(lambda: wait_for_checkpoint(acc))
     state_dict_saver.save = original_write

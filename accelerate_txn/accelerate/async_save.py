@@ -18,17 +18,18 @@ are not built in the caller at all: ``fsdp.capture`` stages the local shards and
 3. releases the staged copy and the directory lock.
 
 The thread runs at a lower CPU priority (:data:`BACKGROUND_NICENESS`) so that training keeps the CPU. What blocks
-is the host copy of this rank's local state, except with FSDP2: its state dicts are local DTensor views, and an
-FSDP2 save copies in the caller only what is small or may change in forward (buffers, ``step`` tensors); the
-parameters' local shards and the optimizer moments are copied by the background thread first, while training
-runs its next forward and backward, and each of the Accelerator's optimizers waits for that copy before its
-next ``step()`` (``accelerate.deferred_staging``, with a check that nothing else wrote into them meanwhile: the
-save then fails on every rank). For FSDP1, whose native
-sharded state dicts are built with collectives over the training group (every parameter unsharded, the optimizer
-state gathered), ``fsdp.capture`` copies the local flat-parameter and optimizer shards instead and builds the
-same DCP entries in the background (setups it cannot reproduce exactly keep native FSDP1's collective build in
-the caller). The staged copy is fresh host memory released after its write, or, with
-``reuse_staging_memory``, the previous save's buffers (``fsdp.host_memory``).
+is the host copy of this rank's local state, and it is exact by construction: the checkpoint is the state at the
+moment ``save_state`` returned, whatever the script does next (``p.data.add_()``, ``_foreach_`` updates,
+``to_local()`` writes, ``load_state_dict``, another optimizer): nothing the background writes is read from a live
+tensor. On CPU every copy is complete before ``save_state`` returns; on CUDA the copies into pinned host memory are
+enqueued on the current stream, so everything training enqueues afterwards runs after them, and the host does not
+wait: the background thread waits for an event recorded after the last copy (:func:`fsdp.host_memory.copy_fence`)
+before it reads them. FSDP2's state dicts are local DTensor views: their local shards are copied. For FSDP1, whose
+native sharded state dicts are built with collectives over the training group (every parameter unsharded, the
+optimizer state gathered), ``fsdp.capture`` copies the local flat-parameter and optimizer shards instead and builds
+the same DCP entries in the background (setups it cannot reproduce exactly keep native FSDP1's collective build in
+the caller). The staged copy is fresh host memory released after its write, or, with ``reuse_staging_memory``, the
+previous save's buffers (``fsdp.host_memory``).
 
 Every protected save, synchronous or not, goes through the same wrapper: the ``FileSystemWriter`` of a DCP save
 into the staging directory hashes each file as DCP writes it (``core.hashing``), so the hash pass does not read
@@ -63,18 +64,15 @@ from pathlib import Path
 from typing import Any
 from weakref import WeakKeyDictionary
 
-import torch
-
 from ..core.hashing import hash_while_writing
 from ..core.manifest import HASH
 from ..core.ranks import drop_background_group, is_background_group, run_phase
 from ..errors import CheckpointError
 from ..fsdp.capture import materialize
 from ..fsdp.dcp_writer import write_directly
-from ..fsdp.host_memory import StagingPool, staged_copy, staging_into
+from ..fsdp.host_memory import StagingPool, staged_copy, staging_into, wait_for_copies
 from ..store.base import new_hasher
 from ..store.posix import start_writeback
-from .deferred_staging import DeferredCopy
 
 logger = logging.getLogger(__name__)
 FAIL_ENV = "ACCELERATE_TXN_ASYNC_FAIL_AT"
@@ -105,8 +103,6 @@ class Capture:
     root: Path  # the staging directory: only writers into it are hashed (and their DCP fsync left to the pass)
     writes: list[_Write] = field(default_factory=list)
     hashes: dict[Path, tuple[int, str]] = field(default_factory=dict)
-    #: FSDP2 asynchronous saves: the large tensors are copied in the background (``accelerate.deferred_staging``)
-    deferred: DeferredCopy | None = None
 
 
 _capturing = threading.local()  # .current: the Capture of the protected save running in this thread
@@ -139,18 +135,9 @@ def _dcp_save(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: d
     if state_dict is None or writer is None or kwargs.get("checkpoint_id") is not None:
         raise CheckpointError("Asynchronous save expected Accelerate's dcp.save(state_dict, storage_writer=...) "
                               "call; this Accelerate version saves differently: save synchronously (async_save=False).")
-    capture.writes.append(_Write(_staged(capture, state_dict, writer), writer, kwargs.get("planner")))
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # the pinned copies are complete before training mutates the sources
+    # Copied now (CUDA: enqueued on the current stream, waited for by the background: fsdp.host_memory.copy_fence)
+    capture.writes.append(_Write(staged_copy(state_dict), writer, kwargs.get("planner")))
     return None
-
-
-def _staged(capture: Capture, state_dict: Any, writer: Any) -> Any:
-    """The host copy of a captured state dict; an FSDP2 save's parameter shards and optimizer moments are left
-    for the background thread to copy (``accelerate.deferred_staging``)."""
-    if capture.deferred is None:
-        return staged_copy(state_dict)
-    return capture.deferred.stage(state_dict, Path(str(getattr(writer, "path", ""))).name)
 
 
 def _writes_into(writer: Any, root: Path) -> bool:
@@ -163,12 +150,10 @@ def _writes_into(writer: Any, root: Path) -> bool:
 
 
 @contextlib.contextmanager
-def capture_dcp_saves(stage: bool, root: Path, pool: StagingPool | None = None,
-                      deferred: DeferredCopy | None = None) -> Iterator[Capture]:
+def capture_dcp_saves(stage: bool, root: Path, pool: StagingPool | None = None) -> Iterator[Capture]:
     """During a protected save into ``root``, ``torch.distributed.checkpoint.save`` called from this thread (as
     Accelerate calls it) hashes every file it writes there; with ``stage`` (asynchronous) it stages the state dict in memory
-    instead of writing (copying into ``pool``'s buffers, if given; with ``deferred``, the large FSDP2 tensors
-    later, in the background: :mod:`.deferred_staging`). The wrapper is installed once (wrapt) and
+    instead of writing (copying into ``pool``'s buffers, if given). The wrapper is installed once (wrapt) and
     passes every other call (other threads, the background write itself) through unchanged."""
     if not _installed_capture:
         import torch.distributed.checkpoint as dcp
@@ -179,7 +164,7 @@ def capture_dcp_saves(stage: bool, root: Path, pool: StagingPool | None = None,
         wrapt.wrap_function_wrapper(dcp, "save", _dcp_save)
         _async_capture.install(_capture_mode)
         _installed_capture.append(True)
-    capture = Capture(stage, root, deferred=deferred if stage else None)
+    capture = Capture(stage, root)
     _capturing.current = capture
     try:
         with staging_into(pool if stage else None):
@@ -236,7 +221,6 @@ class AsyncCheckpoint(os.PathLike):
         self._error: BaseException | None = None
         self._reported = False
         self._thread: threading.Thread | None = None
-        self._deferred: DeferredCopy | None = None  # FSDP2: the host copy the background makes first
         #: CPU seconds the background thread itself used (the DCP writes with their hashing, the gather and the
         #: publish; not the short-lived threads that fsync and hash the small files); set when it ends.
         self.cpu_seconds: float | None = None
@@ -252,42 +236,25 @@ class AsyncCheckpoint(os.PathLike):
         return f"<AsyncCheckpoint {self.path} {state}>"
 
     def start(self, writes: list[_Write], finish: Callable[[Any], str], close: Callable[[], None], group: Any,
-              deferred: DeferredCopy | None = None) -> None:
-        """Start the background thread; with ``deferred``, every owner's optimizer steps wait for its copy."""
-        self._thread = threading.Thread(target=self._run, args=(writes, finish, close, group, deferred),
+              fence: Any = None) -> None:
+        """Start the background thread; it reads the staged copies once ``fence`` (:func:`.copy_fence`: the CUDA
+        copies enqueued by ``save_state``) has passed."""
+        self._thread = threading.Thread(target=self._run, args=(writes, finish, close, group, fence),
                                         name=f"accelerate-txn async save {self.path.name}", daemon=False)
         for owner in self._owners:
             _IN_FLIGHT[owner] = self
         _HANDLES.append(self)
-        if deferred is not None:
-            from .internals import prepared_optimizers
-
-            self._deferred = deferred
-            deferred.guard(getattr(o, "optimizer", o) for owner in self._owners for o in prepared_optimizers(owner))
-        try:
-            self._thread.start()
-        except BaseException:
-            if deferred is not None:
-                deferred.release()
-            raise
+        self._thread.start()
 
     def _run(self, writes: list[_Write], finish: Callable[[Any], str], close: Callable[[], None], group: Any,
-             deferred: DeferredCopy | None) -> None:
+             fence: Any) -> None:
         from torch.distributed.checkpoint.state_dict_saver import save
 
         _yield_cpu()
         started = time.thread_time()
         try:
             _saves_started[0] += 1
-            if deferred is not None:  # first of all: training's next optimizer step waits for this copy
-
-                def copy() -> None:
-                    deferred.copy()
-                    for write in writes:
-                        write.state_dict = deferred.resolve(write.state_dict)
-                    deferred.finish()  # each copy is held by its write only: released after that write
-
-                run_phase(copy, "Copying the saved state to host memory in the background", group)
+            wait_for_copies(fence)  # CUDA: the copies enqueued on training's stream are complete
             while writes:
                 write = writes.pop(0)  # dropped after its write: the staged copy is released step by step
 
@@ -304,8 +271,6 @@ class AsyncCheckpoint(os.PathLike):
         except BaseException as exc:  # kept for the next save/wait on every rank (each got the same error)
             self._error = exc
         finally:
-            if deferred is not None:
-                deferred.finish()  # a step never waits for a copy that will not be made
             writes.clear()
             try:
                 close()
@@ -328,9 +293,6 @@ class AsyncCheckpoint(os.PathLike):
         return self.path
 
     def _settle(self) -> None:
-        if self._deferred is not None:
-            self._deferred.release()  # the guard's hooks go (the copy ended long ago: they were no-ops)
-            self._deferred = None
         for owner in self._owners:
             if _IN_FLIGHT.get(owner) is self:
                 del _IN_FLIGHT[owner]

@@ -57,7 +57,7 @@ from ..errors import (
     CheckpointError,
     CheckpointExistsError,
 )
-from ..fsdp.host_memory import StagingPool
+from ..fsdp.host_memory import StagingPool, copy_fence
 from ..fsdp.optimizer_state import raw_optimizer
 from ..store.posix import (
     POSIX,
@@ -75,8 +75,7 @@ from . import async_save as _async
 from . import remote as _remote
 from .arrival import check_arrival
 from .config import checkpoint_config, ensure_not_failed, group_keys, read_configs
-from .deferred_staging import DeferredCopy, deferrable_storages
-from .descriptor import describe, is_fsdp2_sharded, participants, path_of
+from .descriptor import describe, participants, path_of
 from .elastic import POLICY as RESHARD_POLICY
 from .finite import check_finite_state
 from .internals import load_state_pre_hooks, prepared_models, prepared_optimizers, save_state_pre_hooks
@@ -220,17 +219,6 @@ def _staging_pool(owner: Any) -> StagingPool | None:
     if config.reuse_staging_memory and config.staging_pool is None:
         config.staging_pool = StagingPool()
     return config.staging_pool if config.reuse_staging_memory else None
-
-
-def _deferred_copy(group: dict[str, Any]) -> DeferredCopy | None:
-    """For an asynchronous save of FSDP2 Accelerators: the copy of their parameter shards and optimizer moments,
-    made in the background before the next optimizer step (``accelerate.deferred_staging``); None otherwise
-    (FSDP1 and unsharded saves stage everything in the caller, as before)."""
-    fsdp2 = [owner for owner in group.values() if is_fsdp2_sharded(owner)]
-    if not fsdp2:
-        return None
-    return DeferredCopy(deferrable_storages([m for o in fsdp2 for m in prepared_models(o)],
-                                            [raw_optimizer(opt) for o in fsdp2 for opt in prepared_optimizers(o)]))
 
 
 class _Reservation:
@@ -459,10 +447,10 @@ def save_training_checkpoint(
     automatic naming) are pruned, or every rank raises the same error and nothing is published.
 
     ``async_save`` (default: ``configure_checkpointing(async_save=...)``): return once this rank's state is
-    staged in memory, with an ``AsyncCheckpoint`` handle (a path-like; ``.wait()``, ``.done()``); the rest of the
-    transaction runs in the background (FSDP2: the parameter shards and optimizer moments are copied there too,
-    before the next optimizer step, which waits for it: ``accelerate.deferred_staging``). A save in flight is
-    always waited for first (its error raised).
+    copied to host memory (CUDA: the copies enqueued on the current stream), with an ``AsyncCheckpoint`` handle (a
+    path-like; ``.wait()``, ``.done()``); the checkpoint is the state at that moment, whatever the script does next.
+    The rest of the transaction runs in the background. A save in flight is always waited for first (its error
+    raised).
     """
     check_arrival(owners, "save_training_checkpoint", output_dir)  # no collective yet: a call on some ranks only is explained
     # Everything that can differ between ranks (environment, configuration, arguments) is read inside a rank phase.
@@ -509,10 +497,8 @@ def save_training_checkpoint(
         staging = Path(on_main(lambda: reservation.open(), f"Reserving {path}"))  # type: ignore[union-attr]
         steps = {name: owner.step for name, owner in group.items()}
         progress = progress_record(path, group)  # at staging time, as steps: an asynchronous save must not race training
-        # one phase (one exchange): the background group, and what the background copies first (FSDP2)
-        comm, deferred = run_phase(lambda: (background_group(), _deferred_copy(group)),
-                                   "Creating the background process group") if background else (None, None)
-        with _async.capture_dcp_saves(bool(background), staging, _staging_pool(primary), deferred) as capture:
+        comm = run_phase(background_group, "Creating the background process group") if background else None
+        with _async.capture_dcp_saves(bool(background), staging, _staging_pool(primary)) as capture:
             for name, owner in group.items():
                 target = staging / name
                 save = native_method(owner, "save_state")
@@ -540,7 +526,7 @@ def save_training_checkpoint(
             handle = _async.AsyncCheckpoint(path, list(group.values()),
                                             functools.partial(_give_back, iterations, lineages, group))
             handle.start(capture.writes, finish, reservation.close if reservation is not None else lambda: None, comm,
-                         deferred=capture.deferred)
+                         fence=copy_fence())
         else:
             published = finish(None, record=done)
     except BaseException:

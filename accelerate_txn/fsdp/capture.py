@@ -104,11 +104,6 @@ def _sharded_settings(model: Any, optimizer_side: bool) -> bool:
             and not uses_dtensor_state_dict(config))
 
 
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _local_boxes(member: Member, rank: int, data: torch.Tensor, position: int, copy: bool) -> list[torch.Tensor]:
     """This rank's boxes of ``member`` (its flat elements start at ``data[position]``), each contiguous. With
     ``copy`` (asynchronous) host copies with their own storage: DCP writes them as they are (a view of a larger
@@ -172,8 +167,6 @@ def capture_model(model: Any, copy: bool = True) -> Deferred | None:
             shards.append((member, _local_boxes(member, rank, data, position, copy), unit.flat.dtype))
     buffers = {name: staged_tensor(buffer) if copy else buffer.detach()
                for name, buffer in persistent_state_buffers(model).items()}
-    if copy:
-        _synchronize()
 
     def build(group: Any) -> dict[str, Any]:
         state: dict[str, Any] = {member.fqn: _boxed(member, local, dtype, group) for member, local, dtype in shards}
@@ -237,8 +230,6 @@ def capture_optimizer(model: Any, optimizer: Any, copy: bool = True) -> Deferred
                         entries.setdefault(member.fqn, {})[key] = staged
         groups.append({**{key: staged_copy(value) for key, value in group.items() if key != "params"},
                        "params": fqns})
-    if copy:
-        _synchronize()
 
     def build(process_group: Any) -> dict[str, Any]:
         state: dict[str, Any] = {}

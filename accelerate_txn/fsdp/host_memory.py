@@ -88,6 +88,26 @@ def copy_to_host(source: torch.Tensor, target: torch.Tensor | None = None, *, pi
     return target
 
 
+def copy_fence() -> Any | None:
+    """After an asynchronous save staged its state in the caller: on CUDA, an event recorded on the current stream,
+    after every copy into pinned memory enqueued there (None without CUDA: every copy is already complete). The copies
+    were enqueued on the stream training runs on, so anything training enqueues after ``save_state`` returns, in
+    particular every in-place update of the sources, runs after them: the staged copy is the state at
+    ``save_state``, and the host did not wait for it."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def wait_for_copies(fence: Any | None) -> None:
+    """Block this (background) thread until the copies before ``fence`` (:func:`copy_fence`) are complete: only then
+    is the pinned host memory read."""
+    if fence is not None:
+        fence.synchronize()
+
+
 def staged_tensor(source: torch.Tensor, *, pin: bool = True) -> torch.Tensor:
     """A host-memory copy of ``source`` (pinned when it is on CUDA and ``pin``), with its own storage."""
     return copy_to_host(source, reserved_buffer(source, pin=pin), pin=pin)

@@ -224,16 +224,6 @@ def host_dtensor(local: Any, like: Any) -> Any:
     return DTensor(local, like._spec, requires_grad=False)
 
 
-def version_counter(tensor: Any) -> int:
-    """torch's in-place version counter of ``tensor`` (``Tensor._version``): every in-place operation that goes
-    through autograd's in-place/view dispatch (``p.mul_()``, ``optimizer.step()``'s ``foreach`` updates,
-    ``copy_``), under ``no_grad`` too, increments it; a tensor and its views (``detach()`` included) share one
-    counter. Writes that bypass it (through ``.data``, or a DTensor's local tensor written below the DTensor
-    dispatch) leave it unchanged. The deferred host copy of an asynchronous FSDP2 save compares it before and after
-    copying (``accelerate.deferred_staging``). Private but stable: the same attribute in torch 2.7.0 to 2.14.1."""
-    return int(tensor._version)
-
-
 def unflatten_state_dict(flat: dict[str, Any], mappings: dict[str, Any]) -> dict[str, Any]:
     """Rebuild a nested state dict from DCP's flat keys and their paths (``Metadata.planner_data``)."""
     from torch.distributed.checkpoint._nested_dict import unflatten_state_dict as unflatten
