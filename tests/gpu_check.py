@@ -11,7 +11,8 @@ exits 0. Otherwise it runs, in one process (world size 1, NCCL, FSDP1 ``SHARDED_
    equals the one drawn right after the save);
 4. FSDP2 asynchronous saves with ``reuse_staging_memory``: two back-to-back saves (training in between) staged
    into the same pinned host buffers (DTensor local shards kept as host DTensors), each restores exactly the
-   state it saved.
+   state it saved, although the script writes into every parameter through ``.data`` right after the second
+   ``save_state`` returned (the copies are enqueued on the current stream; the host did not wait for them).
 
     .venv/bin/python tests/gpu_check.py [--output DIR]
 """
@@ -114,6 +115,8 @@ def _fsdp2_async_reuse(root: Path) -> dict[str, Any]:
         _train(accelerator, model, optimizer, 2)
         expected.append(_state(model, optimizer))
         handles.append(accelerator.save_state(str(root / f"fsdp2_async_{index}")))  # the 2nd waits for the 1st
+    for parameter in model.parameters():  # enqueued right after save_state returned: after its copies on the stream
+        parameter.data.add_(1.0)
     _train(accelerator, model, optimizer, 1)  # training mutates the sources while the second save is written
     paths = [handle.wait() for handle in handles]
     pool = checkpoint_config(accelerator).staging_pool
