@@ -2,6 +2,8 @@
 
     python .ci/record_evidence.py record WHEEL...   add each wheel's piece values (a release that PASSED the tests)
     python .ci/record_evidence.py check WHEEL...    say, for each wheel, whether the evidence protects it, and why not
+    python .ci/record_evidence.py rerecord WHEEL... record every release of the file again, from nothing, from
+                                                    its wheels (exactly those: after a piece or the fingerprint changed)
 
 A wheel is read without installing or importing it: the source files of the pieces' modules are taken from the zip.
 Record only releases the tests passed on (the rows of validated.json; `.ci/matrix-full-run.md`; the Trainer rows):
@@ -23,12 +25,12 @@ sys.path.insert(0, str(ROOT))
 from accelerate_txn.accelerate.internals import ACCELERATE_COMMON, ACCELERATE_FSDP1, ACCELERATE_FSDP2  # noqa: E402
 from accelerate_txn.compat.pieces import Piece, Unreadable, observe_source, outline_source  # noqa: E402
 from accelerate_txn.fsdp.internals import TORCH_COMMON, TORCH_FSDP1, TORCH_FSDP2  # noqa: E402
-from accelerate_txn.trainer.internals import FINALIZE_PIECES, TRAINER_PIECES  # noqa: E402
+from accelerate_txn.trainer.internals import FINALIZE_PIECES, TRAINER_FSDP_PIECES, TRAINER_PIECES  # noqa: E402
 
 EVIDENCE = ROOT / "accelerate_txn" / "evidence.json"
 PIECES: tuple[Piece, ...] = tuple(dict.fromkeys(
     (*ACCELERATE_COMMON, *ACCELERATE_FSDP1, *ACCELERATE_FSDP2, *TORCH_COMMON, *TORCH_FSDP1, *TORCH_FSDP2,
-     *TRAINER_PIECES, *FINALIZE_PIECES.values())))
+     *TRAINER_PIECES, *TRAINER_FSDP_PIECES, *FINALIZE_PIECES.values())))
 ABOUT = [
     "The evidence that decides protection (accelerate_txn/compat/evidence.py): for each private piece a front end",
     "relies on (declared in accelerate/internals.py, fsdp/internals.py, trainer/internals.py), the values it had in",
@@ -86,8 +88,8 @@ def _load() -> dict:
     return {"about": ABOUT, "releases": {}, "pieces": {}, "outlines": {}}
 
 
-def record(wheels: list[Path]) -> None:
-    evidence = _load()
+def record(wheels: list[Path], evidence: dict | None = None) -> None:
+    evidence = _load() if evidence is None else evidence
     evidence["about"] = ABOUT
     for wheel in wheels:
         package, version, values, outlines = _values(wheel)
@@ -113,7 +115,23 @@ def record(wheels: list[Path]) -> None:
             releases.sort(key=Version)
     evidence["pieces"] = dict(sorted(evidence["pieces"].items()))
     evidence["outlines"] = dict(sorted(evidence["outlines"].items()))
-    EVIDENCE.write_text(json.dumps(evidence, indent=1, sort_keys=False) + "\n", encoding="utf-8")
+    partial = EVIDENCE.with_name(EVIDENCE.name + ".partial")
+    partial.write_text(json.dumps(evidence, indent=1, sort_keys=False) + "\n", encoding="utf-8")
+    partial.replace(EVIDENCE)  # readers see the old file or the new one, never half of one
+
+
+def rerecord(wheels: list[Path]) -> None:
+    """Record the releases the evidence file lists again, from nothing: each piece's value in each of them as the
+    declarations and the fingerprint read it now. The wheels must be exactly those releases (no release is added
+    or dropped here: the file's releases are the ones that passed the tests)."""
+    listed = {(package, version) for package, versions in _load()["releases"].items() for version in versions}
+    given = {_package(wheel) for wheel in wheels}
+    if given != listed:
+        missing = ", ".join(f"{p} {v}" for p, v in sorted(listed - given)) or "none"
+        extra = ", ".join(f"{p} {v}" for p, v in sorted(given - listed)) or "none"
+        raise SystemExit(f"rerecord needs the wheels of exactly the recorded releases: missing {missing}; "
+                         f"not recorded {extra}")
+    record(wheels, {"about": ABOUT, "releases": {}, "pieces": {}, "outlines": {}})
 
 
 def check(wheels: list[Path]) -> None:
@@ -126,4 +144,4 @@ def check(wheels: list[Path]) -> None:
 
 if __name__ == "__main__":
     command, *paths = sys.argv[1:]
-    {"record": record, "check": check}[command]([Path(path) for path in paths])
+    {"record": record, "check": check, "rerecord": rerecord}[command]([Path(path) for path in paths])

@@ -1,7 +1,8 @@
 """Evidence, not version numbers, decides protection (accelerate_txn/compat, accelerate_txn/evidence.json).
 
-* A piece's value is blind to what cannot change behaviour (comments, docstrings, annotations, logging,
-  formatting) and sees what can (statements swapped, a constant changed, a parameter renamed).
+* A piece's value is blind to what cannot change behaviour (comments, docstrings, ``pass``, formatting, the
+  annotations a call never reads) and sees what can (statements swapped, a constant changed, a parameter renamed,
+  logging, a class's fields and their order).
 * The value read from the running interpreter equals the value read from the release's files (how the evidence is
   recorded), for every declared piece; a function put in a piece's place is read as itself; the library's own
   wrappers are seen through.
@@ -71,22 +72,19 @@ def save(self, output_dir, index=0):
         flush(output_dir)  # another
         return 1
     ''',
-    # a docstring, annotations, logging of every kind
+    # a docstring, a bare string, pass, the annotations of parameters, the return value and a local variable
     '''
     def save(self, output_dir: str, index: int = 0) -> int:
         """Saves."""
-        logger.info("saving %s", output_dir)
         state: dict = self.state_dict()
+        "the state is written, then flushed"
         write(state, output_dir)
-        if index:
-            logging.getLogger(__name__).debug("x")
-        warnings.warn("careful")
+        pass
         flush(output_dir)
-        print("done")
         return 1
     ''',
 ])
-def test_a_fingerprint_ignores_comments_docstrings_annotations_logging_and_formatting(same: str) -> None:
+def test_a_fingerprint_ignores_comments_docstrings_annotations_and_formatting_only(same: str) -> None:
     assert fingerprint(_function(same)) == fingerprint(_function(BASE))
 
 
@@ -97,10 +95,43 @@ def test_a_fingerprint_ignores_comments_docstrings_annotations_logging_and_forma
     BASE.replace("flush(output_dir)", "sync(output_dir)"),
     BASE.replace("index=0", "position=0"),
     BASE.replace("    return 1\n", "    cleanup(output_dir)\n    return 1\n"),
+    # logging is behaviour: a call inside a log message's arguments, a log line, a warning, a print, a verbose branch
+    BASE.replace("    return 1\n", '    logger.info("saved %s", self.state.pop())\n    return 1\n'),
+    BASE.replace("    return 1\n", '    logger.info("saved")\n    return 1\n'),
+    BASE.replace("    return 1\n", '    warnings.warn("careful")\n    return 1\n'),
+    BASE.replace("    return 1\n", '    print("done")\n    return 1\n'),
+    BASE.replace("    return 1\n", '    if index:\n        logging.getLogger(__name__).debug("x")\n    return 1\n'),
+    # an f-string evaluates its fields; a bare annotation makes a name local
+    BASE.replace("    return 1\n", '    f"{self.flush()}"\n    return 1\n'),
+    BASE.replace("    return 1\n", "    flush: int\n    return 1\n"),
 ])
 def test_a_fingerprint_sees_every_change_of_behaviour(changed: str) -> None:
     assert changed != BASE
     assert fingerprint(_function(changed)) != fingerprint(_function(BASE))
+
+
+def _class(source: str) -> ast.ClassDef:
+    node = ast.parse(textwrap.dedent(source)).body[0]
+    assert isinstance(node, ast.ClassDef)
+    return node
+
+
+def test_a_class_fingerprint_sees_its_fields_and_their_order_and_ignores_its_docstring() -> None:
+    record = '''
+    @dataclass
+    class Info:
+        relative_path: str
+        offset: int
+        length: int
+        transform: list | None = None
+    '''
+    assert fingerprint(_class(record)) == fingerprint(_class(record.replace(
+        "class Info:\n", 'class Info:\n        """Where an item lives."""\n')))
+    for changed in (record.replace("offset: int\n        length: int", "length: int\n        offset: int"),
+                    record.replace("length: int", "length: float"),
+                    record.replace("transform: list | None = None", "transform: list | None = ()"),
+                    record.replace("@dataclass", "@dataclass(frozen=True)")):
+        assert fingerprint(_class(changed)) != fingerprint(_class(record)), changed
 
 
 def test_a_signature_is_names_order_defaults_and_markers() -> None:
@@ -137,9 +168,9 @@ def _site_packages(package: str) -> Path:
 def _declared() -> list[Piece]:
     pieces = list(ALL_ACCELERATE_AND_TORCH)
     if importlib.util.find_spec("transformers") is not None:
-        from accelerate_txn.trainer.internals import trainer_pieces
+        from accelerate_txn.trainer.internals import TRAINER_FSDP_PIECES, trainer_pieces
 
-        pieces += trainer_pieces()
+        pieces += [*trainer_pieces(), *TRAINER_FSDP_PIECES]
     return list(dict.fromkeys(pieces))
 
 
@@ -195,9 +226,9 @@ def test_the_evidence_holds_one_value_per_piece_for_every_release_that_passed() 
     wanted["transformers"] = {row.transformers for row in ROWS}
     for package, releases in wanted.items():
         assert releases <= set(evidence["releases"][package]), package
-    from accelerate_txn.trainer.internals import FINALIZE_PIECES, TRAINER_PIECES
+    from accelerate_txn.trainer.internals import FINALIZE_PIECES, TRAINER_FSDP_PIECES, TRAINER_PIECES
 
-    for piece in dict.fromkeys((*ALL_ACCELERATE_AND_TORCH, *TRAINER_PIECES)):
+    for piece in dict.fromkeys((*ALL_ACCELERATE_AND_TORCH, *TRAINER_PIECES, *TRAINER_FSDP_PIECES)):
         holders = evidence["pieces"][piece.key]
         for release in evidence["releases"][piece.package]:
             assert sum(release in group for group in holders.values()) == 1, (piece.key, release)

@@ -148,8 +148,10 @@ def custom_state_loader(loader: Callable[..., None]) -> Iterator[bool]:
 # --- The evidence ------------------------------------------------------------------------------------------------
 # What the front end needs of each private Accelerate piece, checked against the values recorded for every
 # Accelerate release that passed the library's tests (accelerate_txn/evidence.json; ``compat.evidence``): a release
-# that changed none of them is protected the day it ships. ``code`` pieces are the functions whose behaviour the
-# protected path depends on (what a native save writes, and where; what a load reads), not only their names.
+# that changed none of them is protected the day it ships. ``code`` pieces are the functions whose body a protected
+# path runs (called through, or wrapped and then called, fallback branches included) and those whose behaviour it
+# depends on (what a native save writes, and where; what a load reads), not only their names. A piece that is only
+# replaced, or only named, is read by its signature or its presence; its ``why`` says so.
 
 _FSDP_UTILS = "accelerate.utils.fsdp_utils"
 ACCELERATE_COMMON: tuple[Piece, ...] = (
@@ -166,21 +168,30 @@ ACCELERATE_COMMON: tuple[Piece, ...] = (
     Piece("accelerate", "accelerate.checkpointing", "load_accelerator_state", "code",
           "what a restore reads of them"),
     Piece("accelerate", "accelerate.checkpointing", "load_custom_state", "signature",
-          "replaced by a safe loader during a protected restore"),
+          "replaced by a safe loader during a protected restore: its body never runs there"),
     *(Piece("accelerate", "accelerate.accelerator", name, "exists",
-            "a module binding Accelerator.save_state/load_state call, wrapped by the front end")
+            "a module binding Accelerator.save_state/load_state call, wrapped by the front end (the function it "
+            "names is a piece of its own)")
       for name in ("load_fsdp_model", "load_fsdp_optimizer", "save_fsdp_optimizer", "load_custom_state")),
     Piece("accelerate", _FSDP_UTILS, "save_fsdp_model", "code", "the model's DCP files of a sharded save"),
-    Piece("accelerate", _FSDP_UTILS, "load_fsdp_model", "signature", "wrapped: routed to the exact directory"),
-    Piece("accelerate", _FSDP_UTILS, "load_fsdp_optimizer", "signature", "replaced by the library's restore"),
-    Piece("accelerate", "accelerate.data_loader", "DataLoaderShard.__iter__", "signature",
-          "wrapped: where each prepared loader's epochs start"),
+    Piece("accelerate", _FSDP_UTILS, "load_fsdp_optimizer", "signature",
+          "replaced by the library's restore on every protected path (its body runs only where the path is native)"),
+    Piece("accelerate", "accelerate.data_loader", "DataLoaderShard.__iter__", "code",
+          "wrapped and then called: where each prepared loader's epochs start, what it broadcasts and counts"),
+    Piece("accelerate", "accelerate.data_loader", "DataLoaderDispatcher.__iter__", "code",
+          "wrapped and then called: where each dispatched loader's epochs start"),
 )
 ACCELERATE_FSDP1: tuple[Piece, ...] = (
     Piece("accelerate", _FSDP_UTILS, "save_fsdp_optimizer", "code", "the FSDP1 optimizer's DCP files"),
-    Piece("accelerate", _FSDP_UTILS, "_get_model_state_dict", "signature",
-          "wrapped: an asynchronous FSDP1 save captures the model state without collectives"),
+    Piece("accelerate", _FSDP_UTILS, "load_fsdp_model", "code",
+          "wrapped: routed to the exact directory, and run where the direct read declines the layout (e.g. a "
+          "MixedPrecision policy)"),
+    Piece("accelerate", _FSDP_UTILS, "_get_model_state_dict", "code",
+          "wrapped: a save captures the model state without collectives, and runs it where the capture declines"),
 )
 ACCELERATE_FSDP2: tuple[Piece, ...] = (
-    Piece("accelerate", _FSDP_UTILS, "save_fsdp_optimizer", "signature", "replaced by the library's FSDP2 save"),
+    Piece("accelerate", _FSDP_UTILS, "save_fsdp_optimizer", "signature",
+          "replaced by the library's FSDP2 save: its body never runs there"),
+    Piece("accelerate", _FSDP_UTILS, "load_fsdp_model", "signature",
+          "replaced by the library's FSDP2 model restore: its body never runs there"),
 )

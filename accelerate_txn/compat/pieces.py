@@ -5,9 +5,17 @@ A :class:`Piece` names one private (or otherwise unstable) thing by where it is 
 
 * ``"exists"``: the module defines or imports the name (a function, class, or a binding another function calls);
 * ``"signature"``: the function's parameters (names, order, which have defaults, ``*``/``**``), nothing else;
-* ``"code"``: the function's code: its signature and body, ignoring comments, docstrings, annotations, logging
-  (``logger.*``, ``logging.*``, ``warnings.warn``, ``print``) and formatting. For functions whose behaviour the
-  library depends on (the order of Trainer's writes, what a native save puts where);
+* ``"code"``: the function's code (its signature and body), or a class's (its body: methods, fields,
+  attributes), ignoring only what cannot change what it does: comments, docstrings and other bare string
+  constants, ``pass``, formatting, and the annotations of parameters, return values and local variables (a call
+  never reads them: Python does not evaluate a local variable's annotation, and a parameter's is evaluated once,
+  when the function is defined, and never at all under ``from __future__ import annotations``). Everything else
+  counts, logging included (a call inside a log message's arguments is behaviour, ``logger.info("%s",
+  self.state.pop())``); so do the annotations in a class body (they declare a dataclass's or a named tuple's
+  fields, in order) and a bare ``x: int`` in a function (it makes ``x`` local). For the functions and classes
+  whose behaviour the library depends on: every private one whose body a protected path runs (called through,
+  or wrapped and then called), and those whose effects it relies on (the order of Trainer's writes, what a
+  native save puts where);
 * ``"assigns"``: the function assigns every attribute in ``attributes`` (``self.x = ...``, ``state.x = ...``: the
   private attributes of an object the library reads, e.g. ``Accelerator._models`` set in ``Accelerator.__init__``).
 
@@ -35,8 +43,6 @@ from typing import Any
 
 KINDS = ("exists", "signature", "code", "assigns")
 PRESENT = "present"
-#: Statements whose call starts from one of these names are logging, not behaviour (dropped from fingerprints).
-LOGGING_ROOTS = frozenset({"logger", "logging", "log", "_logger", "LOGGER", "warnings", "print"})
 #: Syntax-tree fields that carry no behaviour or differ between Pythons for the same source.
 IGNORED_FIELDS = frozenset({"type_comment", "type_params", "kind", "ctx"})
 
@@ -76,70 +82,75 @@ class Unreadable(Exception):
 # --- Canonical syntax trees --------------------------------------------------------------------------------------
 
 
-def _root_name(node: ast.AST) -> str | None:
-    while isinstance(node, (ast.Attribute, ast.Call, ast.Subscript)):
-        node = node.func if isinstance(node, ast.Call) else node.value
-    return node.id if isinstance(node, ast.Name) else None
-
-
 BLOCKS = ("body", "orelse", "finalbody")
 
 
 def _is_noise(statement: ast.stmt) -> bool:
-    """A statement that does nothing the library could depend on: a docstring-like string, a logging call
-    (``logger.warning(...)``, ``warnings.warn(...)``, ``print``), ``pass``, a bare annotation, or an ``if`` without calls
-    in its test whose blocks hold only such statements (``if verbose: logger.info(...)``)."""
-    if isinstance(statement, ast.Pass) or (isinstance(statement, ast.AnnAssign) and statement.value is None):
+    """A statement that does nothing: ``pass``, or a bare string constant (a docstring, a string used as a
+    comment). Anything that evaluates something (a call, an f-string, a name) is behaviour."""
+    if isinstance(statement, ast.Pass):
         return True
-    if isinstance(statement, ast.If):
-        return (not _kept(statement.body) and not _kept(statement.orelse)
-                and not any(isinstance(node, ast.Call) for node in ast.walk(statement.test)))
-    if not isinstance(statement, ast.Expr):
-        return False
-    value = statement.value
-    if isinstance(value, ast.Constant) and isinstance(value.value, str):
-        return True
-    return isinstance(value, ast.Call) and _root_name(value.func) in LOGGING_ROOTS
+    return (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant)
+            and isinstance(statement.value.value, str))
 
 
 def _kept(block: list[Any]) -> list[Any]:
     return [statement for statement in block if not _is_noise(statement)]
 
 
-def _fields(node: ast.AST) -> Iterator[tuple[str, Any]]:
+def _fields(node: ast.AST, in_class: bool = False) -> Iterator[tuple[str, Any]]:
     """The fields of ``node`` that carry behaviour, as they are canonically compared: noise statements left out of
-    blocks (an emptied body is one ``pass``), annotations and return annotations left out, an annotated assignment
-    read as a plain one."""
+    blocks (an emptied body is one ``pass``); the annotations of parameters and return values left out; outside a
+    class body (``in_class``: a statement directly in one) an annotated assignment read as a plain one, and a bare
+    annotation (``x: int``, which only makes ``x`` local) as its target alone. In a class body annotations count:
+    they declare fields."""
     for field, value in ast.iter_fields(node):
-        if field in IGNORED_FIELDS or (field == "annotation" and isinstance(node, (ast.arg, ast.AnnAssign))):
+        if field in IGNORED_FIELDS or (field == "annotation" and isinstance(node, ast.arg)):
             continue
         if field == "returns" and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
+        if isinstance(node, ast.AnnAssign) and not in_class and field in ("annotation", "simple"):
+            continue
         if field in BLOCKS and isinstance(value, list) and value and isinstance(value[0], ast.stmt):
             value = _kept(value) or ([ast.Pass()] if field == "body" else [])
-        if field == "simple" and isinstance(node, ast.AnnAssign):
-            continue
         yield field, value
 
 
-def _canonical(node: Any, out: list[str]) -> None:
+#: The statements of these blocks are at the level of the block's own statement (in a class body if it is).
+_SAME_LEVEL = (ast.If, ast.Try, ast.ExceptHandler, ast.With)
+
+
+def _class_level(node: ast.AST, field: str, in_class: bool) -> bool:
+    """Whether the statements of ``node``'s ``field`` are directly in a class body (or in an ``if``/``try``/``with``
+    block there: ``if sys.version_info >= ...: x: int``)."""
+    if isinstance(node, ast.ClassDef):
+        return field == "body"
+    return in_class and isinstance(node, _SAME_LEVEL) and field in (*BLOCKS, "handlers")
+
+
+def _canonical(node: Any, out: list[str], in_class: bool = False) -> None:
+    """``node`` as text: its type and behaviour-carrying fields (:func:`_fields`), recursively. ``in_class``: the
+    node is a statement directly in a class body."""
     if isinstance(node, ast.AST):
-        out.append(("Assign" if isinstance(node, ast.AnnAssign) else type(node).__name__) + "(")
-        for field, value in _fields(node):
+        plain = isinstance(node, ast.AnnAssign) and not in_class
+        out.append(("Assign" if plain and node.value is not None else type(node).__name__) + "(")
+        for field, value in _fields(node, in_class):
             if value is None or value == []:
                 continue
-            if isinstance(node, ast.AnnAssign) and field == "target":
+            if plain and node.value is not None and field == "target":
                 field, value = "targets", [value]
             out.append(field + "=")
-            _canonical(value, out)
+            inner = _class_level(node, field, in_class)
+            if isinstance(value, list):
+                out.append("[")
+                for item in value:
+                    _canonical(item, out, inner)
+                    out.append(",")
+                out.append("]")
+            else:
+                _canonical(value, out, False)
             out.append(",")
         out.append(")")
-    elif isinstance(node, list):
-        out.append("[")
-        for item in node:
-            _canonical(item, out)
-            out.append(",")
-        out.append("]")
     else:
         out.append(repr(node))
 
@@ -153,11 +164,11 @@ def _walk(node: ast.AST) -> Iterator[ast.AST]:
                 yield from _walk(child)
 
 
-def fingerprint(function: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
-    """A 16-hex-digit fingerprint of a function's code, blind to comments, docstrings, annotations, logging and
-    formatting, and the same on every Python."""
+def fingerprint(definition: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> str:
+    """A 16-hex-digit fingerprint of a function's or a class's code, blind to comments, docstrings, ``pass``,
+    formatting and the annotations a call never reads (:func:`_fields`), and the same on every Python."""
     out: list[str] = []
-    _canonical(function, out)
+    _canonical(definition, out)
     return hashlib.sha256("".join(out).encode()).hexdigest()[:16]
 
 
@@ -180,9 +191,9 @@ def signature(function: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
-def calls(function: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
-    """The names the function calls, in source order, logging left out (``save_model``, ``self._save_rng_state``):
-    an outline of what it does, to say what changed when its fingerprint differs."""
+def calls(function: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> list[str]:
+    """The names the function (or class) calls, in source order (``save_model``, ``self._save_rng_state``): an
+    outline of what it does, to say what changed when its fingerprint differs."""
     return [ast.unparse(node.func) for node in _walk(function) if isinstance(node, ast.Call)
             and isinstance(node.func, (ast.Name, ast.Attribute))]
 
@@ -257,6 +268,8 @@ def value_of(piece: Piece, definition: ast.AST) -> str:
     """The piece's value from its definition's syntax tree."""
     if piece.kind == "exists":
         return PRESENT
+    if piece.kind == "code" and isinstance(definition, ast.ClassDef):
+        return fingerprint(definition)
     if not isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef)):
         raise Unreadable(f"{piece.name} is not a function")
     if piece.kind == "signature":
@@ -368,7 +381,7 @@ def outline(piece: Piece) -> list[str] | None:
         definition = _definition(target, inspect.getsourcefile(target) or "", target.__qualname__)
     except (Unreadable, TypeError, OSError, SyntaxError, AttributeError):
         return None
-    return calls(definition) if isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+    return calls(definition) if isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else None
 
 
 def outline_source(piece: Piece, root: Path) -> list[str] | None:
@@ -376,4 +389,4 @@ def outline_source(piece: Piece, root: Path) -> list[str] | None:
     if piece.kind != "code":
         return None
     definition = find_definition(parse_file(module_file(root, piece.module)), piece.qualname)
-    return calls(definition) if isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+    return calls(definition) if isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else None

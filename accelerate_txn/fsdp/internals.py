@@ -364,7 +364,9 @@ def numpy_reconstruct() -> Callable[..., Any]:
 # --- The evidence ------------------------------------------------------------------------------------------------
 # What the library needs of each private torch piece above, checked against the values recorded for every torch
 # release that passed its tests (accelerate_txn/evidence.json; ``compat.evidence``): a release that changed none of
-# them is protected the day it ships. ``FSDP1`` and ``FSDP2``: the pieces of each path; ``COMMON``: of both.
+# them is protected the day it ships. ``FSDP1`` and ``FSDP2``: the pieces of each path; ``COMMON``: of both. Every
+# private function (or class) whose body a protected path runs is a ``code`` piece; ``exists``/``assigns``/
+# ``signature`` only where the path names, reads or replaces it without running its body.
 
 _FSDP = "torch.distributed.fsdp"
 _DCP = "torch.distributed.checkpoint"
@@ -373,9 +375,11 @@ TORCH_COMMON: tuple[Piece, ...] = (
     Piece("torch", f"{_DCP}._traverse", "set_element", "code", "stores a loaded value at its path in the state"),
     Piece("torch", f"{_DCP}.default_planner", "DefaultLoadPlanner.load_bytes", "code",
           "what a planner does with a non-tensor item (the direct reader replaces it exactly)"),
-    Piece("torch", f"{_DCP}.filesystem", "_StorageInfo", "exists", "where each DCP item lives in its file"),
-    Piece("torch", "torch.distributed.distributed_c10d", "_get_default_store", "exists",
-          "the default store (fallback where ProcessGroup.get_group_store is absent)"),
+    Piece("torch", f"{_DCP}.filesystem", "_StorageInfo", "code",
+          "where each DCP item lives in its file: built positionally by the direct writer, read by the reader (its "
+          "fields and their order)"),
+    Piece("torch", "torch.distributed.distributed_c10d", "_get_default_store", "code",
+          "called for the default store where ProcessGroup.get_group_store is absent or fails"),
     Piece("torch", "torch.optim.optimizer", "Optimizer.__init__", "assigns",
           "load-state-dict pre-hooks are detected to refuse a restore they would change",
           ("_optimizer_load_state_dict_pre_hooks",)),
@@ -383,8 +387,9 @@ TORCH_COMMON: tuple[Piece, ...] = (
           "a resized OneCycleLR schedule is recomputed from its phases",
           ("_schedule_phases", "_anneal_func_type")),
     Piece("torch", "torch.amp.grad_scaler", "GradScaler.__init__", "assigns",
-          "a restored scaler is reset to its lazily initialised state", ("_scale",)),
-    Piece("torch", "torch.serialization", "_get_layout", "exists", "a pickle global of DCP .metadata"),
+          "a restored scaler is reset to its lazily initialised state", ("_scale", "_growth_tracker")),
+    Piece("torch", "torch.serialization", "_get_layout", "code",
+          "a pickle global of DCP .metadata: called while a checkpoint's metadata is read"),
 )
 TORCH_FSDP1: tuple[Piece, ...] = (
     Piece("torch", f"{_FSDP}._common_utils", "_get_param_to_fqns", "code",
@@ -401,10 +406,13 @@ TORCH_FSDP1: tuple[Piece, ...] = (
     Piece("torch", f"{_FSDP}._flat_param", "FlatParamHandle._init_shard_metadata", "code",
           "each original parameter's place in the local flat shard (_shard_param_infos)"),
     Piece("torch", "torch.distributed._shard.sharded_tensor.api",
-          "ShardedTensor._init_from_local_shards_and_global_metadata", "signature",
-          "builds the ShardedTensors an FSDP1 optimizer restore loads into"),
+          "ShardedTensor._init_from_local_shards_and_global_metadata", "code",
+          "called: builds the ShardedTensors an FSDP1 restore reads into"),
+    Piece("torch", f"{_FSDP}._runtime_utils", "_lazy_init", "code",
+          "called: FSDP1's lazy initialisation before the direct model read (sets the local shards)"),
 )
 TORCH_FSDP2: tuple[Piece, ...] = (
     Piece("torch", "torch.distributed.tensor._api", "DTensor", "exists",
-          "host copies of FSDP2 parameters as DTensors with the live spec (DTensor(local, spec, requires_grad=))"),
+          "host copies of FSDP2 parameters as DTensors with the live spec (DTensor(local, spec, requires_grad=)): "
+          "its constructor is compiled from torch 2.10 on, so there is no body to read"),
 )

@@ -194,7 +194,8 @@ def model_load_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[
 
 _TRAINER = "transformers.trainer"
 TRAINER_PIECES: tuple[Piece, ...] = (
-    Piece("transformers", _TRAINER, "Trainer.train", "signature", "wrapped: resume_from_checkpoint is resolved"),
+    Piece("transformers", _TRAINER, "Trainer.train", "signature",
+          "wrapped: resume_from_checkpoint is resolved (public: its body is the training loop, not checkpointing)"),
     Piece("transformers", _TRAINER, "Trainer._save_checkpoint", "code",
           "the whole native save runs inside it, into the staging directory: its writes and their order"),
     Piece("transformers", _TRAINER, "Trainer._get_output_dir", "code", "redirected to the staging directory"),
@@ -210,6 +211,18 @@ TRAINER_PIECES: tuple[Piece, ...] = (
       for name in ("load_fsdp_optimizer", "load_fsdp_model", "save_fsdp_model")),
     Piece("transformers", "transformers.trainer_utils", "get_last_checkpoint", "code",
           "resume_from_checkpoint=True: which checkpoint Trainer itself would select"),
+)
+_FSDP_UTILS = "accelerate.utils.fsdp_utils"
+#: The Accelerate functions Trainer calls through its own module's bindings on an FSDP save or resume (not the
+#: bindings the Accelerate front end wraps): their bodies run in a protected Trainer checkpoint, with FSDP1 and FSDP2.
+TRAINER_FSDP_PIECES: tuple[Piece, ...] = (
+    Piece("accelerate", _FSDP_UTILS, "load_fsdp_model", "code",
+          "the model restore of a protected resume (transformers.trainer.load_fsdp_model, wrapped and then called)"),
+    Piece("accelerate", _FSDP_UTILS, "save_fsdp_optimizer", "code",
+          "the optimizer files of a protected save (transformers.trainer.save_fsdp_optimizer)"),
+    Piece("accelerate", _FSDP_UTILS, "load_fsdp_optimizer", "code",
+          "the optimizer restore of a protected resume where it is not routed to the library's (a state dict type "
+          "other than SHARDED_STATE_DICT)"),
 )
 #: The method that ends a run with Trainer's own removal of old checkpoints, by where the installed Trainer has it.
 FINALIZE_PIECES: dict[str, Piece] = {

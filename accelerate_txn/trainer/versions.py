@@ -20,7 +20,8 @@ from typing import Any
 from ..accelerate.descriptor import path_of
 from ..accelerate.versions import PATH_NAMES, PATHS, TABLE_FILE, installed_versions, series
 from ..compat.evidence import Difference, differences, explain, override_requested
-from .internals import trainer_pieces
+from ..compat.pieces import Piece
+from .internals import TRAINER_FSDP_PIECES, trainer_pieces
 
 
 @dataclass(frozen=True)
@@ -65,10 +66,17 @@ def path_of_trainer(trainer: Any) -> str:
     return "common" if accelerator is None else path_of(accelerator)
 
 
+def pieces(trainer_class: type | None = None, path: str = "fsdp1") -> tuple[Piece, ...]:
+    """The pieces a Trainer's checkpoints on ``path`` rely on: transformers', the Accelerate functions Trainer calls
+    on FSDP (:data:`.internals.TRAINER_FSDP_PIECES`), and the Accelerate/torch ones of ``path``."""
+    fsdp = TRAINER_FSDP_PIECES if path != "common" else ()
+    return tuple(dict.fromkeys((*trainer_pieces(trainer_class), *fsdp, *PATHS[path])))
+
+
 def differing(trainer_class: type | None = None, path: str = "fsdp1") -> list[Difference]:
-    """The pieces (transformers', and the Accelerate/torch ones of ``path``) whose installed value no release that
-    passed had; empty: the evidence protects the Trainer here."""
-    return differences((*trainer_pieces(trainer_class), *PATHS[path]))
+    """The pieces (:func:`pieces`) whose installed value no release that passed had; empty: the evidence protects
+    the Trainer here."""
+    return differences(pieces(trainer_class, path))
 
 
 def protected(trainer_class: type | None = None, path: str = "fsdp1") -> bool:
