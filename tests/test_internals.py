@@ -258,6 +258,21 @@ def test_local_tensors_of_a_plain_tensor_is_the_tensor() -> None:
     assert [t is tensor for t in _internals.local_tensors(tensor)] == [True]
 
 
+def test_version_counter_counts_in_place_writes_to_a_gradient_and_its_views() -> None:
+    parameter = torch.nn.Parameter(torch.ones(4))
+    parameter.sum().backward()
+    gradient = parameter.grad
+    before = _internals.version_counter(gradient)
+    assert isinstance(before, int)
+    torch.add(gradient, 1)  # out of place: unchanged
+    assert _internals.version_counter(gradient) == before
+    parameter.sum().backward()  # autograd accumulates into the existing gradient in place
+    assert parameter.grad is gradient and _internals.version_counter(gradient) == before + 1
+    with torch.no_grad():
+        gradient[:2].zero_()  # a write through a view (FSDP1 original parameters' gradients are views)
+    assert _internals.version_counter(gradient) == before + 2
+
+
 def test_unflatten_state_dict_rebuilds_nesting_from_dcp_paths() -> None:
     flat = {"optimizer.state.w.exp_avg": 1, "optimizer.param_groups": [2]}
     mappings = {"optimizer.state.w.exp_avg": ("optimizer", "state", "w", "exp_avg"),

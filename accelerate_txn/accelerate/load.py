@@ -47,6 +47,7 @@ from .config import checkpoint_config, group_keys, mark_failed, read_configs
 from .descriptor import backend, check_resume, describe, is_fsdp2_sharded, participants, path_of
 from .elastic import plan_ranks
 from .finite import check_finite_state
+from .gradients import pending_gradient
 from .internals import (
     custom_objects,
     custom_state_loader,
@@ -174,11 +175,11 @@ def _check_live(path: Path, manifest: dict[str, Any] | None, group: dict[str, An
                 descriptors: dict[str, Any]) -> dict[str, Preflight]:
     """Every rank: gradients, legacy policy, configuration, and this rank's required files (read safely)."""
     for owner in group.values():
-        pending = [n for model in prepared_models(owner) for n, p in model.named_parameters() if p.grad is not None]
-        if pending:
+        pending = pending_gradient(prepared_models(owner))  # zeroed or applied by a step: not carried into the resume
+        if pending is not None:
             raise CheckpointConfigurationError(
-                f"load_state() found accumulated gradients (e.g. {pending[0]}): call "
-                "optimizer.zero_grad(set_to_none=True) before restoring."
+                f"load_state() found accumulated gradients (e.g. {pending}): backward() wrote them after the last "
+                "optimizer.step(), and the restored run would apply them. Call optimizer.zero_grad() before restoring."
             )
     accepted: dict[str, list[Any]] = {}  # per component: the named changes this resume accepts
     if manifest is None:

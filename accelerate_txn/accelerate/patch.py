@@ -40,7 +40,7 @@ import wrapt
 from ..core.ranks import agree, any_rank, collective, distributed, run_phase, world_size
 from ..core.remote import is_url
 from ..errors import CheckpointConfigurationError, UnsupportedVersionError
-from . import data_order
+from . import data_order, gradients
 from .arrival import arrived, check_arrival, install_leaving_notice
 from .config import checkpoint_config, protect_mode, read_configs
 from .descriptor import is_fsdp2_sharded, is_fsdp_sharded, path_of, unsupported_reason
@@ -384,6 +384,7 @@ def install() -> None:
     module = accelerator_module()
 
     data_order.install()  # where each prepared data loader's epochs start (``accelerate.data_order``)
+    gradients.track_steps()  # which gradients a completed optimizer step applied (``accelerate.gradients``)
     # A rank that destroys its process group says so: one waiting for it raises at once (only where the protected
     # path can run: with dispatch off and nothing opted in, destroy_process_group stays exactly native).
     install_leaving_notice(lambda: automatic_dispatch_requested() or len(OPTED_IN) > 0)
@@ -400,6 +401,7 @@ def uninstall() -> None:
     module = accelerator_module()
 
     data_order.uninstall()
+    gradients.untrack_steps()
     if not installed():
         return
     for target in _TARGETS:

@@ -78,6 +78,7 @@ from .config import checkpoint_config, ensure_not_failed, group_keys, read_confi
 from .descriptor import describe, participants, path_of
 from .elastic import POLICY as RESHARD_POLICY
 from .finite import check_finite_state
+from .gradients import pending_gradient, skipped_step
 from .internals import load_state_pre_hooks, prepared_models, prepared_optimizers, save_state_pre_hooks
 from .loader_state import write_loader_states
 from .native import automatic_naming_off, fsdp_routing, native_method, synchronized_hooks
@@ -129,6 +130,21 @@ def progress_text(progress: dict[str, Any], steps: dict[str, Any]) -> str:
             f"{', '.join(str(step) for step in steps.values())}")
 
 
+def _refuse_pending_gradients(owner: Any) -> None:
+    """Gradients a checkpoint would lose (``accelerate.gradients``): nonzero and not applied by a completed
+    optimizer step. Zeroed gradients and a save between ``optimizer.step()`` and ``zero_grad()`` pass."""
+    pending = pending_gradient(prepared_models(owner))
+    if pending is None:
+        return
+    skipped = (" (the gradient scaler skipped the last optimizer step, an inf/NaN gradient: they were not applied)"
+               if skipped_step(prepared_optimizers(owner)) else "")
+    raise CheckpointConfigurationError(
+        f"save_state() found pending gradients (e.g. {pending}): backward() wrote them after the last completed "
+        f"optimizer.step(){skipped}, and a checkpoint holds no gradients, so resumed training would differ. Save "
+        "after optimizer.step() (before or after optimizer.zero_grad()), or call optimizer.zero_grad() first."
+    )
+
+
 def _preflight(owners: dict[str, Any]) -> dict[str, Any]:
     descriptors = {}
     for name, owner in owners.items():
@@ -139,12 +155,7 @@ def _preflight(owners: dict[str, Any]) -> dict[str, Any]:
                 "save_state() was called in the middle of gradient accumulation (accelerator.sync_gradients is "
                 "False): save after the optimizer step of a full accumulation cycle."
             )
-        pending = [n for model in prepared_models(owner) for n, p in model.named_parameters() if p.grad is not None]
-        if pending:
-            raise CheckpointConfigurationError(
-                f"save_state() found pending gradients (e.g. {pending[0]}): a checkpoint must be taken after "
-                "optimizer.step() and optimizer.zero_grad(set_to_none=True), or resumed training would differ."
-            )
+        _refuse_pending_gradients(owner)
         if checkpoint_config(owner).check_finite:
             check_finite_state([list(model.parameters()) for model in prepared_models(owner)], "model parameters")
             check_finite_state([raw_optimizer(opt).state for opt in prepared_optimizers(owner)], "optimizer state")

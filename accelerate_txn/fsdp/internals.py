@@ -211,6 +211,16 @@ def local_tensors(tensor: Any) -> list[Any]:
     return [shard.tensor for shard in tensor.local_shards()] if isinstance(tensor, ShardedTensor) else [tensor]
 
 
+def version_counter(tensor: Any) -> int:
+    """torch's in-place version counter of ``tensor`` (``Tensor._version``): every in-place write that goes through
+    the dispatcher (``grad += g`` in autograd's gradient accumulation, FSDP's reduce-scatter accumulation,
+    ``zero_()``, ``GradScaler.unscale_``), under ``no_grad`` too, increments it; a tensor and its views share one
+    counter, a DTensor and its local tensor do not (a write to the local tensor bumps only the local one). The
+    pending-gradient rule compares it with its value after the last optimizer step (``accelerate.gradients``).
+    Private but stable: the same attribute in torch 2.7.0 to 2.14.1."""
+    return int(tensor._version)
+
+
 def host_dtensor(local: Any, like: Any) -> Any:
     """A ``DTensor`` with ``like``'s sharding spec (mesh, placements, global shape and stride) whose local tensor is
     ``local``, kept where it is: a host copy of a CUDA DTensor stays on the host (public ``DTensor.from_local``
