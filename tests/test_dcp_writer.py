@@ -141,7 +141,8 @@ def test_a_writer_it_does_not_reproduce_is_left_to_dcp(tmp_path: Path, options: 
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
 
 
-def test_direct_io_on_this_file_system_and_buffered_when_switched_off(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("off", ["0", "off", "False", " NO "])  # "off" once meant on (issue 43)
+def test_direct_io_on_this_file_system_and_buffered_when_switched_off(tmp_path: Path, monkeypatch, off: str) -> None:
     state = {"a": torch.randn(1000), "b": torch.randn(3, 3)}
     before = _counts()
     _save(state, tmp_path / "disk")
@@ -151,7 +152,7 @@ def test_direct_io_on_this_file_system_and_buffered_when_switched_off(tmp_path: 
     assert (after[2] - before[2]) + (after[3] - before[3]) == 1
     loaded = _load(state, tmp_path / "disk")
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
-    monkeypatch.setenv("ACCELERATE_TXN_DIRECT_IO", "0")
+    monkeypatch.setenv("ACCELERATE_TXN_DIRECT_IO", off)
     before = _counts()
     _save(state, tmp_path / "buffered")
     after = _counts()

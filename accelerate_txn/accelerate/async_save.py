@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 from weakref import WeakKeyDictionary
 
+from ..core.faults import ASYNC_FAIL_AT
 from ..core.hashing import hash_while_writing
 from ..core.manifest import HASH
 from ..core.ranks import drop_background_group, is_background_group, run_phase
@@ -193,12 +194,12 @@ def wait_for_all() -> None:
 
 # ------------------------------------------------------------------------------------------------ the handle
 def _injected_failure() -> None:
-    wanted = os.environ.get(FAIL_ENV)
-    if not wanted:
+    spec = ASYNC_FAIL_AT.read()  # tests only (core.faults; read by the save's first rank phase too)
+    if spec is None:
         return
-    rank, _, counts = wanted.partition("#")
-    if rank == os.environ.get("RANK", "0") and (not counts or str(_saves_started[0]) in counts.split(",")):
-        raise OSError(f"injected background write failure on rank {rank} ({FAIL_ENV}={wanted})")
+    rank, counts = spec
+    if rank == int(os.environ.get("RANK", "0")) and (not counts or _saves_started[0] in counts):
+        raise OSError(f"injected background write failure on rank {rank} ({FAIL_ENV}={os.environ.get(FAIL_ENV)})")
 
 
 def _yield_cpu() -> None:

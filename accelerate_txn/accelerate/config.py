@@ -16,9 +16,12 @@ from weakref import WeakKeyDictionary, ref
 
 import torch
 
+from ..core import faults
+from ..core.environment import Variable, choice, flag
 from ..core.remote import SCHEMES, is_url
 from ..core.signing import Keyring, environment_paths, keyring
 from ..errors import CheckpointConfigurationError, RestoreFailedError
+from ..fsdp.dcp_writer import DIRECT_IO
 from ..fsdp.optimizer_state import raw_optimizer
 from .internals import prepared_optimizers
 from .resume_changes import check_accept_names
@@ -40,6 +43,9 @@ PROTECT_MODES = ("fsdp", "all")
 #: What a save does when its destination exists: replace it atomically, as native Accelerate overwrites (default),
 #: or refuse (``CheckpointExistsError``).
 OVERWRITE_MODES = ("replace", "refuse")
+FINITE = flag(FINITE_ENV, False)
+PROTECT = choice(PROTECT_ENV, PROTECT_MODES, "fsdp",
+                 "'fsdp': protect FSDP sharded checkpoints; 'all': also one process and DDP")
 
 
 def plain(value: Any, where: str = "value") -> Any:
@@ -115,8 +121,8 @@ def checkpoint_config(accelerator: Any) -> CheckpointConfig:
     if config is None:
         signing, verify = environment_paths()  # key files named by the environment (ACCELERATE_TXN_*)
         config = CheckpointConfig(
-            check_finite=os.environ.get(FINITE_ENV, "0").strip() == "1", lock_timeout=_lock_timeout_from_env(),
-            arrival_timeout=_arrival_timeout_from_env(), signing_key=signing, verification_keys=tuple(verify),
+            check_finite=FINITE.read(), lock_timeout=LOCK_TIMEOUT.read(),
+            arrival_timeout=ARRIVAL_TIMEOUT.read(), signing_key=signing, verification_keys=tuple(verify),
             keys=keyring(signing, verify),
         )
         _CONFIGS[accelerator] = config
@@ -127,9 +133,13 @@ def read_configs(group: dict[str, Any]) -> dict[str, Any]:
     """Create the configuration of every Accelerator of ``group`` now, reading the environment, and return
     ``group``. Call it inside the first rank phase of a save or load: a setting that is invalid on one rank only
     (``VIDEOX_CHECKPOINT_LOCK_TIMEOUT``) then raises the same error on every rank instead of raising on that rank
-    alone before the first agreement, where the others would wait for it."""
+    alone before the first agreement, where the others would wait for it. The variables the call reads deep inside
+    (:data:`fsdp.dcp_writer.DIRECT_IO` in DCP's write, the test switches of ``core.faults``) are read here too, for
+    the same reason."""
     for owner in group.values():
         checkpoint_config(owner)
+    for variable in (DIRECT_IO, *faults.SWITCHES):
+        variable.read()
     return group
 
 
@@ -157,17 +167,19 @@ def _valid_arrival_timeout(value: Any, where: str) -> float:
     return _valid_seconds(value, where, _ARRIVAL_WAIT)
 
 
-def _seconds_from_env(variable: str, wait: tuple[str, str], default: float) -> float:
-    raw = os.environ.get(variable, "").strip()
-    return _valid_seconds(raw, f"The environment variable {variable}", wait) if raw else default
+def _seconds(raw: str) -> float:
+    from ..store.posix import wait_seconds
+
+    seconds = wait_seconds(raw)
+    if seconds is None:
+        raise ValueError(raw)
+    return seconds
 
 
-def _lock_timeout_from_env() -> float:
-    return _seconds_from_env(LOCK_TIMEOUT_ENV, _LOCK_WAIT, DEFAULT_LOCK_TIMEOUT)
-
-
-def _arrival_timeout_from_env() -> float:
-    return _seconds_from_env(ARRIVAL_TIMEOUT_ENV, _ARRIVAL_WAIT, DEFAULT_ARRIVAL_TIMEOUT)
+LOCK_TIMEOUT = Variable(LOCK_TIMEOUT_ENV, _seconds, DEFAULT_LOCK_TIMEOUT,
+                        f"{_LOCK_WAIT[0]} must be a finite number of seconds >= 0 ({_LOCK_WAIT[1]})")
+ARRIVAL_TIMEOUT = Variable(ARRIVAL_TIMEOUT_ENV, _seconds, DEFAULT_ARRIVAL_TIMEOUT,
+                           f"{_ARRIVAL_WAIT[0]} must be a finite number of seconds >= 0 ({_ARRIVAL_WAIT[1]})")
 
 
 def arrival_timeout(accelerator: Any) -> float:
@@ -184,7 +196,7 @@ def arrival_timeout(accelerator: Any) -> float:
         return config.arrival_timeout
     from ..store.posix import wait_seconds
 
-    seconds = wait_seconds(os.environ.get(ARRIVAL_TIMEOUT_ENV, "").strip() or DEFAULT_ARRIVAL_TIMEOUT)
+    seconds = wait_seconds(ARRIVAL_TIMEOUT.raw() or DEFAULT_ARRIVAL_TIMEOUT)
     return DEFAULT_ARRIVAL_TIMEOUT if seconds is None else seconds
 
 
@@ -430,8 +442,7 @@ def protect_mode(accelerator: Any) -> str:
     config = _CONFIGS.get(accelerator)
     if config is not None and config.protect is not None:
         return config.protect
-    raw = os.environ.get(PROTECT_ENV, "").strip()
-    return _valid_protect(raw, f"The environment variable {PROTECT_ENV}={raw!r}") if raw else "fsdp"
+    return PROTECT.read()
 
 
 def _iterable(value: Any, where: str) -> tuple[Any, ...]:

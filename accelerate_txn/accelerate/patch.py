@@ -379,6 +379,15 @@ def installed() -> bool:
     return isinstance(module.Accelerator.__dict__.get("save_state"), wrapt.FunctionWrapper)
 
 
+def _may_protect() -> bool:
+    """Whether the protected path can run (for ``destroy_process_group``, which must not raise): an invalid
+    ``VIDEOX_ACCELERATE_PATCHES`` counts as on, since its error is raised by the saves and loads, not here."""
+    try:
+        return automatic_dispatch_requested() or len(OPTED_IN) > 0
+    except CheckpointConfigurationError:
+        return True
+
+
 def install() -> None:
     """Wrap the Accelerate entry points once (idempotent)."""
     module = accelerator_module()
@@ -387,7 +396,7 @@ def install() -> None:
     gradients.track_steps()  # which gradients a completed optimizer step applied (``accelerate.gradients``)
     # A rank that destroys its process group says so: one waiting for it raises at once (only where the protected
     # path can run: with dispatch off and nothing opted in, destroy_process_group stays exactly native).
-    install_leaving_notice(lambda: automatic_dispatch_requested() or len(OPTED_IN) > 0)
+    install_leaving_notice(_may_protect)
     if installed():
         return
     for target in _TARGETS:

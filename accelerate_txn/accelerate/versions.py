@@ -20,20 +20,23 @@ the recorded versions (see docs/protocol.md, "Versions").
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from importlib import resources
 
 from packaging.version import Version
 
 from ..compat.evidence import OVERRIDE_ENV as OVERRIDE_ENV  # the gate's override, named here for the front end
-from ..compat.evidence import Difference, differences, explain, override_requested
+from ..compat.evidence import Difference, differences, explain
 from ..compat.pieces import Piece
+from ..core.environment import flag
 from ..fsdp.internals import TORCH_COMMON, TORCH_FSDP1, TORCH_FSDP2
 from .internals import ACCELERATE_COMMON, ACCELERATE_FSDP1, ACCELERATE_FSDP2
 
 #: ``0`` (or false, off, no) turns automatic dispatch off: ``save_state``/``load_state`` and Trainer run exactly native.
 PATCH_ENV = "VIDEOX_ACCELERATE_PATCHES"
+DISPATCH = flag(PATCH_ENV, True)
+#: ``1`` (or true, yes, on) takes the protected path where the evidence does not protect the installed releases.
+OVERRIDE = flag(OVERRIDE_ENV, False)
 TABLE_FILE = "validated.json"
 
 
@@ -86,8 +89,14 @@ VALIDATED: frozenset[tuple[str, str]] = frozenset(pair.series for pair in TESTED
 
 
 def automatic_dispatch_requested() -> bool:
-    """Whether automatic dispatch is on (:data:`PATCH_ENV` unset or truthy)."""
-    return os.environ.get(PATCH_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    """Whether automatic dispatch is on (:data:`PATCH_ENV` unset, or a switch's "on"); a value that is no switch
+    raises ``CheckpointConfigurationError`` naming it (read before any collective: every rank reads it alike)."""
+    return DISPATCH.read()
+
+
+def override_requested() -> bool:
+    """Whether the user takes the protected path at their own risk where a piece differs (:data:`OVERRIDE_ENV`)."""
+    return OVERRIDE.read()
 
 
 # --- The evidence gate -------------------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -23,12 +22,9 @@ from importlib import metadata, resources
 from .pieces import Piece, forget_observed, observe_all, outline
 
 EVIDENCE_FILE = "evidence.json"
-#: Set to 1 to take the protected path where the evidence does not protect the installed releases (the user's risk).
+#: Set to 1 to take the protected path where the evidence does not protect the installed releases (the user's risk;
+#: read by the front ends through ``accelerate.versions.override_requested``, which accepts only its documented values).
 OVERRIDE_ENV = "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED"
-
-
-def override_requested() -> bool:
-    return os.environ.get(OVERRIDE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @functools.lru_cache(maxsize=1)

@@ -12,6 +12,12 @@ rank from ``RANK``). ``NAME#K`` kills at the ``K``-th time (1-based) the point i
 instead: what an operator, a scheduler's preemption or ``torchrun`` sends. Its effect is the process's own: the
 default ``SIGTERM`` action ends the process at once (as ``SIGKILL`` does, with another exit status), a Python handler
 (``torchrun``'s raises ``SignalException``; ``SIGINT``'s raises ``KeyboardInterrupt``) raises at that instant.
+
+``ACCELERATE_TXN_ASYNC_FAIL_AT=R`` (``R#K1,K2``) makes rank ``R`` raise inside the background write of its
+asynchronous saves (only the ``K1``-th, ``K2``-th of this process): read by ``accelerate.async_save``.
+
+A value of any of them outside these forms raises ``CheckpointConfigurationError`` naming it (``core.environment``);
+the front ends read them at the start of each save and load, inside its first rank phase.
 """
 
 from __future__ import annotations
@@ -19,8 +25,11 @@ from __future__ import annotations
 import os
 import signal
 
+from .environment import Variable
+
 KILL_ENV = "ACCELERATE_TXN_KILL_AT"
 SIGNAL_ENV = "ACCELERATE_TXN_KILL_SIGNAL"
+ASYNC_FAIL_ENV = "ACCELERATE_TXN_ASYNC_FAIL_AT"
 
 #: Every named point, in the order a save (then a restore) reaches them.
 POINTS = (
@@ -43,18 +52,69 @@ REPLACE_POINTS = (
 _reached: dict[str, int] = {}
 
 
+def _number(text: str, least: int) -> int:
+    """``text`` as a whole number ``>= least`` (digits only), else ``ValueError``."""
+    if not text.isdigit() or int(text) < least:
+        raise ValueError(text)
+    return int(text)
+
+
+def _kill_spec(raw: str) -> tuple[str, int | None, int | None]:
+    """``NAME[@R][#K]`` as (point, rank or None, count or None)."""
+    target, hash_mark, count = raw.partition("#")
+    name, at, rank = target.partition("@")
+    if not name or (at and not rank) or (hash_mark and not count):
+        raise ValueError(raw)
+    return name, _number(rank, 0) if at else None, _number(count, 1) if hash_mark else None
+
+
+def _signal_number(raw: str) -> int:
+    """A signal's name (``SIGTERM``, ``term``) or number, as its number."""
+    if raw.isdigit():
+        if _number(raw, 1) >= signal.NSIG:
+            raise ValueError(raw)
+        return int(raw)
+    wanted = raw.upper()
+    try:
+        return int(signal.Signals[wanted if wanted.startswith("SIG") else f"SIG{wanted}"])
+    except KeyError:
+        raise ValueError(raw) from None
+
+
+def _fail_spec(raw: str) -> tuple[int, tuple[int, ...]]:
+    """``R[#K1,K2,...]`` as (rank, the counts; empty: every save)."""
+    rank, hash_mark, counts = raw.partition("#")
+    if hash_mark and not counts:
+        raise ValueError(raw)
+    return _number(rank, 0), tuple(_number(count.strip(), 1) for count in counts.split(",")) if counts else ()
+
+
+KILL_AT = Variable(KILL_ENV, _kill_spec, None,
+                   "use NAME, NAME@R, NAME#K or NAME@R#K: the crash point NAME (docs/configuration.md), reached by "
+                   "global rank R only, the K-th time only (K >= 1)")
+KILL_SIGNAL = Variable(SIGNAL_ENV, _signal_number, int(signal.SIGKILL),
+                       "use a signal's name (SIGTERM, TERM, SIGINT, ..., any case) or its number; unset: SIGKILL")
+ASYNC_FAIL_AT = Variable(ASYNC_FAIL_ENV, _fail_spec, None,
+                         "use R or R#K1,K2,...: global rank R fails the background write of its asynchronous saves "
+                         "(only the K1-th, K2-th of this process, each >= 1)")
+#: The test switches a save or load reads deep inside (a crash point, a background write): the front ends read them
+#: at its start, inside its first rank phase, so that a malformed one raises there on every rank.
+SWITCHES = (KILL_AT, KILL_SIGNAL, ASYNC_FAIL_AT)
+
+
 def point(name: str) -> None:
     """Crash here (``SIGKILL``, or ``ACCELERATE_TXN_KILL_SIGNAL``) if ``ACCELERATE_TXN_KILL_AT`` asks for ``name`` on
     this rank."""
-    wanted = os.environ.get(KILL_ENV)
-    if not wanted:
+    if not os.environ.get(KILL_ENV):
         return
-    target, _, count = wanted.partition("#")
-    target, _, rank = target.partition("@")
-    if target != name or (rank and rank != os.environ.get("RANK", "0")):
+    spec = KILL_AT.read()
+    if spec is None:
+        return
+    target, rank, count = spec
+    if target != name or (rank is not None and rank != int(os.environ.get("RANK", "0"))):
         return
     _reached[name] = _reached.get(name, 0) + 1
-    if count and int(count) != _reached[name]:
+    if count is not None and count != _reached[name]:
         return
     os.kill(os.getpid(), chosen_signal())
 
@@ -62,9 +122,4 @@ def point(name: str) -> None:
 def chosen_signal() -> int:
     """The signal :func:`point` sends: ``ACCELERATE_TXN_KILL_SIGNAL`` (a name such as ``SIGTERM`` or ``TERM``, or a
     number), ``SIGKILL`` when unset."""
-    wanted = os.environ.get(SIGNAL_ENV, "").strip().upper()
-    if not wanted:
-        return int(signal.SIGKILL)
-    if wanted.isdigit():
-        return int(wanted)
-    return int(getattr(signal, wanted if wanted.startswith("SIG") else f"SIG{wanted}"))
+    return KILL_SIGNAL.read()

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointAuthenticationError, CheckpointConfigurationError
+from .environment import Variable
 
 SIGNING_KEY_ENV = "ACCELERATE_TXN_SIGNING_KEY_FILE"
 VERIFY_KEYS_ENV = "ACCELERATE_TXN_VERIFY_KEYS"
@@ -187,11 +188,18 @@ def keyring(signing_key: str | os.PathLike[str] | None = None,
     return Keyring(signer, tuple(verifiers[key_id] for key_id in sorted(verifiers)))
 
 
+def _paths(raw: str) -> list[str]:
+    return [part.strip() for part in raw.split(os.pathsep) if part.strip()]
+
+
+# Any value names files (read, and refused by name if they hold no key, by ``load_key``).
+SIGNING_KEY = Variable(SIGNING_KEY_ENV, str, None, "use the path of a key file")
+VERIFY_KEYS = Variable(VERIFY_KEYS_ENV, _paths, [], f"use key file paths separated by {os.pathsep!r}")
+
+
 def environment_paths() -> tuple[str | None, list[str]]:
     """The key files the environment names: :data:`SIGNING_KEY_ENV` and the list in :data:`VERIFY_KEYS_ENV`."""
-    signing = os.environ.get(SIGNING_KEY_ENV, "").strip() or None
-    verify = [part.strip() for part in os.environ.get(VERIFY_KEYS_ENV, "").split(os.pathsep) if part.strip()]
-    return signing, verify
+    return SIGNING_KEY.read(), list(VERIFY_KEYS.read())
 
 
 def environment_keyring() -> Keyring:

@@ -42,14 +42,18 @@ from typing import Any
 
 import torch
 
+from ..core.environment import flag
 from .internals import storage_info
+
+#: ``0`` (or false, no, off) writes the DCP files through the page cache, still straight from the tensors' memory.
+DIRECT_IO = flag("ACCELERATE_TXN_DIRECT_IO", True)
 
 
 def direct_io() -> bool:
     """Whether a protected save writes its DCP files with ``O_DIRECT`` where the file system allows it (read at
-    every save): ``ACCELERATE_TXN_DIRECT_IO=0`` writes them through the page cache, still straight from the
-    tensors' memory."""
-    return os.environ.get("ACCELERATE_TXN_DIRECT_IO", "1").strip() != "0"
+    every save: :data:`DIRECT_IO`; the front ends read it first in the save's first rank phase, so a value that is no
+    switch raises there on every rank, not here inside DCP's write)."""
+    return DIRECT_IO.read()
 
 
 #: Bytes per ``O_DIRECT`` write (a multiple of every block size in use: 4 KiB pages and 512-byte sectors). Two

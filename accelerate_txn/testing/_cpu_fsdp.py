@@ -127,7 +127,14 @@ def hybrid_ranks_per_node(plugin: Any, world_size: int, ranks_per_node: int | No
                 f"{' or '.join(HYBRID_STRATEGIES)}); this plugin shards with {strategy}. Leave it out.")
         return None
     if ranks_per_node is None:
-        given = os.environ.get(RANKS_PER_NODE_ENV)
+        # Read as core.environment reads the library's variables (this module imports none of the library: see
+        # its docstring): spaces ignored, unset or empty for the default, anything else named in the error.
+        given = os.environ.get(RANKS_PER_NODE_ENV, "").strip()
+        if given and not given.isdigit():
+            raise configuration_error(
+                f"The environment variable {RANKS_PER_NODE_ENV} is {os.environ.get(RANKS_PER_NODE_ENV)!r}: use a "
+                f"positive whole number of ranks per emulated node that divides the {world_size} ranks; unset or "
+                f"empty: half the ranks. Set an accepted value, or unset it for the default.")
         ranks_per_node = int(given) if given else max(1, world_size // 2)
     if ranks_per_node < 1 or world_size % ranks_per_node:
         raise configuration_error(

@@ -32,14 +32,22 @@ from weakref import WeakSet
 
 import wrapt
 
-from ..core.ranks import agree
+from ..core import faults
+from ..core.ranks import agree, run_phase
 from .adapters import save_model, saving
 from .internals import LOAD_MODEL, LOAD_OPTIMIZER, LOAD_RNG, SAVE_CHECKPOINT, SAVE_MODEL, finalize_target, missing_points
 from .layout import backend
 from .restore import check_before_model_load, loaded, restore_optimizer, resuming, rng_loaded
 from .resume import resolve_resume
 from .save import RUN_IDS, protected_finalize, protected_save
-from .versions import path_of_trainer, protected, transformers_series, unsupported_message
+from .versions import (
+    automatic_dispatch_requested,
+    override_requested,
+    path_of_trainer,
+    protected,
+    transformers_series,
+    unsupported_message,
+)
 
 logger = logging.getLogger(__name__)
 MODULE = "transformers.trainer"
@@ -51,7 +59,7 @@ _WARNED: set[str] = set()
 
 def native_reason(trainer: Any) -> str | None:
     """Why this Trainer's checkpoints run native (``None``: protected); warns once per process for versions."""
-    if os.environ.get(PATCH_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+    if not automatic_dispatch_requested():
         return f"automatic dispatch is off ({PATCH_ENV}={os.environ.get(PATCH_ENV)!r})"
     path = path_of_trainer(trainer)
     if not protected(type(trainer), path):
@@ -75,7 +83,18 @@ def native_reason(trainer: Any) -> str | None:
     return None
 
 
+def _read_switches() -> None:
+    automatic_dispatch_requested()
+    override_requested()
+    for variable in faults.SWITCHES:
+        variable.read()
+
+
 def _protected(trainer: Any) -> bool:
+    # The switches native_reason (and the save's crash points) read, first in a rank phase: a value invalid on one rank
+    # (VIDEOX_ACCELERATE_PATCHES=maybe) raises the same error on every rank, not on that rank alone while the others
+    # wait in the agreement below.
+    run_phase(_read_switches, "Reading the environment's switches")
     reason = native_reason(trainer)
     agree(reason, "whether Trainer checkpoints are protected")  # every rank takes the same path
     if reason is not None and trainer not in _NOTED:

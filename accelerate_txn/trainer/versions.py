@@ -18,8 +18,9 @@ from importlib import resources
 from typing import Any
 
 from ..accelerate.descriptor import path_of
-from ..accelerate.versions import PATH_NAMES, PATHS, TABLE_FILE, installed_versions, series
-from ..compat.evidence import Difference, differences, explain, override_requested
+from ..accelerate.versions import PATH_NAMES, PATHS, TABLE_FILE, installed_versions, override_requested, series
+from ..accelerate.versions import automatic_dispatch_requested as automatic_dispatch_requested  # the one switch
+from ..compat.evidence import Difference, differences, explain
 from ..compat.pieces import Piece
 from .internals import TRAINER_FSDP_PIECES, trainer_pieces
 
