@@ -110,3 +110,17 @@ def test_constraints_pin_every_dependency_at_or_above_its_floor() -> None:
     for name, requirement in _dependencies(LIBRARY_EXTRAS).items():
         assert name in pins, f"constraints.txt does not pin {name}"
         assert requirement.specifier.contains(pins[name], prereleases=True), f"{name}=={pins[name]} violates {requirement}"
+
+
+def test_the_floors_the_library_checks_at_first_use_are_the_extras_floors() -> None:
+    # The stores, core.signing and the signed export refuse an older client by name (store.base.require_clients), and
+    # doctor lists each one against the same table: it must say what pyproject.toml's extras say.
+    from accelerate_txn.store.base import CLIENT_FLOORS
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    declared = {}
+    for extra in CLIENT_FLOORS.keys() | (set(LIBRARY_EXTRAS) - {"trainer"}):  # the Trainer's floor is its version table
+        requirements = [Requirement(line) for line in project.get(extra, ())]
+        declared[extra] = {req.name: next(spec.version for spec in req.specifier if spec.operator == ">=")
+                           for req in requirements}
+    assert CLIENT_FLOORS == declared

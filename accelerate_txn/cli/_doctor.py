@@ -4,8 +4,8 @@ For each path of each front end (Accelerate FSDP1, FSDP2 and one process or DDP;
 says whether the installed releases are protected, from the evidence about the private pieces each path relies on
 (``accelerate.versions.PATHS``, ``trainer.internals.trainer_pieces``, ``compat.evidence``), the same check the
 front ends run before a save; and why not, one line per differing piece. Also the override and automatic dispatch
-settings, and which stores and signing schemes are available here (``importlib.util.find_spec``: no client
-library is imported).
+settings, and which stores and signing schemes are available here (``importlib.util.find_spec`` and the installed
+versions against ``store.base.CLIENT_FLOORS``: no client library is imported).
 
 Exit status: 0 when every path required is protected (by default every path of an installed front end; the
 override counts), 1 when one is not (or when no front end is installed), 2 a usage error.
@@ -110,15 +110,6 @@ def findable(module: str) -> bool:
         return False
 
 
-def _distribution_version(distribution: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 @dataclass
 class Finding:
     """What the checks found for one :class:`Target`."""
@@ -201,11 +192,19 @@ def releases() -> dict[str, str | None]:
 
 
 def feature(item: Feature) -> dict[str, Any]:
-    found = {distribution: _distribution_version(distribution) if findable(module) else None
+    """A store's or signing scheme's packages: installed (and their versions), too old for the floors the library
+    checks at first use (``store.base.CLIENT_FLOORS``), or ok."""
+    from ..store.base import CLIENT_FLOORS, installed_version, older_than
+
+    floors = {name: floor for extra in CLIENT_FLOORS.values() for name, floor in extra.items()}
+    found = {distribution: installed_version(distribution) if findable(module) else None
              for module, distribution in item.needs}
-    available = all(version is not None for version in found.values())
-    return {"what": item.what, "available": available, "packages": found,
-            "install": None if available else item.install}
+    required = {distribution: floors[distribution] for distribution in found if distribution in floors}
+    too_old = [distribution for distribution, version in found.items()
+               if version is not None and distribution in required and older_than(version, required[distribution])]
+    status = ABSENT if None in found.values() else "too old" if too_old else "ok"
+    return {"what": item.what, "available": status == "ok", "status": status, "packages": found,
+            "required": required, "too_old": too_old, "install": None if status == "ok" else item.install}
 
 
 def _feature_text(report: dict[str, Any]) -> str:
@@ -213,6 +212,10 @@ def _feature_text(report: dict[str, Any]) -> str:
                          if version is not None)
     if report["available"]:
         return f"available: {report['what']}" + (f" ({packages})" if packages else "")
+    if report["status"] == "too old":
+        old = [f"{name}>={report['required'][name]} ({report['packages'][name]} installed)"
+               for name in report["too_old"]]
+        return f"too old: {report['what']} needs {', '.join(old)}: {report['install']}"
     lacking = [distribution for distribution, version in report["packages"].items() if version is None]
     return f"not installed: {report['what']} needs {', '.join(lacking)}: {report['install']}"
 
@@ -257,11 +260,11 @@ def doctor_command(require: tuple[str, ...], as_json: bool) -> int:
     from ..accelerate.versions import OVERRIDE_ENV, PATCH_ENV, automatic_dispatch_requested, override_requested
 
     named = _required(require)
+    override, dispatch = override_requested(), automatic_dispatch_requested()  # an invalid value raises, naming it
     found = findings(named or ())
     if named is None:
         for finding in found:
             finding.required = not finding.absent
-    override, dispatch = override_requested(), automatic_dispatch_requested()
     statuses = {finding.target.name: finding.status(override=override, dispatch=dispatch) for finding in found}
     required = [finding for finding in found if finding.required]
     failing = [finding for finding in required if statuses[finding.target.name] not in (PROTECTED, OVERRIDE)]

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointAuthenticationError, CheckpointConfigurationError
+from ..store.base import require_clients
 from .environment import Variable
 
 SIGNING_KEY_ENV = "ACCELERATE_TXN_SIGNING_KEY_FILE"
@@ -151,6 +152,7 @@ def load_key(path: str | os.PathLike[str]) -> Key:
 
 
 def _ed25519_key(data: bytes, source: str) -> Key:
+    require_clients("signing", f"Ed25519 keys (the key file {source})")
     try:
         from cryptography.hazmat.primitives import serialization
         from cryptography.hazmat.primitives.asymmetric import ed25519

@@ -70,6 +70,7 @@ from ._object import (
     read_head,
     upload_in_parallel,
 )
+from .base import require_clients
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +187,7 @@ class AzureStore:
             raise CheckpointConfigurationError(f"block_size={block_size}: a block holds at least 1 byte.")
         if concurrency < 1:
             raise CheckpointConfigurationError(f"concurrency={concurrency}: at least 1 request must be in flight.")
+        require_clients("azure", "the Azure Blob Storage store (az:// URLs)")
         sdk = _import_sdk()
         self._exceptions = _exceptions()
         self._block = sdk.BlobBlock

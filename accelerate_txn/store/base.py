@@ -21,7 +21,8 @@ checkpoint protocol on it (``core.remote``) is written against this interface, a
 
 The content hash every store computes over the bytes it moves (XXH3-128; :func:`hash_file`, :func:`new_hasher`)
 lives here, below the core and every store implementation, so that a store verifies what it uploads and
-downloads with exactly the function the manifest was written with.
+downloads with exactly the function the manifest was written with. So does the table of the optional clients'
+floors (:data:`CLIENT_FLOORS`), which the stores, ``core.signing``, the exports and ``accelerate-txn doctor`` share.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from ..errors import CheckpointIntegrityError
+from ..errors import CheckpointConfigurationError, CheckpointIntegrityError
 
 #: The content hash of new manifests (fast, non-cryptographic: it detects corruption, not a forger).
 HASH = "xxh3_128"
@@ -172,3 +173,52 @@ class ObjectStore(Protocol):
     def abort_incomplete_uploads(self, url: str) -> list[Any]:
         """Abort every incomplete upload under ``url/`` (leftovers of a killed writer)."""
         ...
+
+
+# --- Optional clients ---------------------------------------------------------------------------------------------
+
+#: The oldest release of each optional client that accelerate-txn runs with, by the extra that installs it: the
+#: floors of pyproject.toml's extras (tests/test_dependency_floors.py checks that they agree). An older client fails
+#: deep inside a call (``'S3FileSystem' object has no attribute 'call_s3'``), so each user checks at first use
+#: (:func:`require_clients`) and ``accelerate-txn doctor`` lists each one as missing, too old or ok.
+CLIENT_FLOORS: dict[str, dict[str, str]] = {
+    "s3": {"s3fs": "2024.12.0", "botocore": "1.35.16"},
+    "azure": {"azure-storage-blob": "12.31.1", "azure-core": "1.41.0"},
+    "gcs": {"google-cloud-storage": "3.17.1", "google-api-core": "2.44.0", "google-auth": "2.63.0"},
+    "signing": {"cryptography": "50.0.2"},
+    "model-signing": {"model-signing": "1.1.1", "pyOpenSSL": "26.4.0"},
+}
+
+
+def installed_version(distribution: str) -> str | None:
+    """The installed version of ``distribution`` (its metadata, first on ``sys.path``); ``None``: not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def older_than(version: str, floor: str) -> bool:
+    """Whether ``version`` is an older release than ``floor`` (a version packaging cannot read is not: the client's
+    import and calls then decide)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version) < Version(floor)
+    except InvalidVersion:
+        return False
+
+
+def require_clients(extra: str, user: str) -> None:
+    """Refuse, naming each one, the installed clients of ``extra`` older than their floors (:data:`CLIENT_FLOORS`):
+    a ``CheckpointConfigurationError`` saying which release ``user`` (e.g. "the S3 store") needs and how to install
+    it. A client that is not installed is the caller's to report, where it imports it."""
+    old = {name: (version, floor) for name, floor in CLIENT_FLOORS[extra].items()
+           if (version := installed_version(name)) is not None and older_than(version, floor)}
+    if old:
+        found = "; ".join(f"{name} {version} is older than {floor}" for name, (version, floor) in old.items())
+        pins = " ".join(f"'{name}>={floor}'" for name, (_version, floor) in old.items())
+        raise CheckpointConfigurationError(
+            f"{found}, required by {user}: pip install 'accelerate-txn[{extra}]' (or pip install -U {pins})")

@@ -78,7 +78,7 @@ from ._object import (
     missing_message,
     read_head,
 )
-from .base import HASH, new_hasher
+from .base import HASH, new_hasher, require_clients
 
 logger = logging.getLogger(__name__)
 
@@ -255,6 +255,7 @@ class GcsStore:
             raise CheckpointConfigurationError(f"concurrency={concurrency}: at least 1 request must be in flight.")
         if not retry_timeout > 0:
             raise CheckpointConfigurationError(f"retry_timeout={retry_timeout}: give the client some seconds to retry.")
+        require_clients("gcs", "the Google Cloud Storage store (gs:// URLs)")
         self._sdk = _import_sdk()
         self.client = client if client is not None else client_from_environment()
         self.chunk_size = chunk_size

@@ -70,6 +70,7 @@ from ._object import (
     read_head,
     upload_in_parallel,
 )
+from .base import require_clients
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +183,7 @@ class S3Store:
                 f"part_size={part_size} is below S3's minimum part size of {MIN_PART_SIZE} bytes (5 MiB).")
         if concurrency < 1:
             raise CheckpointConfigurationError(f"concurrency={concurrency}: at least 1 request must be in flight.")
+        require_clients("s3", "the S3 store (s3:// URLs)")
         if filesystem is None:
             # No instance cache: an S3FileSystem resolves the endpoint and credentials when it is created, and the
             # environment may have changed since fsspec cached one. No listings cache: listings must be fresh.

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointConfigurationError
+from ..store.base import require_clients
 from ._common import SIGNATURE_NAME, PathLike
 
 logger = logging.getLogger(__name__.rpartition(".")[0])  # "accelerate_txn.weights"
@@ -103,6 +104,7 @@ def export_signer(sign_key: PathLike | None) -> ExportSigner | None:
     if sign_key is None:
         return None
     source = os.fspath(sign_key)
+    require_clients("model-signing", "signed exports (sign_key=, export --sign-key)")
     try:
         import model_signing.hashing
         import model_signing.signing
