@@ -7,10 +7,13 @@ package Python imports. Nothing installed is modified.
 
 from __future__ import annotations
 
+import ast
+import copy
 import importlib.util
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def installed_package(name: str) -> Path:
@@ -19,14 +22,15 @@ def installed_package(name: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def overlay(name: str, into: Path, changes: dict[str, Callable[[str], str]]) -> Path:
+def overlay(name: str, into: Path, changes: dict[str, Callable[[str], str | bytes | None]]) -> Path:
     """A shadow of package ``name`` under ``into`` (returned: the directory to put on ``PYTHONPATH``): each file of
     ``changes`` (a path relative to the package, e.g. ``"utils/fsdp_utils.py"``) is a copy transformed by its
-    function, which must change it; everything else links to the installed files."""
+    function, which must change it (bytes: written as they are; None: the file is left out); everything else links
+    to the installed files."""
     source = installed_package(name)
     target = into / name
 
-    def mirror(directory: Path, copy: Path, changed: dict[str, Callable[[str], str]]) -> None:
+    def mirror(directory: Path, copy: Path, changed: dict[str, Callable[[str], str | bytes | None]]) -> None:
         copy.mkdir(parents=True)
         for entry in directory.iterdir():
             if entry.name == "__pycache__":
@@ -37,7 +41,10 @@ def overlay(name: str, into: Path, changes: dict[str, Callable[[str], str]]) -> 
                 text = entry.read_text(encoding="utf-8")
                 new = changed[entry.name](text)
                 assert new != text, f"the change to {entry} changed nothing"
-                (copy / entry.name).write_text(new, encoding="utf-8")
+                if isinstance(new, bytes):
+                    (copy / entry.name).write_bytes(new)
+                elif new is not None:  # None: the file is left out
+                    (copy / entry.name).write_text(new, encoding="utf-8")
             elif below:
                 mirror(entry, copy / entry.name, below)
             else:
@@ -100,3 +107,101 @@ def _use_dcp_choice(text: str) -> str:
 def accelerate_with_a_use_dcp_choice(into: Path) -> Path:
     """An Accelerate whose ``save_state(use_dcp=False)`` writes the per-rank format (``PYTHONPATH`` entry)."""
     return overlay("accelerate", into, {"accelerator.py": _use_dcp_choice})
+
+
+# --- One declared piece changed ------------------------------------------------------------------------------------
+# What a release that changed exactly one piece looks like, for every kind: a ``code`` piece whose body does nothing
+# (``return None`` first: a generator then yields nothing) or, for a class, one more class attribute; a ``signature``
+# piece with one more keyword-only parameter; an ``assigns`` piece that no longer sets its first attribute; an
+# ``exists`` piece bound no more (its import dropped). Every other line of the module stays as it is.
+
+#: The kinds of a piece of the same function whose value a change of each kind also changes (a signature is part of
+#: the code; a binding dropped takes every reading of it along).
+AFFECTS: dict[str, frozenset[str]] = {
+    "code": frozenset({"code"}),
+    "signature": frozenset({"signature", "code"}),
+    "assigns": frozenset({"assigns", "code"}),
+    "exists": frozenset({"exists", "signature", "code", "assigns"}),
+}
+
+
+def module_path(module: str) -> str:
+    """``module``'s file relative to its top-level package directory (``utils/fsdp_utils.py``), as installed."""
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None, module
+    package = installed_package(module.split(".")[0])
+    return Path(spec.origin).relative_to(package).as_posix()
+
+
+def _splice(text: str, node: ast.AST, replacement: list[str]) -> str:
+    """``text`` with the lines of ``node`` (from its first line to its last) replaced by ``replacement`` (indented
+    as the node was)."""
+    lines = text.splitlines(keepends=True)
+    indent = " " * node.col_offset  # type: ignore[attr-defined]
+    new = [indent + line + "\n" for line in replacement]
+    return "".join(lines[: node.lineno - 1] + new + lines[node.end_lineno:])  # type: ignore[attr-defined]
+
+
+def _insert_before(text: str, statement: ast.stmt, line: str) -> str:
+    lines = text.splitlines(keepends=True)
+    assert lines[statement.lineno - 1][: statement.col_offset].strip() == "", "a body on its definition's line"
+    return "".join([*lines[: statement.lineno - 1], " " * statement.col_offset + line + "\n",
+                    *lines[statement.lineno - 1:]])
+
+
+def _binding(tree: ast.Module, name: str) -> ast.Import | ast.ImportFrom | None:
+    from accelerate_txn.compat.pieces import _children  # the same walk the evidence reads top-level bindings with
+
+    found = [statement for statement in _children(tree) if isinstance(statement, (ast.Import, ast.ImportFrom))
+             and any((alias.asname or alias.name.split(".")[0]) == name for alias in statement.names)]
+    return found[-1] if found else None
+
+
+def change_piece(text: str, qualname: str, kind: str, attributes: tuple[str, ...] = ()) -> str:
+    """The source ``text`` of a module with one piece changed (see above)."""
+    from accelerate_txn.compat.pieces import find_definition
+
+    tree = ast.parse(text)
+    if kind == "exists" and "." not in qualname and (statement := _binding(tree, qualname)) is not None:
+        kept = copy.deepcopy(statement)
+        kept.names = [alias for alias in kept.names if (alias.asname or alias.name.split(".")[0]) != qualname]
+        return _splice(text, statement, ast.unparse(kept).splitlines() if kept.names else ["pass"])
+    definition = find_definition(tree, qualname)
+    if kind == "code" and isinstance(definition, ast.ClassDef):
+        return _insert_before(text, definition.body[0], "changed_in_this_release = True")
+    assert isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef)), (qualname, kind)
+    if kind == "code":
+        return _insert_before(text, definition.body[0], "return None")
+    if kind == "signature":
+        header = copy.deepcopy(definition)
+        header.decorator_list = []
+        header.args.kwonlyargs.append(ast.arg("changed_in_this_release"))
+        header.args.kw_defaults.append(ast.Constant(None))
+        first = definition.body[0]
+        lines = text.splitlines(keepends=True)
+        # The new header, then the body exactly as it was (from its first statement's line).
+        signature = ast.unparse(header).splitlines()[0]
+        return "".join([*lines[: definition.lineno - 1], " " * definition.col_offset + signature + "\n",
+                        *lines[first.lineno - 1:]])
+    assert kind == "assigns", kind
+    attribute = attributes[0]
+    targets = [node for node in ast.walk(definition) if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+               and any(isinstance(element, ast.Attribute) and element.attr == attribute
+                       for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                       for element in ast.walk(target))]
+    assert targets, f"{qualname} assigns no {attribute}"
+    for node in sorted(targets, key=lambda node: node.lineno, reverse=True):
+        text = _splice(text, node, ["pass"])
+    return text
+
+
+def shadow_of(pieces: list[Any], into: Path) -> dict[str, Path]:
+    """A shadow of each package of ``pieces`` under ``into`` (one piece per module file: each changed alone in its
+    file), as ``{package: directory to put first on sys.path}``."""
+    changes: dict[str, dict[str, Callable[[str], str]]] = {}
+    for piece in pieces:
+        path = module_path(piece.module)
+        assert path not in changes.get(piece.package, {}), f"two pieces of {piece.module} in one shadow"
+        changes.setdefault(piece.package, {})[path] = \
+            lambda text, piece=piece: change_piece(text, piece.qualname, piece.kind, piece.attributes)
+    return {package: overlay(package, into / package, files) for package, files in changes.items()}

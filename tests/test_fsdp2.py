@@ -18,7 +18,6 @@ from accelerate_txn.testing import launch
 
 pytestmark = pytest.mark.distributed
 TIMEOUT = 300
-NOT_PROTECTED = "accelerate-txn: FSDP checkpoints of this Accelerator are NOT protected (native save_state/load_state): "
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +166,7 @@ def test_native_fsdp2_checkpoint_is_checked_against_the_live_optimizer_before_an
         assert obs["legacy_error"] is None and obs["legacy_differences"] == []
 
 
-def test_a_changed_fsdp2_piece_runs_fsdp2_native_with_one_warning_and_one_info_line(tmp_path: Any) -> None:
+def test_a_changed_fsdp2_piece_runs_fsdp2_native_with_one_warning_and_nothing_else(tmp_path: Any) -> None:
     rank0, rank1 = launch("tests._fsdp2_scenarios:unvalidated_and_native", 2, args=(str(tmp_path),),
                           timeout=TIMEOUT)
     for obs in (rank0, rank1):
@@ -192,9 +191,8 @@ def test_a_changed_fsdp2_piece_runs_fsdp2_native_with_one_warning_and_one_info_l
             assert "Missing key in checkpoint state_dict: optimizer.state." in obs["native_early_adam_error"]["message"]
         else:
             assert obs["native_early_adam_error"] is None
-    (line,) = [m for m in rank0["seen"]["info"] if m.startswith(NOT_PROTECTED)]
-    assert line.startswith(NOT_PROTECTED + "a private piece it relies on changed (accelerate-txn: Accelerate FSDP2 ")
-    assert [m for m in rank1["seen"]["info"] if m.startswith(NOT_PROTECTED)] == []
+    # The warning says why: no INFO line repeats it (one "NOT protected" per process and reason).
+    assert [m for obs in (rank0, rank1) for m in obs["seen"]["info"] if "NOT protected" in m] == []
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ Never does importing the library make a working native save fail: under automati
 setup runs native Accelerate with one ``RuntimeWarning`` per Accelerator saying why and what is unprotected.
 An instance opted in with :func:`patch_accelerate_fsdp` is refused instead (``CheckpointConfigurationError``).
 Every FSDP setup that runs native logs one INFO line per Accelerator (logger ``accelerate_txn``) naming the
-condition that failed.
+condition that failed, except where the evidence does not protect the path (a changed piece, a damaged evidence file):
+then one ``RuntimeWarning`` per process and reason says why, and nothing repeats it.
 
 Caveats: a subclass that overrides ``save_state``/``load_state`` without calling ``super()`` bypasses the
 patch; wrapped methods do not pickle.
@@ -37,6 +38,7 @@ from weakref import WeakSet
 
 import wrapt
 
+from ..compat.evidence import warn_once
 from ..core.ranks import agree, any_rank, collective, distributed, run_phase, world_size
 from ..core.remote import is_url
 from ..errors import CheckpointConfigurationError, UnsupportedVersionError
@@ -57,24 +59,20 @@ _TARGETS = ("Accelerator.save_state", "Accelerator.load_state", "load_fsdp_model
 #: The distributed types beyond FSDP that ``protect="all"`` routes through the protected path (what the explicit API
 #: supports: ``accelerate.descriptor.SUPPORTED_BACKENDS``).
 BROADER_BACKENDS = ("NO", "MULTI_CPU", "MULTI_GPU")
-_WARNED_PATHS: set[str] = set()  # protected paths whose native run was warned about (once per process)
 
 
-def _native_condition(accelerator: Any, enabled: bool, eligible: bool, validated: bool) -> str:
-    """Which dispatch condition sends an FSDP setup to native Accelerate (the first that fails)."""
+def _native_condition(accelerator: Any, enabled: bool) -> str:
+    """Which dispatch condition sends an FSDP setup to native Accelerate (the first that fails; a changed piece is
+    said by its own warning instead)."""
     if not enabled:
         if accelerator in OPTED_OUT:
             return "opted out with unpatch_accelerate_fsdp()"
         return f"automatic dispatch is off ({PATCH_ENV}={os.environ.get(PATCH_ENV, '')!r})"
-    if not eligible:
-        plugin = accelerator.state.fsdp_plugin
-        if plugin is not None and getattr(plugin, "fsdp_version", 1) not in (1, 2):
-            return f"FSDP{plugin.fsdp_version} is not protected (FSDP1 and FSDP2 only)"
-        kind = getattr(getattr(plugin, "state_dict_type", None), "name", None)
-        return f"state_dict_type is {kind} (protected: SHARDED_STATE_DICT only)"
-    if not validated:
-        return f"a private piece it relies on changed ({unsupported_message(path_of(accelerator))})"
-    return "unsupported setup"
+    plugin = accelerator.state.fsdp_plugin  # not eligible
+    if plugin is not None and getattr(plugin, "fsdp_version", 1) not in (1, 2):
+        return f"FSDP{plugin.fsdp_version} is not protected (FSDP1 and FSDP2 only)"
+    kind = getattr(getattr(plugin, "state_dict_type", None), "name", None)
+    return f"state_dict_type is {kind} (protected: SHARDED_STATE_DICT only)"
 
 
 def _note_native(accelerator: Any, condition: str) -> None:
@@ -197,7 +195,7 @@ def _protected(accelerator: Any, input_dir: Any = None, *, loading: bool = False
     if not enabled:
         # Off is exactly native: no collective, no file, nothing beyond the environment read above (and the one
         # INFO line per Accelerator that says protection is off).
-        _note_native(accelerator, _native_condition(accelerator, enabled, False, False))
+        _note_native(accelerator, _native_condition(accelerator, enabled))
         return False
     # Before the first collective: a call made on some ranks only (save_state under ``if is_main_process:``) ends
     # there with an explained CheckpointArrivalError on those ranks, not in a mismatched collective.
@@ -206,11 +204,12 @@ def _protected(accelerator: Any, input_dir: Any = None, *, loading: bool = False
                                     "Deciding whether to use the protected checkpoint path")
     agree({"enabled": enabled, "eligible": eligible, "validated": validated,
            "backend": accelerator.distributed_type.name}, "whether to use the protected checkpoint path")
-    if enabled and eligible and not validated and path_of(accelerator) not in _WARNED_PATHS:
-        _WARNED_PATHS.add(path_of(accelerator))
-        warnings.warn(unsupported_message(path_of(accelerator)), RuntimeWarning, stacklevel=4)
-    if not (enabled and eligible and validated):
-        _note_native(accelerator, _native_condition(accelerator, enabled, eligible, validated))
+    if enabled and eligible and not validated:
+        # One warning per process and reason, on every rank: it names what changed (no INFO line besides it).
+        warn_once(unsupported_message(path_of(accelerator)), stacklevel=4)
+        return False
+    if not (enabled and eligible):
+        _note_native(accelerator, _native_condition(accelerator, enabled))
         return False
     reason, per_call = _agreed_reason(accelerator, input_dir, loading, output_dir)
     if reason is None:
@@ -400,7 +399,10 @@ def install() -> None:
     if installed():
         return
     for target in _TARGETS:
-        _parent, _attribute, original = wrapt.resolve_path(module, target)
+        try:
+            _parent, _attribute, original = wrapt.resolve_path(module, target)
+        except AttributeError:  # a release without this binding: the evidence keeps the paths relying on it native
+            continue
         ORIGINALS[target] = original
         wrapt.wrap_function_wrapper(module, target, _WRAPPERS[target])
 
@@ -413,7 +415,7 @@ def uninstall() -> None:
     gradients.untrack_steps()
     if not installed():
         return
-    for target in _TARGETS:
+    for target in [target for target in _TARGETS if target in ORIGINALS]:
         parent, attribute, _current = wrapt.resolve_path(module, target)
         setattr(parent, attribute, ORIGINALS.pop(target))
 

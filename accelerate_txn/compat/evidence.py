@@ -8,6 +8,10 @@ runs native with one warning naming the piece, the release and what changed.
 
 Checked lazily, once per process and front end (the pieces' sources are parsed then: tens of milliseconds, never at
 import). :func:`forget` starts over (tests, and a process that replaced a piece on purpose).
+
+A damaged evidence file (missing, unreadable, not JSON, or not the recorder's structure: a broken installation)
+protects nothing: every path of every front end then differs by that one reason (:func:`damage`), so each runs
+native after the one warning it shares (:func:`warn_once`), and ``accelerate-txn doctor`` says the same.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata, resources
@@ -27,12 +32,56 @@ EVIDENCE_FILE = "evidence.json"
 OVERRIDE_ENV = "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED"
 
 
+class EvidenceDamaged(Exception):
+    """The evidence file cannot be used (:func:`damage` says why)."""
+
+
+def _malformed(evidence: object) -> str | None:
+    """What in ``evidence`` is not the structure ``.ci/record_evidence.py`` writes, or None."""
+    if not isinstance(evidence, dict):
+        return "is not a JSON object"
+    for section, depth in (("releases", 1), ("pieces", 2), ("outlines", 2)):
+        table = evidence.get(section)
+        if not isinstance(table, dict):
+            return f"has no {section!r} object"
+        for key, entry in table.items():
+            groups = entry.values() if depth == 2 and isinstance(entry, dict) else [entry] if depth == 1 else None
+            if groups is None or not all(isinstance(group, list) and all(isinstance(item, str) for item in group)
+                                         for group in groups):
+                return f"has a malformed {section!r} entry {key!r}"
+    return None
+
+
 @functools.lru_cache(maxsize=1)
+def _read() -> tuple[dict | None, str | None]:
+    """(the evidence, None), or (None, why the file cannot be used)."""
+    location = resources.files("accelerate_txn").joinpath(EVIDENCE_FILE)
+    try:
+        text = location.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None, f"{location} is missing"
+    except (OSError, UnicodeDecodeError) as exc:
+        return None, f"{location} cannot be read ({type(exc).__name__}: {exc})"
+    try:
+        evidence = json.loads(text)
+    except ValueError as exc:
+        return None, f"{location} is not valid JSON ({exc})"
+    problem = _malformed(evidence)
+    return (None, f"{location} {problem}") if problem else (evidence, None)
+
+
+def damage() -> str | None:
+    """Why the evidence file cannot be used (missing, unreadable, not JSON, another structure), or None."""
+    return _read()[1]
+
+
 def recorded() -> dict:
     """The evidence file: ``{"releases": {package: [versions]}, "pieces": {key: {value: [versions]}},
-    "outlines": {key: {value: [calls]}}}``."""
-    text = resources.files("accelerate_txn").joinpath(EVIDENCE_FILE).read_text(encoding="utf-8")
-    return json.loads(text)
+    "outlines": {key: {value: [calls]}}}``. Raises :class:`EvidenceDamaged` where it cannot be used."""
+    evidence, problem = _read()
+    if evidence is None:
+        raise EvidenceDamaged(f"accelerate-txn's evidence file {problem}")
+    return evidence
 
 
 def installed_release(package: str) -> str:
@@ -50,9 +99,10 @@ def installed_release(package: str) -> str:
 
 @dataclass(frozen=True)
 class Difference:
-    """One piece whose installed value no release that passed had."""
+    """One piece whose installed value no release that passed had; or, with no ``piece``, the evidence file that
+    cannot be used (``found``: why)."""
 
-    piece: Piece
+    piece: Piece | None
     found: str
     release: str
     accepted: dict[str, list[str]] = field(default_factory=dict)
@@ -63,6 +113,8 @@ class Difference:
         """"transformers 5.26.0: transformers.trainer.Trainer._save_checkpoint (its code) differs from every release
         that passed (4.57.6 to 5.24.0): the same calls in another order (...)"."""
         piece = self.piece
+        if piece is None:
+            return f"accelerate-txn's evidence file {self.found} (a broken installation: reinstall accelerate-txn)"
         releases = sorted({release for group in self.accepted.values() for release in group}, key=_release_key)
         passed = _span(releases) if releases else "none recorded"
         head = f"{self.release}: {piece.name}"
@@ -105,7 +157,9 @@ def _span(releases: Sequence[str]) -> str:
 
 @functools.lru_cache(maxsize=16)
 def _differences(pieces: tuple[Piece, ...]) -> tuple[Difference, ...]:
-    evidence = recorded()
+    evidence, problem = _read()
+    if evidence is None:  # nothing is protected by evidence that cannot be read
+        return (Difference(None, str(problem), "accelerate-txn"),)
     values = observe_all(pieces)
     found: list[Difference] = []
     for piece in pieces:
@@ -137,12 +191,30 @@ def differences(pieces: Iterable[Piece]) -> list[Difference]:
 def forget() -> None:
     """Check again at the next call (after a piece was replaced, or the evidence file changed)."""
     _differences.cache_clear()
-    recorded.cache_clear()
+    _read.cache_clear()
     forget_observed()
 
 
+_WARNED: set[str] = set()  # the warnings given in this process (warn_once)
+
+
+def warn_once(message: str, stacklevel: int = 2) -> None:
+    """Warn ``message`` (a ``RuntimeWarning``) unless this process already did: one warning per process and reason,
+    whichever path, front end or Accelerator meets it."""
+    if message in _WARNED:
+        return
+    _WARNED.add(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+
+
 def explain(front_end: str, found: Sequence[Difference]) -> str:
-    """The one warning for a front end that runs native: each differing piece, the release and what changed."""
+    """The one warning for a front end that runs native: each differing piece, the release and what changed; or,
+    where the evidence file cannot be used, the same warning for every path of every front end."""
+    damaged = next((difference for difference in found if difference.piece is None), None)
+    if damaged is not None:
+        return (f"accelerate-txn: every checkpoint path runs native, NOT protected: {damaged.describe()}. Run "
+                f"`accelerate-txn doctor` for the details; set {OVERRIDE_ENV}=1 to use the protected path at your "
+                "own risk.")
     listed = "; ".join(difference.describe() for difference in found)
     return (f"accelerate-txn: {front_end} checkpoints run native, NOT protected: the installed releases differ from "
             f"every release that passed accelerate-txn's tests in a private piece it relies on ({listed}). Run "

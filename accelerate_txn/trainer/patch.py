@@ -26,12 +26,12 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import warnings
 from typing import Any
 from weakref import WeakSet
 
 import wrapt
 
+from ..compat.evidence import warn_once
 from ..core import faults
 from ..core.ranks import agree, run_phase
 from .adapters import save_model, saving
@@ -54,27 +54,26 @@ MODULE = "transformers.trainer"
 PATCH_ENV = "VIDEOX_ACCELERATE_PATCHES"
 ORIGINALS: dict[str, Any] = {}
 _NOTED: WeakSet = WeakSet()
-_WARNED: set[str] = set()
+_WARNED: set[str] = set()  # the reasons said by a warning (no INFO line besides)
 
 
 def native_reason(trainer: Any) -> str | None:
-    """Why this Trainer's checkpoints run native (``None``: protected); warns once per process for versions."""
+    """Why this Trainer's checkpoints run native (``None``: protected); a changed piece, a damaged evidence file or a
+    Trainer without its private points is warned once per process and reason (``compat.evidence.warn_once``)."""
     if not automatic_dispatch_requested():
         return f"automatic dispatch is off ({PATCH_ENV}={os.environ.get(PATCH_ENV)!r})"
     path = path_of_trainer(trainer)
     if not protected(type(trainer), path):
         message = unsupported_message(type(trainer), path)
-        if path not in _WARNED:
-            _WARNED.add(path)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+        _WARNED.add(message)
+        warn_once(message, stacklevel=4)
         return message
     missing = missing_points(type(trainer), transformers_series())
     if missing:
         message = (f"accelerate-txn: this transformers Trainer lacks {', '.join(missing)} (or has another signature): "
                    "Trainer checkpoints run natively, NOT protected.")
-        if "points" not in _WARNED:
-            _WARNED.add("points")
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+        _WARNED.add(message)
+        warn_once(message, stacklevel=4)
         return message
     if backend(trainer) == "DeepSpeed":
         return "DeepSpeed writes its own checkpoint layout (native Trainer)"
@@ -97,7 +96,7 @@ def _protected(trainer: Any) -> bool:
     run_phase(_read_switches, "Reading the environment's switches")
     reason = native_reason(trainer)
     agree(reason, "whether Trainer checkpoints are protected")  # every rank takes the same path
-    if reason is not None and trainer not in _NOTED:
+    if reason is not None and reason not in _WARNED and trainer not in _NOTED:
         _NOTED.add(trainer)
         logger.info("Trainer checkpoints are not protected by accelerate-txn: %s", reason)
     return reason is None
@@ -141,11 +140,21 @@ _WRAPPERS = {SAVE_CHECKPOINT: _save_wrapper, "Trainer.train": _train_wrapper, LO
 def _targets(module: Any) -> dict[str, Any]:
     """The wrapt paths to wrap and their wrappers: the fixed ones, and the end-of-training method of the installed
     series when it has one (an unlisted release without it runs native anyway: ``missing_points``)."""
-    targets = dict(_WRAPPERS)
+    targets = {target: wrapper for target, wrapper in _WRAPPERS.items() if _resolvable(module, target)}
     finalize = finalize_target(transformers_series())
     if callable(getattr(module.Trainer, finalize.split(".", 1)[1], None)):
         targets[finalize] = _finalize_wrapper
     return targets
+
+
+def _resolvable(module: Any, target: str) -> bool:
+    """Whether ``target`` names something in ``module``: a release without one of the bindings is not wrapped there
+    (the evidence keeps every path relying on it native, with its one warning)."""
+    try:
+        wrapt.resolve_path(module, target)
+    except AttributeError:
+        return False
+    return True
 
 
 def _current(module: Any, target: str) -> Any:

@@ -71,7 +71,10 @@ def pieces(trainer_class: type | None = None, path: str = "fsdp1") -> tuple[Piec
     """The pieces a Trainer's checkpoints on ``path`` rely on: transformers', the Accelerate functions Trainer calls
     on FSDP (:data:`.internals.TRAINER_FSDP_PIECES`), and the Accelerate/torch ones of ``path``."""
     fsdp = TRAINER_FSDP_PIECES if path != "common" else ()
-    return tuple(dict.fromkeys((*trainer_pieces(trainer_class), *fsdp, *PATHS[path])))
+    found: dict[str, Piece] = {}  # by key: a piece two declarations need (each with its why) is checked once
+    for piece in (*trainer_pieces(trainer_class), *fsdp, *PATHS[path]):
+        found.setdefault(piece.key, piece)
+    return tuple(found.values())
 
 
 def differing(trainer_class: type | None = None, path: str = "fsdp1") -> list[Difference]:
