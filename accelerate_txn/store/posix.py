@@ -55,6 +55,7 @@ except ImportError:  # not POSIX: acquire() explains
     fcntl = None  # type: ignore[assignment]
 
 from ..errors import CheckpointConfigurationError, CheckpointExistsError, CheckpointLockedError
+from .mounts import refuse_object_store_mount
 
 logger = logging.getLogger(__name__)
 
@@ -247,8 +248,11 @@ def in_the_way(path: Path) -> Path | None:
 
 def create_directory(path: Path) -> None:
     """Create the directory ``path`` and its parents (if missing). Raises :class:`CheckpointConfigurationError`
-    saying what is in the way (a parent that is a file: ``ENOTDIR``/``EEXIST``) or why it cannot be created."""
+    saying what is in the way (a parent that is a file: ``ENOTDIR``/``EEXIST``) or why it cannot be created, and,
+    creating nothing, for a directory on a FUSE mount of an object store (``store.mounts``: no atomic rename there).
+    Every writer of checkpoint directories, and :class:`DirectoryLock`, create their directory through here."""
     path = Path(path)
+    refuse_object_store_mount(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
