@@ -16,8 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from accelerate_txn import MANIFEST, CheckpointConfigurationError, save_training_checkpoint
+from accelerate_txn import (
+    MANIFEST,
+    CheckpointConfigurationError,
+    load_training_checkpoint,
+    save_training_checkpoint,
+)
 from accelerate_txn.store import mounts
 from accelerate_txn.store.mounts import (
     MOUNTINFO_ENV,
@@ -236,12 +242,24 @@ def test_the_trainer_reservation_refuses_before_creating_anything(on_gcsfuse: Pa
     assert list(on_gcsfuse.iterdir()) == []
 
 
+def test_a_weight_export_refuses_before_creating_anything(on_gcsfuse: Path) -> None:
+    from accelerate_txn.weights import save_diffusers_state_dict
+
+    class ConfigOnly:
+        def save_config(self, directory: str) -> None:
+            Path(directory, "config.json").write_text("{}")
+
+    with pytest.raises(CheckpointConfigurationError, match="gcsfuse"):
+        save_diffusers_state_dict({"w": torch.ones(2)}, ConfigOnly(), on_gcsfuse / "exports" / "unet")
+    assert list(on_gcsfuse.iterdir()) == []
+
+
 def test_cli_prune_refuses_there_and_list_and_verify_read_a_copied_checkpoint(on_gcsfuse: Path, real: Path) -> None:
     # Reading is fine: a checkpoint published on a local disk and copied onto the mount verifies from there (a copy
     # cut short would miss files the manifest lists, and fail verification like any damaged checkpoint).
     from tests._single import stepped_accelerator
 
-    accelerator, _, _ = stepped_accelerator()
+    accelerator, saved, _ = stepped_accelerator()
     local = real / "local" / "checkpoint_0"
     save_training_checkpoint(accelerator, local)
     copied = on_gcsfuse / "run" / "checkpoint_0"
@@ -254,6 +272,9 @@ def test_cli_prune_refuses_there_and_list_and_verify_read_a_copied_checkpoint(on
 
     verified = cli("verify", copied)
     assert verified.returncode == 0, verified.stderr
+    restored, model, _ = stepped_accelerator(seed=1)
+    load_training_checkpoint(restored, copied)  # load_state reads from the mount as from anywhere
+    assert all(torch.equal(a, b) for a, b in zip(saved.parameters(), model.parameters(), strict=True))
     listed = cli("list", copied.parent)
     assert listed.returncode == 0 and "checkpoint_0" in listed.stdout, listed.stderr
     pruned = cli("prune", copied.parent, "--keep", "1")

@@ -16,6 +16,7 @@ from ..errors import CheckpointExistsError
 from ..store.posix import (
     DirectoryLock,
     StagedDirectory,
+    create_directory,
     fsync_tree,
     new_id,
     recover_replaced,
@@ -72,7 +73,7 @@ def publish_export(output_dir: PathLike, write: Callable[[Path], None],
     new one is complete and fsynced. On any failure the staging directory is removed and the old export remains.
     """
     final = Path(output_dir).absolute()
-    final.parent.mkdir(parents=True, exist_ok=True)
+    create_directory(final.parent)  # refuses an object-store FUSE mount (store.mounts) before creating anything
     with DirectoryLock(final.parent):
         _recover_interrupted_export(final)
         replacing = final.exists() or final.is_symlink()
