@@ -25,12 +25,12 @@ sys.path.insert(0, str(ROOT))
 from accelerate_txn.accelerate.internals import ACCELERATE_COMMON, ACCELERATE_FSDP1, ACCELERATE_FSDP2  # noqa: E402
 from accelerate_txn.compat.pieces import Piece, Unreadable, observe_source, outline_source  # noqa: E402
 from accelerate_txn.fsdp.internals import TORCH_COMMON, TORCH_FSDP1, TORCH_FSDP2  # noqa: E402
-from accelerate_txn.trainer.internals import FINALIZE_PIECES, TRAINER_FSDP_PIECES, TRAINER_PIECES  # noqa: E402
+from accelerate_txn.trainer.internals import ALTERNATIVES, TRAINER_FSDP_PIECES, TRAINER_PIECES  # noqa: E402
 
 EVIDENCE = ROOT / "accelerate_txn" / "evidence.json"
 PIECES: tuple[Piece, ...] = tuple(dict.fromkeys(
     (*ACCELERATE_COMMON, *ACCELERATE_FSDP1, *ACCELERATE_FSDP2, *TORCH_COMMON, *TORCH_FSDP1, *TORCH_FSDP2,
-     *TRAINER_PIECES, *TRAINER_FSDP_PIECES, *FINALIZE_PIECES.values())))
+     *TRAINER_PIECES, *TRAINER_FSDP_PIECES, *(piece for group in ALTERNATIVES for piece in group))))
 ABOUT = [
     "The evidence that decides protection (accelerate_txn/compat/evidence.py): for each private piece a front end",
     "relies on (declared in accelerate/internals.py, fsdp/internals.py, trainer/internals.py), the values it had in",
@@ -73,12 +73,16 @@ def _values(wheel: Path) -> tuple[str, str, dict[str, str], dict[str, list[str]]
             calls = outline_source(piece, root)
             if calls is not None:
                 outlines[piece.key] = calls
-    # The end-of-training method is _finalize_training where the release has one, else _inner_training_loop
-    # (trainer.internals.trainer_pieces): only that one is the release's piece.
-    finalize, loop = (FINALIZE_PIECES[name].key for name in ("_finalize_training", "_inner_training_loop"))
-    drop = loop if not values.get(finalize, "unreadable").startswith("unreadable") else finalize
-    values.pop(drop, None)
-    outlines.pop(drop, None)
+    # Of each group of alternatives (the end-of-training method: _finalize_training, else _inner_training_loop; what
+    # rotates checkpoints: Trainer._rotate_checkpoints, else trainer_utils.rotate_checkpoints), the first the release
+    # has is its piece (trainer.internals.trainer_pieces), and the others are not.
+    for group in ALTERNATIVES:
+        keys = [piece.key for piece in group if piece.package == package]
+        own = next((key for key in keys if not values.get(key, "unreadable").startswith("unreadable")), None)
+        for key in keys:
+            if key != own:
+                values.pop(key, None)
+                outlines.pop(key, None)
     return package, version, values, outlines
 
 

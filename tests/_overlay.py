@@ -184,11 +184,14 @@ def change_piece(text: str, qualname: str, kind: str, attributes: tuple[str, ...
         return "".join([*lines[: definition.lineno - 1], " " * definition.col_offset + signature + "\n",
                         *lines[first.lineno - 1:]])
     assert kind == "assigns", kind
+    from accelerate_txn.compat.pieces import set_by_call  # ``super().__setattr__("x", ...)``: torch's Module
+
     attribute = attributes[0]
     targets = [node for node in ast.walk(definition) if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign))
                and any(isinstance(element, ast.Attribute) and element.attr == attribute
                        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
                        for element in ast.walk(target))]
+    targets += [node for node in ast.walk(definition) if isinstance(node, ast.Expr) and set_by_call(node.value) == attribute]
     assert targets, f"{qualname} assigns no {attribute}"
     for node in sorted(targets, key=lambda node: node.lineno, reverse=True):
         text = _splice(text, node, ["pass"])

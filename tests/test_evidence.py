@@ -38,6 +38,7 @@ from accelerate_txn.compat.pieces import (
     observe,
     observe_source,
     signature,
+    value_of,
 )
 from accelerate_txn.fsdp.internals import TORCH_COMMON, TORCH_FSDP1, TORCH_FSDP2
 
@@ -134,6 +135,26 @@ def test_a_class_fingerprint_sees_its_fields_and_their_order_and_ignores_its_doc
         assert fingerprint(_class(changed)) != fingerprint(_class(record)), changed
 
 
+def test_assigns_sees_every_way_a_function_sets_an_attribute() -> None:
+    piece = Piece("torch", "m", "C.__init__", "assigns", "a test", ("a", "b", "c", "d", "e", "f"))
+    setter = _function('''
+    def __init__(self, state):
+        self.a = 1
+        state.config.b = True
+        setattr(self, "c", {})
+        super().__setattr__("d", [])
+        object.__setattr__(self, "e", None)
+        self.x, state.f = 1, 2
+    ''')
+    assert value_of(piece, setter) == PRESENT
+    reader = _function('''
+    def __init__(self, state):
+        read(self.a, state.config.b, getattr(self, "c"))
+        self.d.append(state.e, state.f)
+    ''')
+    assert value_of(piece, reader) == "lacks a, b, c, d, e, f"  # reading an attribute is not setting it
+
+
 def test_a_signature_is_names_order_defaults_and_markers() -> None:
     assert signature(_function("def f(a, /, b, c=1, *args, d, e=2, **kwargs): pass")) == \
         "(a, /, b, c=, *args, d, e=, **kwargs)"
@@ -226,16 +247,22 @@ def test_the_evidence_holds_one_value_per_piece_for_every_release_that_passed() 
     wanted["transformers"] = {row.transformers for row in ROWS}
     for package, releases in wanted.items():
         assert releases <= set(evidence["releases"][package]), package
-    from accelerate_txn.trainer.internals import FINALIZE_PIECES, TRAINER_FSDP_PIECES, TRAINER_PIECES
+    from accelerate_txn.trainer.internals import ALTERNATIVES, TRAINER_FSDP_PIECES, TRAINER_PIECES
 
     for piece in dict.fromkeys((*ALL_ACCELERATE_AND_TORCH, *TRAINER_PIECES, *TRAINER_FSDP_PIECES)):
         holders = evidence["pieces"][piece.key]
         for release in evidence["releases"][piece.package]:
             assert sum(release in group for group in holders.values()) == 1, (piece.key, release)
-    # Each Trainer release has exactly one end-of-training method recorded: its own.
-    finalize = [evidence["pieces"].get(piece.key, {}) for piece in FINALIZE_PIECES.values()]
-    for release in evidence["releases"]["transformers"]:
-        assert sum(release in group for values in finalize for group in values.values()) == 1, release
+    # Each Trainer release has exactly one of each group of alternatives recorded (its end-of-training method, what
+    # rotates its checkpoints): its own.
+    for alternatives in ALTERNATIVES:
+        recorded_values = [evidence["pieces"].get(piece.key, {}) for piece in alternatives]
+        for release in evidence["releases"]["transformers"]:
+            assert sum(release in group for values in recorded_values for group in values.values()) == 1, \
+                ([piece.key for piece in alternatives], release)
+    # A value that says a piece is missing or lacks an attribute is never evidence of a release that passed.
+    for key, values in evidence["pieces"].items():
+        assert not any(value.startswith(("unreadable", "lacks")) for value in values), (key, list(values))
     # The full rectangle of .ci/matrix-full-run.md passed: every torch and Accelerate release of it is recorded.
     record = (REPO / ".ci" / "matrix-full-run.md").read_text(encoding="utf-8")
     header = next(line for line in record.splitlines() if line.startswith("| torch \\ Accelerate |"))

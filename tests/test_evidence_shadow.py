@@ -1,12 +1,12 @@
 """Every declared piece is checked where it matters: changed alone, in a shadow copy of its release, it turns the
 paths that rely on it native with one warning, and ``accelerate-txn doctor`` says so.
 
-For each piece of ``accelerate.internals``, ``fsdp.internals`` and ``trainer.internals`` (every path's, the Trainer's
-and both end-of-training methods), a copy of the installed package whose files are the installed ones except the
-piece's module, where the piece is changed as a release could change it (``tests/_overlay.py``: a ``code`` piece's
-body made a no-op, or a class given one more attribute; a ``signature`` piece given one more parameter; an
-``assigns`` piece no longer setting its first attribute; an ``exists`` binding dropped), is put first on
-``PYTHONPATH`` of a fresh interpreter. There:
+For each piece of ``accelerate.internals``, ``fsdp.internals`` and ``trainer.internals`` that the installed releases
+have (every path's, the Trainer's, both end-of-training methods, and what rotates checkpoints in this release), a copy
+of the installed package whose files are the installed ones except the piece's module, where the piece is changed as a
+release could change it (``tests/_overlay.py``: a ``code`` piece's body made a no-op, or a class given one more
+attribute; a ``signature`` piece given one more parameter; an ``assigns`` piece no longer setting its first attribute;
+an ``exists`` binding dropped), is put first on ``PYTHONPATH`` of a fresh interpreter. There:
 
 * the evidence of each path (Accelerate FSDP1, FSDP2, one process and DDP; the Trainer on the same three) names
   exactly the changed pieces the path relies on, and no other;
@@ -15,10 +15,10 @@ body made a no-op, or a class given one more attribute; a ``signature`` piece gi
   RuntimeWarning per path naming it (each gate asked twice), and raise no warning on the others;
 * ``accelerate-txn doctor --json`` exits 1 and reports exactly those paths not protected, each naming the pieces.
 
-Pieces of different modules are changed together in one interpreter (each alone in its file), so that the 60-odd
-pieces take about a dozen interpreters. ``torch.distributed.tensor._api.DTensor`` (an ``exists`` piece: a class
-torch's own modules import by that name, so a copy without it does not import) is removed from its module in the
-interpreter instead, before anything reads it.
+Pieces of different modules are changed together in one interpreter (each alone in its file), so that the 90-odd
+pieces take as many interpreters as one module has pieces (17, ``transformers.trainer``).
+``torch.distributed.tensor._api.DTensor`` (an ``exists`` piece: a class torch's own modules import by that name, so
+a copy without it does not import) is removed from its module in the interpreter instead, before anything reads it.
 (A real 2-rank FSDP1 job under a changed release: tests/test_evidence_restore.py.)
 """
 
@@ -35,18 +35,31 @@ import pytest
 
 from accelerate_txn.accelerate.internals import ACCELERATE_COMMON, ACCELERATE_FSDP1, ACCELERATE_FSDP2
 from accelerate_txn.accelerate.versions import OVERRIDE_ENV, PATCH_ENV, PATHS
-from accelerate_txn.compat.pieces import Piece
+from accelerate_txn.compat.pieces import Piece, Unreadable, observe
 from accelerate_txn.fsdp.internals import TORCH_COMMON, TORCH_FSDP1, TORCH_FSDP2
-from accelerate_txn.trainer.internals import FINALIZE_PIECES, TRAINER_FSDP_PIECES, TRAINER_PIECES
+from accelerate_txn.trainer.internals import ALTERNATIVES, TRAINER_FSDP_PIECES, TRAINER_PIECES
 from tests._overlay import AFFECTS, module_path, shadow_of
 
 pytest.importorskip("transformers")
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 300
-DECLARED: tuple[Piece, ...] = tuple({piece.key: piece for piece in (  # each key once
+EVERY_PIECE: tuple[Piece, ...] = tuple({piece.key: piece for piece in (  # each key once
     *ACCELERATE_COMMON, *ACCELERATE_FSDP1, *ACCELERATE_FSDP2, *TORCH_COMMON, *TORCH_FSDP1, *TORCH_FSDP2,
-    *TRAINER_PIECES, *TRAINER_FSDP_PIECES, *FINALIZE_PIECES.values())}.values())
+    *TRAINER_PIECES, *TRAINER_FSDP_PIECES, *(piece for group in ALTERNATIVES for piece in group))}.values())
+
+
+def _here(piece: Piece) -> bool:
+    try:
+        observe(piece)
+    except Unreadable:
+        return False
+    return True
+
+
+#: The declared pieces the installed releases have: all of them but the alternatives of another release (4.57's
+#: ``Trainer._rotate_checkpoints`` under transformers 5.x, or 5.x's ``rotate_checkpoints`` under 4.57).
+DECLARED: tuple[Piece, ...] = tuple(piece for piece in EVERY_PIECE if _here(piece))
 #: Pieces removed from their module in the interpreter rather than in a copy (see the module docstring).
 REMOVED_AT_RUN_TIME = frozenset({("torch.distributed.tensor._api", "DTensor")})
 DOCTOR_NAMES = {"fsdp1": "fsdp1", "fsdp2": "fsdp2", "common": "ddp"}
@@ -164,6 +177,19 @@ def _run(batch: list[Piece], into: Path) -> dict[str, Any]:
     line = next((line for line in done.stdout.splitlines() if line.startswith("OBSERVED ")), None)
     assert done.returncode == 0 and line is not None, done.stderr[-4000:]
     return json.loads(line[len("OBSERVED "):])
+
+
+def test_only_the_alternatives_of_other_releases_are_left_out() -> None:
+    left_out = [piece for piece in EVERY_PIECE if piece not in DECLARED]
+    alternatives = {piece for group in ALTERNATIVES for piece in group}
+    assert all(piece in alternatives for piece in left_out), left_out
+    # Of each group, the one the Trainer front end checks on the installed release is here (changed below).
+    from accelerate_txn.trainer.internals import trainer_pieces
+
+    own = set(trainer_pieces())
+    for group in ALTERNATIVES:
+        (checked,) = [piece for piece in group if piece in own]
+        assert checked in DECLARED, checked
 
 
 def test_every_declared_piece_is_in_one_batch_alone_in_its_module() -> None:

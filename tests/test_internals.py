@@ -134,6 +134,33 @@ def test_load_state_calls_the_checkpointing_functions_through_accelerate_acceler
         assert f"{name}(" in source, f"Accelerator.load_state no longer calls {name} by its module-global name"
 
 
+def test_model_state_dict_point_is_what_accelerates_fsdp_saves_build_the_model_state_with() -> None:
+    from accelerate.utils import fsdp_utils
+
+    module, name = _internals.model_state_dict_point()
+    assert module is fsdp_utils and callable(getattr(module, name))
+    # save_fsdp_model calls it by that module-global name, so wrapping it there (fsdp.capture) is what a save runs.
+    source = inspect.getsource(inspect.unwrap(fsdp_utils.save_fsdp_model))
+    assert f"{name}(model" in source, f"save_fsdp_model no longer calls {name} by its module-global name"
+
+
+def test_wrapper_name_parts_are_what_dcp_leaves_out_of_parameter_names() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    wrapped_part, compiled_part = _torch_internals.WRAPPER_NAME_PARTS
+    model = torch.nn.Sequential(checkpoint_wrapper(torch.nn.Linear(2, 2)))
+    (name,) = [name for name, _ in model.named_parameters() if name.endswith("weight")]
+    assert wrapped_part in name.split(".")  # the checkpoint wrapper's attribute is in the module-tree name
+    assert _get_fqns(model, name) == {"0.weight"}  # and DCP's name leaves it out
+    from accelerate_txn.fsdp.fsdp2 import canonical_name
+
+    assert canonical_name(name) == "0.weight"
+    compiled = torch.compile(torch.nn.Linear(2, 2))  # an OptimizedModule (nothing is compiled before a call)
+    assert [name for name, _ in compiled.named_parameters()] == [f"{compiled_part}.weight", f"{compiled_part}.bias"]
+    assert _get_fqns(compiled, f"{compiled_part}.weight") == {"weight"} == {canonical_name(f"{compiled_part}.weight")}
+
+
 def test_custom_state_loader_replaces_what_native_load_state_calls_and_restores_it(tmp_path: Path) -> None:
     accelerator, _model, _optimizer, _scheduler, _loader, counter = _prepared()
     accelerator.save_state(str(tmp_path / "ckpt"))
@@ -559,21 +586,30 @@ def test_trainer_private_points_exist_with_the_recorded_signatures() -> None:
     assert _internals.LOAD_RNG == "Trainer._load_rng_state"  # the resume's hold ends there (trainer/restore.py)
 
 
-def test_trainer_pieces_name_the_end_of_training_method_the_installed_trainer_has() -> None:
+def test_trainer_pieces_name_the_end_of_training_and_rotation_the_installed_trainer_has() -> None:
     pytest.importorskip("transformers")
     from transformers import Trainer
 
     from accelerate_txn.compat.pieces import observe
 
     pieces = _internals.trainer_pieces(Trainer)
-    finalize = pieces[-1].qualname.split(".", 1)[1]
-    assert finalize == ("_finalize_training" if hasattr(Trainer, "_finalize_training") else "_inner_training_loop")
+    finalize, rotate = pieces[-2].qualname, pieces[-1].name
+    assert finalize == ("Trainer._finalize_training" if hasattr(Trainer, "_finalize_training")
+                        else "Trainer._inner_training_loop")
+    assert rotate == ("transformers.trainer.Trainer._rotate_checkpoints" if hasattr(Trainer, "_rotate_checkpoints")
+                      else "transformers.trainer_utils.rotate_checkpoints")
     assert all(not observe(piece).startswith("unreadable") for piece in pieces)  # every piece reads here
+    # _save_checkpoint calls the rotation the pieces name (on the directory it saved into).
+    source = inspect.getsource(inspect.unwrap(Trainer._save_checkpoint))
+    assert ("self._rotate_checkpoints(" if hasattr(Trainer, "_rotate_checkpoints") else "rotate_checkpoints(") in source
 
-    class Older:  # a Trainer without _finalize_training (4.57): its run ends in _inner_training_loop
+    class Older:  # a Trainer of 4.57: its run ends in _inner_training_loop, it rotates with its own method
         def _inner_training_loop(self) -> None: ...
 
-    assert _internals.trainer_pieces(Older)[-1].qualname == "Trainer._inner_training_loop"
+        def _rotate_checkpoints(self) -> None: ...
+
+    assert [piece.qualname for piece in _internals.trainer_pieces(Older)[-2:]] == [
+        "Trainer._inner_training_loop", "Trainer._rotate_checkpoints"]
 
 
 def test_trainer_end_of_training_method_calls_get_output_dir_only_for_its_removal_listing() -> None:
@@ -630,7 +666,7 @@ def _own_private_names() -> set[str]:
     """Underscore names accelerate-txn defines itself (its own modules, functions, classes, attributes)."""
     names = {path.stem for path in PACKAGE.rglob("_*.py") if path not in INTERNALS}
     for path in PACKAGE.rglob("*.py"):
-        if path == INTERNALS:
+        if path in INTERNALS:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -646,6 +682,10 @@ def _own_private_names() -> set[str]:
     # A name _internals reaches on another package's object is never "ours", even if we also use it ourselves.
     return {name for name in names - reached if name.startswith("_") and not name.startswith("__")}
 
+
+#: wrapt's functions that take what they wrap or resolve as a dotted path string.
+WRAPT_PATHS = {"wrap_function_wrapper", "resolve_path", "patch_function_wrapper", "wrap_object",
+               "wrap_object_attribute"}
 
 #: Underscore names that are documented public API of the standard library (the underscore means "no cleanup").
 DOCUMENTED_PUBLIC = {"os._exit"}
@@ -678,6 +718,15 @@ def _private_accesses(path: Path, own: set[str]) -> set[str]:
             name = node.args[1].value
             if name.startswith("_") and not name.startswith("__") and name not in own:
                 found.add(f"{node.func.id}(..., {name!r})")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute))
+              and (node.func.id if isinstance(node.func, ast.Name) else node.func.attr) in WRAPT_PATHS):
+            # wrapt.wrap_function_wrapper(module, "Class._method", ...): a private name given as a path
+            function = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+            for arg in node.args:
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and any(
+                        part.startswith("_") and not part.startswith("__") and part not in own
+                        for part in arg.value.split(".")):
+                    found.add(f"{function}(..., {arg.value!r})")
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module not in (None, "__future__"):
             names = [alias.name for alias in node.names]
             if any(part.startswith("_") for part in node.module.split(".")) or any(n.startswith("_") for n in names):
@@ -722,6 +771,7 @@ def test_the_erosion_check_sees_each_kind_of_private_access(tmp_path: Path) -> N
         "def f(accelerator, unit, loader):\n"
         "    module.load_custom_state = loader\n"
         "    getattr(unit, '_inter_node_pg', None)\n"
+        "    wrapt.wrap_function_wrapper(module, 'Trainer._save_checkpoint', loader)\n"
         "    self = accelerator\n"
         "    return accelerator._models, self._ok\n"
     )
@@ -730,6 +780,7 @@ def test_the_erosion_check_sees_each_kind_of_private_access(tmp_path: Path) -> N
         "from torch.distributed.fsdp._common_utils import _get_param_to_fqns",
         "from numpy.core.multiarray import _reconstruct",
         "getattr(..., '_inter_node_pg')",
+        "wrap_function_wrapper(..., 'Trainer._save_checkpoint')",
         "._models",
     }
 

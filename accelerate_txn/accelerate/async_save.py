@@ -161,9 +161,10 @@ def capture_dcp_saves(stage: bool, root: Path, pool: StagingPool | None = None) 
         import wrapt
 
         from ..fsdp import capture as _async_capture
+        from .internals import model_state_dict_point
 
         wrapt.wrap_function_wrapper(dcp, "save", _dcp_save)
-        _async_capture.install(_capture_mode)
+        _async_capture.install(_capture_mode, model_state_dict_point())
         _installed_capture.append(True)
     capture = Capture(stage, root)
     _capturing.current = capture

@@ -145,6 +145,20 @@ def custom_state_loader(loader: Callable[..., None]) -> Iterator[bool]:
         module.load_custom_state = original
 
 
+# --- Accelerate's FSDP model state dict -------------------------------------------------------------------------
+# ``save_fsdp_model`` (and, for FSDP1, ``save_fsdp_optimizer``'s model side) builds the model's state dict with the
+# private ``accelerate.utils.fsdp_utils._get_model_state_dict(model, adapter_only=False, sd_options=None)``, called
+# through that module's globals (Accelerate 1.7.0-1.16.0): wrapping it there (``fsdp.capture.install``) changes what
+# a save writes from, and wrapping it anywhere else does not.
+
+
+def model_state_dict_point() -> tuple[ModuleType, str]:
+    """(module, name) of the function Accelerate's FSDP saves build the model's state dict with, for wrapt."""
+    import accelerate.utils.fsdp_utils as module
+
+    return module, "_get_model_state_dict"
+
+
 # --- The evidence ------------------------------------------------------------------------------------------------
 # What the front end needs of each private Accelerate piece, checked against the values recorded for every
 # Accelerate release that passed the library's tests (accelerate_txn/evidence.json; ``compat.evidence``): a release
@@ -154,6 +168,7 @@ def custom_state_loader(loader: Callable[..., None]) -> Iterator[bool]:
 # replaced, or only named, is read by its signature or its presence; its ``why`` says so.
 
 _FSDP_UTILS = "accelerate.utils.fsdp_utils"
+_CHECKPOINTING = "accelerate.checkpointing"
 ACCELERATE_COMMON: tuple[Piece, ...] = (
     Piece("accelerate", "accelerate.accelerator", "Accelerator.__init__", "assigns",
           "the prepared objects and checkpoint hooks save_state/load_state iterate",
@@ -163,31 +178,51 @@ ACCELERATE_COMMON: tuple[Piece, ...] = (
           "the native save the protected path runs into its staging directory: its files and their names"),
     Piece("accelerate", "accelerate.accelerator", "Accelerator.load_state", "code",
           "the native restore the protected path runs after verification, and the bindings it calls"),
-    Piece("accelerate", "accelerate.checkpointing", "save_accelerator_state", "code",
+    Piece("accelerate", _CHECKPOINTING, "save_accelerator_state", "code",
           "the RNG, scheduler, sampler and scaler files of a checkpoint"),
-    Piece("accelerate", "accelerate.checkpointing", "load_accelerator_state", "code",
+    Piece("accelerate", _CHECKPOINTING, "load_accelerator_state", "code",
           "what a restore reads of them"),
-    Piece("accelerate", "accelerate.checkpointing", "load_custom_state", "signature",
+    Piece("accelerate", _CHECKPOINTING, "save_custom_state", "code",
+          "called by save_state: the custom_checkpoint_<i>.pkl files of a checkpoint"),
+    Piece("accelerate", _CHECKPOINTING, "load_custom_state", "signature",
           "replaced by a safe loader during a protected restore: its body never runs there"),
+    Piece("accelerate", "accelerate.utils.other", "save", "code",
+          "what writes each file of save_accelerator_state and save_custom_state: which process writes, and how"),
+    Piece("accelerate", "accelerate.utils.other", "load", "code",
+          "what reads each file load_accelerator_state restores (weights_only, the allowed globals)"),
     *(Piece("accelerate", "accelerate.accelerator", name, "exists",
             "a module binding Accelerator.save_state/load_state call, wrapped by the front end (the function it "
             "names is a piece of its own)")
       for name in ("load_fsdp_model", "load_fsdp_optimizer", "save_fsdp_optimizer", "load_custom_state")),
+    *(Piece("accelerate", "accelerate.accelerator", name, "exists",
+            "a module binding Accelerator.save_state/load_state call, not wrapped (the function it names is a piece "
+            "of its own)")
+      for name in ("save_fsdp_model", "save_accelerator_state", "load_accelerator_state", "save_custom_state")),
     Piece("accelerate", _FSDP_UTILS, "save_fsdp_model", "code", "the model's DCP files of a sharded save"),
+    Piece("accelerate", _FSDP_UTILS, "_get_model_state_dict", "code",
+          "called by save_fsdp_model (wrapped: an FSDP1 save captures the model state without collectives and runs "
+          "it where the capture declines; an FSDP2 save runs it): the model state a sharded save writes"),
+    Piece("accelerate", _FSDP_UTILS, "_prepare_sd_options", "code",
+          "called by save_fsdp_model, save_fsdp_optimizer and load_fsdp_model: the state-dict options of their "
+          "DCP files (full or sharded, CPU offload)"),
     Piece("accelerate", _FSDP_UTILS, "load_fsdp_optimizer", "signature",
           "replaced by the library's restore on every protected path (its body runs only where the path is native)"),
     Piece("accelerate", "accelerate.data_loader", "DataLoaderShard.__iter__", "code",
           "wrapped and then called: where each prepared loader's epochs start, what it broadcasts and counts"),
     Piece("accelerate", "accelerate.data_loader", "DataLoaderDispatcher.__iter__", "code",
           "wrapped and then called: where each dispatched loader's epochs start"),
+    Piece("accelerate", "accelerate.data_loader", "DataLoaderAdapter._update_state_dict", "code",
+          "called by both __iter__: the stateful loader position a checkpoint records (stateful_shard_position_exact)"),
+    Piece("accelerate", "accelerate.data_loader", "DataLoaderDispatcher._fetch_batches", "code",
+          "called by DataLoaderDispatcher.__iter__: the batches a dispatched loader reads and hands out, in order"),
 )
 ACCELERATE_FSDP1: tuple[Piece, ...] = (
     Piece("accelerate", _FSDP_UTILS, "save_fsdp_optimizer", "code", "the FSDP1 optimizer's DCP files"),
     Piece("accelerate", _FSDP_UTILS, "load_fsdp_model", "code",
           "wrapped: routed to the exact directory, and run where the direct read declines the layout (e.g. a "
           "MixedPrecision policy)"),
-    Piece("accelerate", _FSDP_UTILS, "_get_model_state_dict", "code",
-          "wrapped: a save captures the model state without collectives, and runs it where the capture declines"),
+    Piece("accelerate", _FSDP_UTILS, "_set_model_state_dict", "code",
+          "called by load_fsdp_model where it runs: what loads the model state it read"),
 )
 ACCELERATE_FSDP2: tuple[Piece, ...] = (
     Piece("accelerate", _FSDP_UTILS, "save_fsdp_optimizer", "signature",

@@ -16,8 +16,9 @@ A :class:`Piece` names one private (or otherwise unstable) thing by where it is 
   whose behaviour the library depends on: every private one whose body a protected path runs (called through,
   or wrapped and then called), and those whose effects it relies on (the order of Trainer's writes, what a
   native save puts where);
-* ``"assigns"``: the function assigns every attribute in ``attributes`` (``self.x = ...``, ``state.x = ...``: the
-  private attributes of an object the library reads, e.g. ``Accelerator._models`` set in ``Accelerator.__init__``).
+* ``"assigns"``: the function assigns every attribute in ``attributes`` (``self.x = ...``, ``state.x = ...``,
+  ``a.b.x = ...``, or by name: ``setattr(obj, "x", ...)``, ``super().__setattr__("x", ...)``): the private
+  attributes of an object the library reads, e.g. ``Accelerator._models`` set in ``Accelerator.__init__``.
 
 :func:`observe` computes the piece's *value* (a short string: a fingerprint, a signature, ``"present"``) from the
 source of the running object (resolved through any wrapper), and :func:`observe_source` the same from a source tree
@@ -198,15 +199,35 @@ def calls(function: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> li
             and isinstance(node.func, (ast.Name, ast.Attribute))]
 
 
+def set_by_call(node: ast.AST) -> str | None:
+    """The attribute a call sets by name, or None: ``setattr(obj, "x", v)``, ``super().__setattr__("x", v)``,
+    ``object.__setattr__(self, "x", v)`` (how ``torch.nn.Module.__init__`` sets its own)."""
+    if not isinstance(node, ast.Call):
+        return None
+    function = node.func
+    if isinstance(function, ast.Name) and function.id == "setattr":
+        candidates = node.args[1:2]
+    elif isinstance(function, ast.Attribute) and function.attr == "__setattr__":
+        candidates = node.args[:2]
+    else:
+        return None
+    return next((arg.value for arg in candidates if isinstance(arg, ast.Constant) and isinstance(arg.value, str)),
+                None)
+
+
 def _assigned(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
     names: set[str] = set()
     for node in ast.walk(function):
+        if (name := set_by_call(node)) is not None:
+            names.add(name)
         targets = node.targets if isinstance(node, ast.Assign) else \
             [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
         for target in targets:
+            if isinstance(target, ast.Attribute):
+                names.add(target.attr)  # ``a.b.x = ...``: x, whatever holds it
             for element in ast.walk(target):
                 if isinstance(element, ast.Attribute) and isinstance(element.value, ast.Name):
-                    names.add(element.attr)  # ``self.x = ...`` or ``state.x = ...``
+                    names.add(element.attr)  # ``self.x = ...`` or ``state.x = ...``, in a tuple too
     return names
 
 

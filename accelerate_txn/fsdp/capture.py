@@ -270,19 +270,18 @@ def _agreed(capture: Callable[[], Deferred | None], what: str, staged: bool) -> 
     return deferred
 
 
-def install(capturing: Callable[[], bool | None]) -> None:
+def install(capturing: Callable[[], bool | None], model_state_dict: tuple[Any, str]) -> None:
     """Once: while a protected save runs in this thread (``capturing()`` is True for an asynchronous save, False
-    for a synchronous one, None outside a protected save), Accelerate's FSDP1 model state dict
-    (``accelerate.utils.fsdp_utils._get_model_state_dict``) and ``FSDP.optim_state_dict`` return a
-    :class:`Deferred` when this module can build them collective-free: from host copies when asynchronous, from
-    views of the live tensors when synchronous. Everything else passes through."""
+    for a synchronous one, None outside a protected save), Accelerate's FSDP1 model state dict (``model_state_dict``:
+    the (module, name) the front end's internals layer gives, ``accelerate.internals.model_state_dict_point``) and
+    ``FSDP.optim_state_dict`` return a :class:`Deferred` when this module can build them collective-free: from host
+    copies when asynchronous, from views of the live tensors when synchronous. Everything else passes through."""
     if _installed:
         return
     import wrapt
-    from accelerate.utils import fsdp_utils
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    def model_state_dict(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    def model_state_dict_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         staged = capturing()
         if staged is not None:
             model = args[0] if args else kwargs.get("model")
@@ -307,6 +306,6 @@ def install(capturing: Callable[[], bool | None]) -> None:
                     return deferred
         return wrapped(*args, **kwargs)
 
-    wrapt.wrap_function_wrapper(fsdp_utils, "_get_model_state_dict", model_state_dict)
+    wrapt.wrap_function_wrapper(*model_state_dict, model_state_dict_wrapper)
     wrapt.wrap_function_wrapper(FSDP, "optim_state_dict", optim_state_dict)
     _installed.append(True)

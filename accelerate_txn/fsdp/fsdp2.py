@@ -52,11 +52,8 @@ from ..core.ranks import run_phase
 from ..errors import CheckpointConfigurationError, CheckpointIntegrityError
 from .dcp_optimizer import align_groups, check_entries, numbered_groups, read_state, saved_groups, state_entries
 from .dcp_reader import DirectReader
-from .internals import has_load_state_dict_pre_hooks, unflatten_state_dict
+from .internals import WRAPPER_NAME_PARTS, has_load_state_dict_pre_hooks, unflatten_state_dict
 from .optimizer_state import raw_optimizer
-
-# Wrapper prefixes that ``get_model_state_dict``/``get_optimizer_state_dict`` leave out of parameter names.
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod")
 
 
 def original_class(module: Any) -> type | None:
@@ -71,7 +68,7 @@ def original_class(module: Any) -> type | None:
 
 def canonical_name(name: str) -> str:
     """A parameter's name as DCP state dicts record it (wrapper modules left out)."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_NAME_PARTS)
 
 
 def named_parameters(model: Any) -> dict[str, torch.nn.Parameter]:

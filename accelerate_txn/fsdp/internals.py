@@ -41,7 +41,8 @@ Where a later release differs, branch here on the installed version (``packaging
 Also private, but named rather than accessed (so not here): ``core.manifest.MetadataUnpickler`` allowlists the
 pickle globals DCP ``.metadata`` is built from, some of them private (``torch.distributed.checkpoint.filesystem.
 _StorageInfo``, ``torch.serialization._get_layout``, ``pathlib._local`` on Python 3.13); tests/test_internals.py
-checks that each of them resolves on the installed versions.
+checks that each of them resolves on the installed versions. ``fsdp.dcp_reader`` likewise names the pickle global of
+a ``torch.save`` tensor archive (``torch._utils._rebuild_tensor_v2``); the torch ones are pieces (below).
 
 Not here: attributes with public names that the code uses as they are (``unit.sharding_strategy``,
 ``unit.cpu_offload``, ``model.process_group``). Imports of torch are lazy: importing this module costs nothing.
@@ -234,6 +235,13 @@ def host_dtensor(local: Any, like: Any) -> Any:
     return DTensor(local, like._spec, requires_grad=False)
 
 
+#: The module-tree name parts DCP's state dicts leave out of a parameter's name (``checkpoint.state_dict._get_fqns``,
+#: torch 2.7.0 to 2.15.0): activation checkpointing's wrapper attribute (``checkpoint_wrapper.
+#: _CHECKPOINT_WRAPPED_MODULE``, the ``_CHECKPOINT_PREFIX`` it strips) and ``torch.compile``'s ``OptimizedModule.
+#: _orig_mod``. Names only (compared, never accessed); ``_get_fqns`` is a piece of its own.
+WRAPPER_NAME_PARTS = ("_checkpoint_wrapped_module", "_orig_mod")
+
+
 def unflatten_state_dict(flat: dict[str, Any], mappings: dict[str, Any]) -> dict[str, Any]:
     """Rebuild a nested state dict from DCP's flat keys and their paths (``Metadata.planner_data``)."""
     from torch.distributed.checkpoint._nested_dict import unflatten_state_dict as unflatten
@@ -380,6 +388,7 @@ def numpy_reconstruct() -> Callable[..., Any]:
 
 _FSDP = "torch.distributed.fsdp"
 _DCP = "torch.distributed.checkpoint"
+_SHARD = "torch.distributed._shard"
 TORCH_COMMON: tuple[Piece, ...] = (
     Piece("torch", f"{_DCP}._nested_dict", "unflatten_state_dict", "code", "rebuilds nested state from DCP's flat keys"),
     Piece("torch", f"{_DCP}._traverse", "set_element", "code", "stores a loaded value at its path in the state"),
@@ -388,6 +397,24 @@ TORCH_COMMON: tuple[Piece, ...] = (
     Piece("torch", f"{_DCP}.filesystem", "_StorageInfo", "code",
           "where each DCP item lives in its file: built positionally by the direct writer, read by the reader (its "
           "fields and their order)"),
+    Piece("torch", f"{_DCP}.filesystem", "_FileSystemWriter.write_data", "code",
+          "reproduced by the direct writer (fsdp.dcp_writer) for one file per rank and one thread, and run where it "
+          "declines: each rank's file name and the items it holds"),
+    Piece("torch", f"{_DCP}.filesystem", "_write_files_from_queue", "code",
+          "reproduced by the direct writer: the order of a file's items (bytes first) and how each tensor reaches it"),
+    Piece("torch", f"{_DCP}.filesystem", "_write_item", "code",
+          "reproduced by the direct writer: how each item is written (a torch.save archive, raw bytes) and the "
+          "record of where"),
+    Piece("torch", f"{_DCP}.filesystem", "_SerialCpuLoader", "code",
+          "reproduced by the direct writer where it delegates a tensor: DCP's CPU copy of it (a view cloned)"),
+    Piece("torch", f"{_DCP}.filesystem", "FileSystemReader.read_data", "code",
+          "replaced by the direct reader (fsdp.dcp_reader) where it reproduces its result exactly, and run for the "
+          "rest: how each item is read into its destination"),
+    Piece("torch", "torch._utils", "_rebuild_tensor_v2", "code",
+          "the pickle global of every torch.save tensor archive: the direct reader parses its arguments (storage, "
+          "offset, size, stride) itself"),
+    Piece("torch", f"{_DCP}.metadata", "_MEM_FORMAT_ENCODING", "code",
+          "a pickle global of DCP .metadata (allowed by core.manifest): its members decode each tensor's memory format"),
     Piece("torch", "torch.distributed.distributed_c10d", "_get_default_store", "code",
           "called for the default store where ProcessGroup.get_group_store is absent or fails"),
     Piece("torch", "torch.optim.optimizer", "Optimizer.__init__", "assigns",
@@ -396,6 +423,8 @@ TORCH_COMMON: tuple[Piece, ...] = (
     Piece("torch", "torch.optim.lr_scheduler", "OneCycleLR.__init__", "assigns",
           "a resized OneCycleLR schedule is recomputed from its phases",
           ("_schedule_phases", "_anneal_func_type")),
+    Piece("torch", "torch.optim.lr_scheduler", "LRScheduler.get_last_lr", "code",
+          "set_last_lr writes _last_lr for get_last_lr to return (a resized schedule)"),
     Piece("torch", "torch.amp.grad_scaler", "GradScaler.__init__", "assigns",
           "a restored scaler is reset to its lazily initialised state", ("_scale", "_growth_tracker")),
     Piece("torch", "torch.serialization", "_get_layout", "code",
@@ -404,6 +433,8 @@ TORCH_COMMON: tuple[Piece, ...] = (
 TORCH_FSDP1: tuple[Piece, ...] = (
     Piece("torch", f"{_FSDP}._common_utils", "_get_param_to_fqns", "code",
           "maps flat parameters to their original names"),
+    Piece("torch", f"{_FSDP}._common_utils", "_apply_to_modules", "code",
+          "called by _get_param_to_fqns: the module traversal and name prefixes the names are built from"),
     Piece("torch", f"{_FSDP}._common_utils", "clean_tensor_name", "code", "FSDP1's parameter names in checkpoints"),
     Piece("torch", f"{_FSDP}._init_utils", "_init_core_state", "assigns",
           "an FSDP unit's handle and use_orig_params", ("_handle", "_use_orig_params")),
@@ -415,14 +446,41 @@ TORCH_FSDP1: tuple[Piece, ...] = (
           ("_params", "_shapes", "_numels_with_padding", "_is_padding_mask")),
     Piece("torch", f"{_FSDP}._flat_param", "FlatParamHandle._init_shard_metadata", "code",
           "each original parameter's place in the local flat shard (_shard_param_infos)"),
-    Piece("torch", "torch.distributed._shard.sharded_tensor.api",
-          "ShardedTensor._init_from_local_shards_and_global_metadata", "code",
+    Piece("torch", f"{_FSDP}._flat_param", "FlatParamHandle._get_shard_metadata", "code",
+          "called by _init_shard_metadata: computes the _shard_param_infos the geometry is checked against"),
+    Piece("torch", f"{_FSDP}._flat_param", "_ShardParamInfo", "code",
+          "the fields of each _shard_param_infos entry, read by name (in_shard, offset_in_shard, ...)"),
+    Piece("torch", f"{_FSDP}._flat_param", "FlatParamHandle.init_flat_param_attributes", "assigns",
+          "a flat parameter's local shard (flat_local_shard; run by _lazy_init)", ("_local_shard",)),
+    Piece("torch", f"{_FSDP}._state_dict_utils", "_set_use_dtensor", "assigns",
+          "where an FSDP1 state-dict config asks for DTensor output (uses_dtensor_state_dict: the direct read and "
+          "the capture decline it)", ("_use_dtensor",)),
+    Piece("torch", "torch.nn.modules.module", "Module.__init__", "assigns",
+          "a module's buffers and its state-dict hooks (persistent_buffers, state_dict_hooks, load_state_dict_hooks: "
+          "user hooks decline the direct paths)",
+          ("_buffers", "_non_persistent_buffers_set", "_state_dict_hooks", "_state_dict_pre_hooks",
+           "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")),
+    Piece("torch", f"{_SHARD}.sharded_tensor.api", "ShardedTensor._init_from_local_shards_and_global_metadata", "code",
           "called: builds the ShardedTensors an FSDP1 restore reads into"),
+    Piece("torch", f"{_SHARD}.metadata", "ShardMetadata", "code",
+          "built for each box of those ShardedTensors (its fields and checks)"),
+    Piece("torch", f"{_SHARD}.sharded_tensor.shard", "Shard", "code",
+          "built for each local box: keeps the given view of the flat shard"),
+    Piece("torch", f"{_SHARD}.sharded_tensor.metadata", "ShardedTensorMetadata", "code",
+          "built for each ShardedTensor: its boxes, size and properties"),
+    Piece("torch", f"{_SHARD}.sharded_tensor.metadata", "TensorProperties", "code",
+          "built for each ShardedTensor: its dtype (and the rest left to their defaults)"),
     Piece("torch", f"{_FSDP}._runtime_utils", "_lazy_init", "code",
           "called: FSDP1's lazy initialisation before the direct model read (sets the local shards)"),
+    Piece("torch", f"{_FSDP}._runtime_utils", "_share_state_and_init_handle_attrs", "code",
+          "called by _lazy_init: initialises each unit's flat parameter (its local shard), without a collective"),
 )
 TORCH_FSDP2: tuple[Piece, ...] = (
     Piece("torch", "torch.distributed.tensor._api", "DTensor", "exists",
           "host copies of FSDP2 parameters as DTensors with the live spec (DTensor(local, spec, requires_grad=)): "
           "its constructor is compiled from torch 2.10 on, so there is no body to read"),
+    Piece("torch", f"{_DCP}.state_dict", "_get_fqns", "code",
+          "the parameter names DCP state dicts record, reproduced by fsdp2.canonical_name (WRAPPER_NAME_PARTS)"),
+    Piece("torch", "torch.amp.grad_scaler", "GradScaler._lazy_init_scale_growth_tracker", "code",
+          "called by Accelerate's FSDP2 load_state (1.9-1.15) after the scaler is loaded (uninitialise_grad_scaler)"),
 )

@@ -33,7 +33,8 @@ The front end wraps the fewest, most stable points of ``transformers.Trainer``:
 with a warning instead of failing inside a save. Between 4.46 and 5.24 ``_save_checkpoint`` lost its ``metrics``
 argument (4.47); ``_get_output_dir`` kept its signature. The validated series, 4.57 (the newest 4.x) and 5.24, have
 the same points: 4.57 rotates with its own ``Trainer._rotate_checkpoints`` where 5.24 calls
-``trainer_utils.rotate_checkpoints``, neither of which the front end touches (both run inside the staging directory).
+``trainer_utils.rotate_checkpoints``, neither of which the front end touches (both run inside the staging directory,
+where there is nothing to rotate; each is a piece of its release: :data:`ROTATE_PIECES`).
 :data:`MODULE_POINTS` records the same for the module-level bindings of ``transformers.trainer``.
 """
 
@@ -202,6 +203,12 @@ TRAINER_PIECES: tuple[Piece, ...] = (
     Piece("transformers", _TRAINER, "Trainer._save_optimizer_and_scheduler", "code",
           "the optimizer, scheduler and FSDP model files of a save"),
     Piece("transformers", _TRAINER, "Trainer._save_rng_state", "code", "each rank's RNG file"),
+    Piece("transformers", _TRAINER, "Trainer._save_scaler", "code",
+          "called by _save_checkpoint: the scaler.pt file of a save (with a gradient scaler)"),
+    Piece("transformers", _TRAINER, "Trainer._save", "code",
+          "called by Trainer.save_model inside _save_checkpoint: the model files of a save without FSDP"),
+    Piece("transformers", _TRAINER, "Trainer._load_scaler", "code",
+          "what a resume reads of scaler.pt (with a gradient scaler)"),
     Piece("transformers", _TRAINER, "Trainer._load_from_checkpoint", "code",
           "the model restore, checked against the optimizer before it loads"),
     Piece("transformers", _TRAINER, "Trainer._load_optimizer_and_scheduler", "code",
@@ -216,8 +223,13 @@ _FSDP_UTILS = "accelerate.utils.fsdp_utils"
 #: The Accelerate functions Trainer calls through its own module's bindings on an FSDP save or resume (not the
 #: bindings the Accelerate front end wraps): their bodies run in a protected Trainer checkpoint, with FSDP1 and FSDP2.
 TRAINER_FSDP_PIECES: tuple[Piece, ...] = (
+    Piece("transformers", _TRAINER, "save_fsdp_optimizer", "exists",
+          "the module binding Trainer._save_optimizer_and_scheduler saves an FSDP optimizer with, not wrapped "
+          "(Accelerate's function it names is a piece below)"),
     Piece("accelerate", _FSDP_UTILS, "load_fsdp_model", "code",
           "the model restore of a protected resume (transformers.trainer.load_fsdp_model, wrapped and then called)"),
+    Piece("accelerate", _FSDP_UTILS, "_set_model_state_dict", "code",
+          "called by load_fsdp_model on a protected resume (FSDP1 and FSDP2): what loads the model state it read"),
     Piece("accelerate", _FSDP_UTILS, "save_fsdp_optimizer", "code",
           "the optimizer files of a protected save (transformers.trainer.save_fsdp_optimizer)"),
     Piece("accelerate", _FSDP_UTILS, "load_fsdp_optimizer", "code",
@@ -231,13 +243,31 @@ FINALIZE_PIECES: dict[str, Piece] = {
     for name in ("_finalize_training", "_inner_training_loop")}
 
 
+#: What rotates old checkpoints inside ``_save_checkpoint`` (in the staging directory, where there are none), by where
+#: the installed Trainer has it: its own method (4.57) or ``trainer_utils.rotate_checkpoints`` (5.x).
+ROTATE_PIECES: dict[str, Piece] = {
+    "_rotate_checkpoints": Piece("transformers", _TRAINER, "Trainer._rotate_checkpoints", "code",
+                                 "called by _save_checkpoint on the directory it saved into (the staging one)"),
+    "rotate_checkpoints": Piece("transformers", "transformers.trainer_utils", "rotate_checkpoints", "code",
+                                "called by _save_checkpoint on the directory it saved into (the staging one)"),
+}
+#: Each group of alternative pieces, the first one a release has winning: only that one is the release's piece.
+ALTERNATIVES: tuple[tuple[Piece, ...], ...] = (
+    (FINALIZE_PIECES["_finalize_training"], FINALIZE_PIECES["_inner_training_loop"]),
+    (ROTATE_PIECES["_rotate_checkpoints"], ROTATE_PIECES["rotate_checkpoints"]),
+)
+
+
 def trainer_pieces(trainer_class: type | None = None) -> tuple[Piece, ...]:
-    """The pieces of the installed Trainer: :data:`TRAINER_PIECES` and the method that ends a run
-    (``_finalize_training`` where it exists, 5.x; else ``_inner_training_loop``, 4.57)."""
+    """The pieces of the installed Trainer: :data:`TRAINER_PIECES`, the method that ends a run
+    (``_finalize_training`` where it exists, 5.x; else ``_inner_training_loop``, 4.57) and what rotates checkpoints
+    (``Trainer._rotate_checkpoints`` where it exists, 4.57; else ``trainer_utils.rotate_checkpoints``, 5.x)."""
     if trainer_class is None:
         import transformers.trainer as module
 
         trainer_class = module.Trainer
     name = "_finalize_training" if callable(getattr(trainer_class, "_finalize_training", None)) \
         else "_inner_training_loop"
-    return (*TRAINER_PIECES, FINALIZE_PIECES[name])
+    rotate = "_rotate_checkpoints" if callable(getattr(trainer_class, "_rotate_checkpoints", None)) \
+        else "rotate_checkpoints"
+    return (*TRAINER_PIECES, FINALIZE_PIECES[name], ROTATE_PIECES[rotate])
