@@ -17,7 +17,7 @@ import torch
 
 import accelerate_txn
 from accelerate_txn import CheckpointError, configure_checkpointing, register_checkpoint_state, wait_for_checkpoint
-from tests._scenarios import _build, _error, _local_state, _same, _train
+from tests._scenarios import _build, _error, _local_state, _same, _train, held_dcp_writes
 
 
 def _listing(checkpoints: Path) -> list[str]:
@@ -540,10 +540,6 @@ def async_exact_under_mutation(root: str, fsdp_version: int) -> dict[str, Any]:
     for each mutation, the background writes are held back (a gate on DCP's ``save``: no sleep) until the script
     has mutated the live state, then the checkpoint is restored into a fresh model and compared bitwise with the
     state at ``save_state``."""
-    import threading
-
-    from torch.distributed.checkpoint import state_dict_saver
-
     from tests._fsdp2_scenarios import _build as build2
     from tests._fsdp2_scenarios import _differences, _snapshot
 
@@ -553,15 +549,7 @@ def async_exact_under_mutation(root: str, fsdp_version: int) -> dict[str, Any]:
     obs: dict[str, Any] = {"differences": {}, "live_changed": {}, "errors": {}}
     acc, model, opt, sched = build(0)
     configure_checkpointing(acc, async_save=True)
-    gate = threading.Event()
-    original_write = state_dict_saver.save
-
-    def gated_write(*args: Any, **kwargs: Any) -> Any:
-        gate.wait()
-        return original_write(*args, **kwargs)
-
-    state_dict_saver.save = gated_write  # the background thread looks it up at each write
-    try:
+    with held_dcp_writes() as gate:
         for index, (name, mutate) in enumerate(_mutations(fsdp_version).items()):
             _train(acc, model, opt, sched, 1, seed=10 + index)
             expected = _snapshot(model, opt, sched)
@@ -579,7 +567,5 @@ def async_exact_under_mutation(root: str, fsdp_version: int) -> dict[str, Any]:
             obs["differences"][name] = _differences(expected, _snapshot(model2, opt2, sched2),
                                                     ("params", "optim", "groups"))
             acc.load_state(str(base / f"m{index}"))  # the next case starts from a sane state
-    finally:
-        state_dict_saver.save = original_write
     acc.end_training()
     return obs

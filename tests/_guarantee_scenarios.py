@@ -16,7 +16,7 @@ import torch.distributed as dist
 import accelerate_txn
 from accelerate_txn import configure_checkpointing, wait_for_checkpoint
 from accelerate_txn.testing import TinyModel, fsdp_accelerator
-from tests._scenarios import _error, _train
+from tests._scenarios import _error, _train, held_dcp_writes
 
 # Collectives a checkpoint path could run (torch.distributed's public functions, looked up at call time).
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
@@ -84,7 +84,6 @@ def async_save_then_destroy(root: str, fsdp_version: int, bypass: bool) -> dict[
     ``destroy_process_group`` (``bypass=False``: through torch.distributed as scripts do; ``bypass=True``: the
     unwrapped function, as a reference bound before accelerate-txn wrapped it would be, and the gate opens only
     after the group is gone)."""
-    from torch.distributed.checkpoint import state_dict_saver
 
     rank = int(os.environ["RANK"])
     acc, model, opt, sched = _build(fsdp_version, seed=0)
@@ -96,30 +95,23 @@ def async_save_then_destroy(root: str, fsdp_version: int, bypass: bool) -> dict[
     saved = _state(model, opt)
     torch.save(saved, Path(root) / f"expected_{rank}.pt")
 
-    gate = threading.Event()
-    original_write = state_dict_saver.save
-
-    def gated_write(*args: Any, **kwargs: Any) -> Any:
-        gate.wait()
-        return original_write(*args, **kwargs)
-
-    state_dict_saver.save = gated_write  # the background thread looks it up at each write
     path = Path(root) / "checkpoint"
-    try:
-        handle = acc.save_state(str(path))
-        obs: dict[str, Any] = {"in_flight_before_destroy": not handle.done()}
-        destroy = dist.destroy_process_group
-        if bypass:
-            destroy.__wrapped__()  # type: ignore[attr-defined]
+    with held_dcp_writes() as gate:
+        gate.clear()
+        try:
+            handle = acc.save_state(str(path))
+            obs: dict[str, Any] = {"in_flight_before_destroy": not handle.done()}
+            destroy = dist.destroy_process_group
+            if bypass:
+                destroy.__wrapped__()  # type: ignore[attr-defined]
+                gate.set()
+            else:
+                gate.set()
+                destroy()
+        finally:
             gate.set()
-        else:
-            gate.set()
-            destroy()
-    finally:
-        gate.set()
-    obs["initialized_after_destroy"] = dist.is_initialized()
-    obs["wait"] = _error(lambda: wait_for_checkpoint(acc))
-    state_dict_saver.save = original_write
+        obs["initialized_after_destroy"] = dist.is_initialized()
+        obs["wait"] = _error(lambda: wait_for_checkpoint(acc))
     obs["published"] = (path / accelerate_txn.MANIFEST).is_file()
     obs["staging_left"] = sorted(p.name for p in Path(root).iterdir() if ".staging-" in p.name)
     obs["library_threads"] = [t.name for t in threading.enumerate() if t.name.startswith("accelerate-txn")]

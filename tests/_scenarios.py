@@ -3,9 +3,12 @@ one process group to amortise start-up, and returns observations that the pytest
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,29 @@ from accelerate_txn.testing import TinyModel, fsdp_accelerator
 
 def warmup_lambda(step: int, warmup: int = 3) -> float:
     return min(1.0, (step + 1) / warmup)
+
+
+@contextlib.contextmanager
+def held_dcp_writes() -> Iterator[threading.Event]:
+    """While the yielded event is cleared, DCP writes (an asynchronous save's background thread looks up
+    ``state_dict_saver.save`` at each write) wait for it: a deterministic window between ``save_state`` returning
+    and the first byte written, with no sleep. On exit the event is set and DCP's ``save`` restored."""
+    from torch.distributed.checkpoint import state_dict_saver
+
+    gate = threading.Event()
+    gate.set()
+    original = state_dict_saver.save
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        gate.wait()
+        return original(*args, **kwargs)
+
+    state_dict_saver.save = held
+    try:
+        yield gate
+    finally:
+        gate.set()
+        state_dict_saver.save = original
 
 
 def _local_state(model: Any, optimizer: Any) -> dict[str, Any]:
