@@ -26,7 +26,7 @@ gradient on any rank refuses the save on every rank with the same error.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 from weakref import WeakKeyDictionary
 
@@ -38,7 +38,7 @@ _Note = tuple["weakref.ref[torch.Tensor]", int, int]
 # Per optimizer that completed a step: {id(parameter): note of its gradient right after that step}. The optimizer
 # holds its parameters, so their ids are stable while it lives.
 _APPLIED: WeakKeyDictionary[Any, dict[int, _Note]] = WeakKeyDictionary()
-_HOOK: dict[str, Any] = {"handle": None}
+_HOOK: dict[str, Any] = {"handle": None, "active": None}
 
 
 def _local(gradient: torch.Tensor) -> torch.Tensor:
@@ -58,6 +58,10 @@ def _note(gradient: torch.Tensor) -> _Note:
 
 
 def _noted_after_step(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    active = _HOOK["active"]
+    if active is not None and not active():  # nothing protected can run: the step stays exactly native
+        _APPLIED.pop(optimizer, None)
+        return
     try:
         _APPLIED[optimizer] = {id(p): _note(p.grad) for group in optimizer.param_groups for p in group["params"]
                                if p.grad is not None}
@@ -65,8 +69,10 @@ def _noted_after_step(optimizer: Any, _args: Any, _kwargs: Any) -> None:
         _APPLIED.pop(optimizer, None)
 
 
-def track_steps() -> None:
-    """Note the gradients each optimizer step applies (idempotent); see the module docstring."""
+def track_steps(active: Callable[[], bool] | None = None) -> None:
+    """Note the gradients each optimizer step applies (idempotent); see the module docstring. ``active()`` False (no
+    protected path can run: dispatch off and nothing opted in) makes a step note nothing."""
+    _HOOK["active"] = active
     if _HOOK["handle"] is None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 

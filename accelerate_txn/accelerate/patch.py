@@ -392,7 +392,8 @@ def install() -> None:
     module = accelerator_module()
 
     data_order.install()  # where each prepared data loader's epochs start (``accelerate.data_order``)
-    gradients.track_steps()  # which gradients a completed optimizer step applied (``accelerate.gradients``)
+    # which gradients a completed optimizer step applied (``accelerate.gradients``), where a protected save can run
+    gradients.track_steps(_may_protect)
     # A rank that destroys its process group says so: one waiting for it raises at once (only where the protected
     # path can run: with dispatch off and nothing opted in, destroy_process_group stays exactly native).
     install_leaving_notice(_may_protect)
