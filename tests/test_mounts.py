@@ -342,6 +342,14 @@ def _in_a_process(code: str, point: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
+def _saving_into(path: Path) -> str:
+    """A script that trains one step and saves a protected checkpoint at ``path``."""
+    return ("from accelerate_txn import save_training_checkpoint\n"
+            "from tests._single import stepped_accelerator\n"
+            "accelerator, _, _ = stepped_accelerator()\n"
+            f"save_training_checkpoint(accelerator, {str(path)!r})\n")
+
+
 def test_a_save_onto_a_real_s3fs_mount_is_refused_and_nothing_reaches_the_bucket(s3fs_mount: Path,
                                                                                  tmp_path: Path) -> None:
     from accelerate_txn.store.s3 import S3Store
@@ -349,11 +357,7 @@ def test_a_save_onto_a_real_s3fs_mount_is_refused_and_nothing_reaches_the_bucket
     found = object_store_mount(s3fs_mount / "run")
     assert found is not None and found.tool == "s3fs" and found.mount.fstype == "fuse.s3fs"
     prefix = f"fuse-{uuid.uuid4().hex}"
-    refused = _in_a_process(
-        "from accelerate_txn import save_training_checkpoint\n"
-        "from tests._single import stepped_accelerator\n"
-        "accelerator, _, _ = stepped_accelerator()\n"
-        f"save_training_checkpoint(accelerator, {str(s3fs_mount / prefix / 'checkpoint_0')!r})\n", s3fs_mount)
+    refused = _in_a_process(_saving_into(s3fs_mount / prefix / "checkpoint_0"), s3fs_mount)
     assert refused.returncode == 1, refused.stderr[-3000:]
     assert "CheckpointConfigurationError" in refused.stderr, refused.stderr[-3000:]
     assert f"it is on {s3fs_mount}, a s3fs mount of Amazon S3" in refused.stderr
@@ -364,11 +368,7 @@ def test_a_save_onto_a_real_s3fs_mount_is_refused_and_nothing_reaches_the_bucket
     # Reading from the mount works: a checkpoint published locally and copied onto it verifies there, every file
     # hashed (the command line, in its own process).
     local = tmp_path / "local"
-    saved = _in_a_process(
-        "from accelerate_txn import save_training_checkpoint\n"
-        "from tests._single import stepped_accelerator\n"
-        "accelerator, _, _ = stepped_accelerator()\n"
-        f"save_training_checkpoint(accelerator, {str(local / 'checkpoint_0')!r})\n", s3fs_mount)
+    saved = _in_a_process(_saving_into(local / "checkpoint_0"), s3fs_mount)
     assert saved.returncode == 0, saved.stderr[-3000:]
     copied = s3fs_mount / f"{prefix}-read" / "checkpoint_0"
     shutil.copytree(local / "checkpoint_0", copied)
