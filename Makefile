@@ -120,7 +120,7 @@ test-matrix-table:
 
 ## The whole rectangle (not CI: 90 cells, about two hours on 2 cores): every torch release of the table with every
 ## Accelerate release of the table, on Python 3.11, MATRIX_TESTS in each; cells outside the table run with
-## VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1. Writes .ci/matrix-full-run.md (which docs/versions.md shows) and its .json
+## ACCELERATE_TXN_ALLOW_UNVALIDATED=1. Writes .ci/matrix-full-run.md (which docs/versions.md shows) and its .json
 ## after every cell; an interrupted run continues with make test-matrix-full MATRIX_ARGS=--resume.
 test-matrix-full:
 	$(PYTHON) .ci/matrix.py --rectangle --include-default --record .ci/matrix-full-run.md $(MATRIX_ARGS) -- $(MATRIX_TESTS)

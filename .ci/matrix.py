@@ -53,8 +53,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "accelerate_txn" / "validated.json"
 CONSTRAINTS = ROOT / "constraints.txt"
-OVERRIDE = "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED"
-UNSET = (OVERRIDE, "VIDEOX_ACCELERATE_PATCHES")
+OVERRIDE = "ACCELERATE_TXN_ALLOW_UNVALIDATED"
+UNSET = (OVERRIDE, "ACCELERATE_TXN_PATCHES")
 NOISE = re.compile(r"^WARNING: Location '.*' is ignored: it is neither a file nor a directory\.$")
 PIP = ("-m", "pip", "install", "--quiet", "--disable-pip-version-check")
 _REMOVALS: list[subprocess.Popen[bytes]] = []
@@ -314,7 +314,7 @@ class Environment:
     def check(self, job: Job) -> str | None:
         """Why this environment is not the job's pair, protected by accelerate_txn's evidence, or None."""
         code = ("import json, sys, torch, accelerate\n"
-                "from accelerate_txn.accelerate.versions import unprotected\n"
+                "from accelerate_txn.runtime.versions import unprotected\n"
                 "print(json.dumps({'python': '%d.%d' % sys.version_info[:2], 'torch': torch.__version__,"
                 " 'accelerate': accelerate.__version__, 'unprotected': unprotected()}))")
         probe = subprocess.run([str(self.bin), "-c", code], cwd=ROOT, env=self.env(), capture_output=True, text=True,
@@ -599,7 +599,7 @@ def record(outcomes: list[Outcome], argv: list[str], pending: Sequence[Job] = ()
         f"{os.cpu_count()} CPU cores, {minutes:.0f} minutes of installs and tests; "
         f"{len(outcomes) + len(pending)} cells, {passed} passed, {len(outcomes) - passed} not{state}. "
         "\"(table)\" marks a pair of the validated table; every cell ran without "
-        "`VIDEOX_ACCELERATE_ALLOW_UNVALIDATED`, protected by the evidence (accelerate_txn/evidence.json).",
+        "`ACCELERATE_TXN_ALLOW_UNVALIDATED`, protected by the evidence (accelerate_txn/evidence.json).",
         "",
         "| torch \\ Accelerate | " + " | ".join(accelerates) + " |",
         "| --- |" + " --- |" * len(accelerates),

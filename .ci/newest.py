@@ -10,7 +10,7 @@ Accelerate and transformers the package index serves, whatever the table and the
    do not resolve with the newest releases, again with the three releases pinned only. uv and its download cache
    are the matrix's (.venv-matrix) when make test-matrix left them there, as in .ci/run: what it downloaded last
    (the newest torch of the table) is not downloaded again.
-3. Ask the gate there: ``accelerate_txn.accelerate.versions.unprotected()`` for the Accelerate front end, and
+3. Ask the gate there: ``accelerate_txn.runtime.versions.unprotected()`` for the Accelerate front end, and
    ``accelerate_txn.trainer.versions.differing(Trainer, path)`` for the Trainer, on FSDP1 and FSDP2.
 4. Run the tests of each front end and path the gate protects: the matrix subset (MATRIX_TESTS, FSDP1; and
    MATRIX_FSDP2_TESTS) and the Trainer subset (TRAINER_NEWEST_TESTS, FSDP1; TRAINER_NEWEST_FSDP2_TESTS), as the
@@ -55,7 +55,7 @@ print("RELEASES " + json.dumps({"python": "%d.%d" % sys.version_info[:2], "torch
                                 "accelerate": accelerate.__version__, "transformers": transformers.__version__}))
 sys.stdout.flush()
 from transformers import Trainer
-from accelerate_txn.accelerate.versions import unprotected
+from accelerate_txn.runtime.versions import unprotected
 from accelerate_txn.trainer.versions import differing
 native = {f"accelerate {path}": reasons for path, reasons in unprotected().items()}
 for path in ("fsdp1", "fsdp2"):

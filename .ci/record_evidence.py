@@ -22,9 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from accelerate_txn.accelerate.internals import ACCELERATE_COMMON, ACCELERATE_FSDP1, ACCELERATE_FSDP2  # noqa: E402
 from accelerate_txn.compat.pieces import Piece, Unreadable, observe_source, outline_source  # noqa: E402
 from accelerate_txn.fsdp.internals import TORCH_COMMON, TORCH_FSDP1, TORCH_FSDP2  # noqa: E402
+from accelerate_txn.runtime.accelerate_internals import ACCELERATE_COMMON, ACCELERATE_FSDP1, ACCELERATE_FSDP2  # noqa: E402
 from accelerate_txn.trainer.internals import ALTERNATIVES, TRAINER_FSDP_PIECES, TRAINER_PIECES  # noqa: E402
 
 EVIDENCE = ROOT / "accelerate_txn" / "evidence.json"
@@ -33,7 +33,7 @@ PIECES: tuple[Piece, ...] = tuple(dict.fromkeys(
      *TRAINER_PIECES, *TRAINER_FSDP_PIECES, *(piece for group in ALTERNATIVES for piece in group))))
 ABOUT = [
     "The evidence that decides protection (accelerate_txn/compat/evidence.py): for each private piece a front end",
-    "relies on (declared in accelerate/internals.py, fsdp/internals.py, trainer/internals.py), the values it had in",
+    "relies on (declared in runtime/accelerate_internals.py, fsdp/internals.py, trainer/internals.py), the values it had in",
     "each release that passed the library's tests, with those releases. Written by .ci/record_evidence.py from the",
     "releases' wheels; never by hand. 'outlines': the calls of each code value, to say what changed.",
 ]

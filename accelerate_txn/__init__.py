@@ -2,7 +2,7 @@
 
 Importing this package wraps ``Accelerator.save_state``/``load_state`` once (reversibly, see :func:`uninstall`).
 On a validated Accelerate/PyTorch pair, FSDP1 ``SHARDED_STATE_DICT`` saves and loads take the protected
-path; everything else runs native Accelerate unchanged. ``VIDEOX_ACCELERATE_PATCHES=0`` turns automatic
+path; everything else runs native Accelerate unchanged. ``ACCELERATE_TXN_PATCHES=0`` turns automatic
 dispatch off; :func:`patch_accelerate_fsdp`/:func:`unpatch_accelerate_fsdp` opt one Accelerator in or out.
 """
 
@@ -48,14 +48,13 @@ _LAZY = {
     "on_main": "core.ranks",
     "save_training_checkpoint": "accelerate.save",
     "latest_training_checkpoint": "accelerate.selection",
-    "wait_for_checkpoint": "accelerate.async_save",
+    "wait_for_checkpoint": "runtime.async_save",
 }
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing; type checkers treat the name as True
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from typing import Any
 
-    from .accelerate.async_save import wait_for_checkpoint
     from .accelerate.config import configure_checkpointing
     from .accelerate.finite import check_finite_state, check_finite_training_value
     from .accelerate.load import load_training_checkpoint
@@ -66,6 +65,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .core.manifest import MANIFEST, PROTOCOL
     from .core.ranks import agree as agree  # rank helpers: importable, not in __all__
     from .core.ranks import on_main as on_main
+    from .runtime.async_save import wait_for_checkpoint
 
 
 def __getattr__(name: str) -> Any:

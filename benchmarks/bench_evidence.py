@@ -28,14 +28,14 @@ import json, sys, time
 sys.path.insert(0, {root!r})
 import torch.distributed.fsdp, accelerate.accelerator, transformers.trainer
 import accelerate_txn
-from accelerate_txn.accelerate.versions import PATHS, differing
+from accelerate_txn.runtime.versions import PATHS, differing
 from accelerate_txn.trainer.versions import differing as trainer_differing
 def check():
     found = [differing(path) for path in PATHS] + [trainer_differing(None, "fsdp1")]
     assert not any(found), found
 start = time.perf_counter(); check(); first = time.perf_counter() - start
 start = time.perf_counter(); check(); again = time.perf_counter() - start
-from accelerate_txn.accelerate.versions import PATHS as P
+from accelerate_txn.runtime.versions import PATHS as P
 from accelerate_txn.trainer.internals import trainer_pieces
 pieces = len(set(piece for path in P.values() for piece in path) | set(trainer_pieces()))
 print(json.dumps({{"first_ms": first * 1e3, "again_ms": again * 1e3, "pieces": pieces}}))

@@ -2,7 +2,7 @@
 
 2 ranks, gloo, CPU, FSDP1 ``SHARDED_STATE_DICT`` forced onto the Trainer (``accelerate_txn.testing.force_fsdp_trainer``),
 a Llama built from a config (no download; ``--size`` picks its width), AdamW after one training step. Each repeat
-calls ``Trainer._save_checkpoint`` (what Trainer calls every ``save_steps``) twice, native (``VIDEOX_ACCELERATE_PATCHES=0``
+calls ``Trainer._save_checkpoint`` (what Trainer calls every ``save_steps``) twice, native (``ACCELERATE_TXN_PATCHES=0``
 for that call, on every rank) and protected (staging, every file hashed with XXH3-128 and fsynced, manifest, rename),
 in alternating order, each into its own ``checkpoint-N``. Reports rank 0's per-mode median wall time and the median of
 the per-pair ratios protected/native (target: at most 1.10x).
@@ -54,7 +54,7 @@ def worker(size: int, repeats: int, directory: str) -> dict[str, Any]:
         for mode in (("native", "protected") if repeat % 2 == 0 else ("protected", "native")):
             step += 1
             trainer.state.global_step = step
-            os.environ["VIDEOX_ACCELERATE_PATCHES"] = "0" if mode == "native" else "1"
+            os.environ["ACCELERATE_TXN_PATCHES"] = "0" if mode == "native" else "1"
             dist.barrier()
             start = time.perf_counter()
             trainer._save_checkpoint(trainer.model_wrapped, None)
@@ -63,7 +63,7 @@ def worker(size: int, repeats: int, directory: str) -> dict[str, Any]:
             if dist.get_rank() == 0:
                 shutil.rmtree(Path(directory) / f"checkpoint-{step}")  # keep the disk's state alike for every save
             dist.barrier()
-    os.environ.pop("VIDEOX_ACCELERATE_PATCHES", None)
+    os.environ.pop("ACCELERATE_TXN_PATCHES", None)
     return {"parameters": parameters, "times": times}
 
 

@@ -176,11 +176,11 @@ def fallbacks(root: str) -> dict[str, Any]:
     accelerate_txn.unpatch_accelerate_fsdp(opted_out[0])
     native_by_configuration("opted_out", *opted_out)
     env_off = _setup(_adamw)
-    os.environ[accelerate_txn.accelerate.patch.PATCH_ENV] = "0"
+    os.environ[accelerate_txn.runtime.versions.PATCH_ENV] = "0"
     try:
         native_by_configuration("env_off", *env_off)
     finally:
-        del os.environ[accelerate_txn.accelerate.patch.PATCH_ENV]
+        del os.environ[accelerate_txn.runtime.versions.PATCH_ENV]
     fsdp2 = fsdp_accelerator(fsdp_version=2)
     torch.manual_seed(0)
     raw = TinyModel()  # FSDP2: model and optimizer are prepared together

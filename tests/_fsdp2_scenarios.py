@@ -357,9 +357,9 @@ def unvalidated_and_native(root: str) -> dict[str, Any]:
     native Accelerate itself does with the before-the-first-step checkpoint (for the record)."""
     from accelerate.utils import fsdp_utils
 
-    from accelerate_txn.accelerate import versions as _versions
     from accelerate_txn.accelerate.patch import _protected
     from accelerate_txn.compat.evidence import forget
+    from accelerate_txn.runtime import versions as _versions
     from tests._dispatch_scenarios import _observed
 
     base = Path(root)

@@ -179,7 +179,7 @@ def _count_collectives(calls: list[str]) -> list[tuple[Any, str, Any]]:
 
 
 def dispatch_off_is_native(root: str) -> dict[str, Any]:
-    """Run with ``VIDEOX_ACCELERATE_PATCHES=0``: a save and a load make exactly the collectives (and files)
+    """Run with ``ACCELERATE_TXN_PATCHES=0``: a save and a load make exactly the collectives (and files)
     native Accelerate makes with the library uninstalled."""
     from accelerate_txn.accelerate import patch as _patch
 

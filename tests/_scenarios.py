@@ -277,7 +277,7 @@ def dispatch_toggles(root: str) -> dict[str, Any]:
 
 
 def env_off(root: str) -> dict[str, Any]:
-    """VIDEOX_ACCELERATE_PATCHES=0: native unless opted in."""
+    """ACCELERATE_TXN_PATCHES=0: native unless opted in."""
     acc, model, opt, sched = _build(0)
     _train(acc, model, opt, sched, 1, seed=0)
     acc.save_state(os.path.join(root, "native"))
@@ -414,7 +414,7 @@ def multi_cpu_explicit(root: str) -> dict[str, Any]:
 
 
 def multi_cpu_protect_all(root: str) -> dict[str, Any]:
-    """With VIDEOX_ACCELERATE_PROTECT=all (set by the test), a plain MULTI_CPU (DDP on CPU) save_state/load_state takes
+    """With ACCELERATE_TXN_PROTECT=all (set by the test), a plain MULTI_CPU (DDP on CPU) save_state/load_state takes
     the protected path: published with a manifest, a corrupt copy refused on every rank before any change."""
     from accelerate import Accelerator
 

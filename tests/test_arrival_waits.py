@@ -116,7 +116,7 @@ def leaving_notice(store_key: str) -> bool:
     import accelerate  # noqa: F401  accelerate_txn wraps Accelerate (and destroy_process_group) when it is imported
     import torch.distributed as dist
 
-    import accelerate_txn  # noqa: F401  whatever VIDEOX_ACCELERATE_PATCHES says
+    import accelerate_txn  # noqa: F401  whatever ACCELERATE_TXN_PATCHES says
     from accelerate_txn.core.ranks import ARRIVAL_PREFIX, LEFT_KEY
     from accelerate_txn.fsdp.internals import default_store
 
@@ -134,8 +134,8 @@ def leaving_notice(store_key: str) -> bool:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("patches", ["1", "0"])
 def test_destroying_the_process_group_leaves_a_notice_only_where_the_protected_path_can_run(patches: str) -> None:
-    """With ``VIDEOX_ACCELERATE_PATCHES=0`` (and nothing opted in) ``destroy_process_group`` is exactly native:
+    """With ``ACCELERATE_TXN_PATCHES=0`` (and nothing opted in) ``destroy_process_group`` is exactly native:
     nothing is written to the store; otherwise it leaves the notice a waiting rank ends its wait on."""
     noticed, _ = launch(leaving_notice, 2, args=(f"destroyed-{patches}",), timeout=TIMEOUT,
-                        env={"VIDEOX_ACCELERATE_PATCHES": patches})
+                        env={"ACCELERATE_TXN_PATCHES": patches})
     assert noticed is (patches == "1")

@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from accelerate_txn.accelerate.versions import OVERRIDE_ENV, PATCH_ENV
 from accelerate_txn.cli import main
+from accelerate_txn.runtime.versions import OVERRIDE_ENV, PATCH_ENV
 from tests._overlay import accelerate_with_a_changed_fsdp1_save, accelerate_with_a_renamed_parameter
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,5 +1,5 @@
 """``configure_checkpointing``: a call changes only what it names, validates before it changes anything, and the
-directory-lock wait (``lock_timeout``, ``VIDEOX_CHECKPOINT_LOCK_TIMEOUT``)."""
+directory-lock wait (``lock_timeout``, ``ACCELERATE_TXN_LOCK_TIMEOUT``)."""
 
 from __future__ import annotations
 

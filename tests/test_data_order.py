@@ -324,7 +324,7 @@ def test_resume_mid_epoch_with_a_seedable_sampler_is_bitwise_equal(fsdp1: dict[s
 @pytest.mark.distributed
 def test_resume_mid_epoch_of_a_stateful_loader_is_bitwise_equal(fsdp1: dict[str, Any],
                                                                 fsdp1_variants: list[Any]) -> None:
-    from accelerate_txn.accelerate.internals import stateful_shard_position_exact
+    from accelerate_txn.runtime.accelerate_internals import stateful_shard_position_exact
 
     if not stateful_shard_position_exact():
         # Accelerate before 1.13 records a stateful loader's position a batch early on 2 ranks (accelerate #3938):

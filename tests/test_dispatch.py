@@ -80,7 +80,7 @@ def test_explicit_opt_in_refuses_an_unsupported_optimizer_with_the_reason(
 @pytest.mark.parametrize("case, condition", [
     ("full_state_dict", "state_dict_type is FULL_STATE_DICT (protected: SHARDED_STATE_DICT only)"),
     ("opted_out", "opted out with unpatch_accelerate_fsdp()"),
-    ("env_off", "automatic dispatch is off (VIDEOX_ACCELERATE_PATCHES='0')"),
+    ("env_off", "automatic dispatch is off (ACCELERATE_TXN_PATCHES='0')"),
 ])
 def test_each_native_fsdp_setup_logs_one_info_line_naming_the_condition(
         fallbacks: list[dict[str, Any]], case: str, condition: str) -> None:

@@ -134,7 +134,7 @@ def test_legacy_checkpoint_loads_with_warning_or_is_refused(toggles: list) -> No
 
 def test_env_toggle_off_runs_native_unless_opted_in(tmp_path: Any) -> None:
     results = launch("tests._scenarios:env_off", 2, args=(str(tmp_path),), timeout=TIMEOUT,
-                     env={"VIDEOX_ACCELERATE_PATCHES": "0"})
+                     env={"ACCELERATE_TXN_PATCHES": "0"})
     for obs in results:
         assert obs == {"native_has_manifest": False, "opted_in_has_manifest": True}
 

@@ -17,23 +17,26 @@ import pytest
 import accelerate_txn
 from accelerate_txn import MANIFEST
 from accelerate_txn.accelerate.config import PROTECT_ENV
-from accelerate_txn.core.environment import OFF, ON, Variable, choice, flag
+from accelerate_txn.core.environment import OFF, OLDER_NAMES, ON, Variable, choice, flag
 from accelerate_txn.errors import CheckpointConfigurationError
 from tests._single import stepped_accelerator
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "ACCELERATE_TXN_TEST_SETTING"  # no variable of the library
 #: Every variable of the library and of its test harness, at its documented default (unset).
-LIBRARY = ("VIDEOX_ACCELERATE_PATCHES", "VIDEOX_ACCELERATE_PROTECT", "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED",
-           "VIDEOX_CHECKPOINT_FINITE", "VIDEOX_CHECKPOINT_LOCK_TIMEOUT", "VIDEOX_CHECKPOINT_ARRIVAL_TIMEOUT",
+LIBRARY = ("ACCELERATE_TXN_PATCHES", "ACCELERATE_TXN_PROTECT", "ACCELERATE_TXN_ALLOW_UNVALIDATED",
+           "ACCELERATE_TXN_CHECK_FINITE", "ACCELERATE_TXN_LOCK_TIMEOUT", "ACCELERATE_TXN_ARRIVAL_TIMEOUT",
            "ACCELERATE_TXN_SIGNING_KEY_FILE", "ACCELERATE_TXN_VERIFY_KEYS", "ACCELERATE_TXN_DIRECT_IO",
            "ACCELERATE_TXN_KILL_AT", "ACCELERATE_TXN_KILL_SIGNAL", "ACCELERATE_TXN_ASYNC_FAIL_AT",
            "ACCELERATE_TXN_CPU_RANKS_PER_NODE", "ACCELERATE_TXN_MOUNTINFO")
 
 
+OLDER = tuple(old for olds in OLDER_NAMES.values() for old in olds)  # VIDEOX_*: still honoured
+
+
 @pytest.fixture(autouse=True)
 def _defaults(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in (*LIBRARY, NAME):
+    for name in (*LIBRARY, *OLDER, NAME):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -135,12 +138,12 @@ def test_every_variable_the_library_reads_is_documented_with_its_values() -> Non
 #: (variable, a value outside its documented set). The save is a one-process protected one (protect="all" from the
 #: environment), which reads every one of them before anything is written.
 GARBAGE = [
-    ("VIDEOX_ACCELERATE_PATCHES", "maybe"),
-    ("VIDEOX_ACCELERATE_PROTECT", "yes"),
-    ("VIDEOX_ACCELERATE_ALLOW_UNVALIDATED", "sure"),
-    ("VIDEOX_CHECKPOINT_FINITE", "always"),
-    ("VIDEOX_CHECKPOINT_LOCK_TIMEOUT", "soon"),
-    ("VIDEOX_CHECKPOINT_ARRIVAL_TIMEOUT", "-1"),
+    ("ACCELERATE_TXN_PATCHES", "maybe"),
+    ("ACCELERATE_TXN_PROTECT", "yes"),
+    ("ACCELERATE_TXN_ALLOW_UNVALIDATED", "sure"),
+    ("ACCELERATE_TXN_CHECK_FINITE", "always"),
+    ("ACCELERATE_TXN_LOCK_TIMEOUT", "soon"),
+    ("ACCELERATE_TXN_ARRIVAL_TIMEOUT", "-1"),
     ("ACCELERATE_TXN_DIRECT_IO", "fast"),
     ("ACCELERATE_TXN_KILL_AT", "save:after-manifest@one"),
     ("ACCELERATE_TXN_KILL_AT", "save:after-manifest#0"),
@@ -163,8 +166,8 @@ def test_a_value_outside_the_documented_set_refuses_the_save_before_anything_is_
 
 
 @pytest.mark.parametrize("name, value", [
-    ("ACCELERATE_TXN_DIRECT_IO", "OFF"), ("ACCELERATE_TXN_DIRECT_IO", " yes "), ("VIDEOX_CHECKPOINT_FINITE", "True"),
-    ("VIDEOX_ACCELERATE_ALLOW_UNVALIDATED", "no"), ("ACCELERATE_TXN_KILL_AT", "save:after-manifest@3#2"),
+    ("ACCELERATE_TXN_DIRECT_IO", "OFF"), ("ACCELERATE_TXN_DIRECT_IO", " yes "), ("ACCELERATE_TXN_CHECK_FINITE", "True"),
+    ("ACCELERATE_TXN_ALLOW_UNVALIDATED", "no"), ("ACCELERATE_TXN_KILL_AT", "save:after-manifest@3#2"),
     ("ACCELERATE_TXN_KILL_SIGNAL", "term"), ("ACCELERATE_TXN_ASYNC_FAIL_AT", "3#1,2"),
 ])
 def test_a_documented_value_lets_the_save_publish(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str,
@@ -180,23 +183,75 @@ def test_a_documented_value_lets_the_save_publish(tmp_path: Path, monkeypatch: p
 def test_every_spelling_of_dispatch_off_stays_exactly_native(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              off: str) -> None:
     monkeypatch.setenv(PROTECT_ENV, "all")
-    monkeypatch.setenv("VIDEOX_ACCELERATE_PATCHES", off)
+    monkeypatch.setenv("ACCELERATE_TXN_PATCHES", off)
     accelerator, _, _ = stepped_accelerator()
     accelerator.save_state(str(tmp_path / "checkpoint-1"))
     assert not (tmp_path / "checkpoint-1" / MANIFEST).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]  # no lock file, no staging
 
 
+# --- The older VIDEOX_* names ------------------------------------------------------------------------------------------
+
+
+def test_every_older_name_is_one_of_a_library_variable_and_documented_beside_it() -> None:
+    declared = _declared()
+    text = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
+    assert set(OLDER_NAMES) <= set(declared) and len(OLDER) == len(set(OLDER)) == 6
+    for name, olds in OLDER_NAMES.items():
+        assert all(old.startswith("VIDEOX_") and f"| `{name}` | `{old}` |" in text for old in olds), name
+
+
+@pytest.mark.parametrize("off", ["0", "off"])
+def test_the_older_dispatch_switch_still_keeps_a_save_exactly_native(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     off: str) -> None:
+    monkeypatch.setenv(PROTECT_ENV, "all")
+    monkeypatch.setenv("VIDEOX_ACCELERATE_PATCHES", off)  # the design this came from: it must keep working
+    accelerator, _, _ = stepped_accelerator()
+    accelerator.save_state(str(tmp_path / "checkpoint-1"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]  # native: no manifest, lock or staging
+    assert not (tmp_path / "checkpoint-1" / MANIFEST).exists()
+
+
+def test_an_older_name_alone_sets_its_variable_and_names_itself_in_an_error(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VIDEOX_ACCELERATE_PROTECT", "all")  # the older spelling of ACCELERATE_TXN_PROTECT
+    accelerator, _, _ = stepped_accelerator()
+    accelerator.save_state(str(tmp_path / "checkpoint-1"))
+    assert (tmp_path / "checkpoint-1" / MANIFEST).is_file()  # protected: the older name was read
+    monkeypatch.setenv("VIDEOX_CHECKPOINT_LOCK_TIMEOUT", "soon")  # read when an Accelerator is first configured
+    fresh, _, _ = stepped_accelerator()
+    with pytest.raises(CheckpointConfigurationError, match=re.escape(
+            "The environment variable VIDEOX_CHECKPOINT_LOCK_TIMEOUT is 'soon': ")):
+        fresh.save_state(str(tmp_path / "checkpoint-2"))
+    assert not (tmp_path / "checkpoint-2").exists()
+
+
+def test_both_spellings_agreeing_are_one_setting_and_disagreeing_are_refused_naming_both(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PROTECT_ENV, "all")
+    monkeypatch.setenv("VIDEOX_ACCELERATE_PROTECT", " all ")
+    accelerator, _, _ = stepped_accelerator()
+    accelerator.save_state(str(tmp_path / "checkpoint-1"))
+    assert (tmp_path / "checkpoint-1" / MANIFEST).is_file()
+    monkeypatch.setenv("VIDEOX_ACCELERATE_PATCHES", "0")
+    monkeypatch.setenv("ACCELERATE_TXN_PATCHES", "1")
+    with pytest.raises(CheckpointConfigurationError, match=re.escape(
+            "The environment variables ACCELERATE_TXN_PATCHES='1', VIDEOX_ACCELERATE_PATCHES='0' are spellings of one "
+            "setting with different values: unset all but ACCELERATE_TXN_PATCHES.")):
+        accelerator.save_state(str(tmp_path / "checkpoint-2"))
+    assert not (tmp_path / "checkpoint-2").exists()
+
+
 def test_the_finite_check_of_the_environment_is_read_by_configure_checkpointing(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from accelerate_txn.accelerate.config import checkpoint_config
 
-    monkeypatch.setenv("VIDEOX_CHECKPOINT_FINITE", "on")
+    monkeypatch.setenv("ACCELERATE_TXN_CHECK_FINITE", "on")
     accelerator, _, _ = stepped_accelerator()
     assert checkpoint_config(accelerate_txn.configure_checkpointing(accelerator)).check_finite is True
-    monkeypatch.setenv("VIDEOX_CHECKPOINT_FINITE", "2")
+    monkeypatch.setenv("ACCELERATE_TXN_CHECK_FINITE", "2")
     fresh, _, _ = stepped_accelerator()
-    with pytest.raises(CheckpointConfigurationError, match=r"VIDEOX_CHECKPOINT_FINITE is '2': use 1, true, yes or on"):
+    with pytest.raises(CheckpointConfigurationError, match=r"ACCELERATE_TXN_CHECK_FINITE is '2': use 1, true, yes or on"):
         accelerate_txn.configure_checkpointing(fresh)
 
 
@@ -211,8 +266,8 @@ def test_an_invalid_dispatch_switch_refuses_a_trainer_checkpoint(tmp_path: Path,
                              max_steps=1, save_strategy="steps", save_steps=1, report_to=[], seed=0,
                              dataloader_num_workers=0, disable_tqdm=True)
     trainer = Trainer(model=model, args=args, train_dataset=data)
-    monkeypatch.setenv("VIDEOX_ACCELERATE_PATCHES", "maybe")
-    with pytest.raises(CheckpointConfigurationError, match=r"VIDEOX_ACCELERATE_PATCHES is 'maybe': use 1, true"):
+    monkeypatch.setenv("ACCELERATE_TXN_PATCHES", "maybe")
+    with pytest.raises(CheckpointConfigurationError, match=r"ACCELERATE_TXN_PATCHES is 'maybe': use 1, true"):
         trainer.train()
     assert not any((tmp_path / "run").glob("checkpoint-*"))
 
@@ -236,8 +291,8 @@ def test_the_cpu_harness_names_its_ranks_per_node_variable(monkeypatch: pytest.M
 def test_doctor_names_an_invalid_switch(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from accelerate_txn.cli import main
 
-    monkeypatch.setenv("VIDEOX_ACCELERATE_ALLOW_UNVALIDATED", "perhaps")
+    monkeypatch.setenv("ACCELERATE_TXN_ALLOW_UNVALIDATED", "perhaps")
     assert main(["doctor"]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert "The environment variable VIDEOX_ACCELERATE_ALLOW_UNVALIDATED is 'perhaps': use 1, true" in captured.err
+    assert "The environment variable ACCELERATE_TXN_ALLOW_UNVALIDATED is 'perhaps': use 1, true" in captured.err

@@ -25,8 +25,6 @@ from pathlib import Path
 
 import pytest
 
-from accelerate_txn.accelerate.internals import ACCELERATE_COMMON, ACCELERATE_FSDP1, ACCELERATE_FSDP2
-from accelerate_txn.accelerate.versions import PATHS, TESTED, protected, unprotected
 from accelerate_txn.compat.evidence import differences, forget, recorded
 from accelerate_txn.compat.pieces import (
     PRESENT,
@@ -41,6 +39,8 @@ from accelerate_txn.compat.pieces import (
     value_of,
 )
 from accelerate_txn.fsdp.internals import TORCH_COMMON, TORCH_FSDP1, TORCH_FSDP2
+from accelerate_txn.runtime.accelerate_internals import ACCELERATE_COMMON, ACCELERATE_FSDP1, ACCELERATE_FSDP2
+from accelerate_txn.runtime.versions import PATHS, TESTED, protected, unprotected
 
 REPO = Path(__file__).resolve().parents[1]
 ALL_ACCELERATE_AND_TORCH = tuple(dict.fromkeys(

@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from accelerate_txn.accelerate.internals import ACCELERATE_FSDP1
-from accelerate_txn.accelerate.versions import OVERRIDE_ENV, PATCH_ENV
+from accelerate_txn.runtime.accelerate_internals import ACCELERATE_FSDP1
+from accelerate_txn.runtime.versions import OVERRIDE_ENV, PATCH_ENV
 from accelerate_txn.testing import launch, run_script
 from tests._overlay import overlay, shadow_of
 

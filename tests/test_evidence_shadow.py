@@ -1,7 +1,7 @@
 """Every declared piece is checked where it matters: changed alone, in a shadow copy of its release, it turns the
 paths that rely on it native with one warning, and ``accelerate-txn doctor`` says so.
 
-For each piece of ``accelerate.internals``, ``fsdp.internals`` and ``trainer.internals`` that the installed releases
+For each piece of ``runtime.accelerate_internals``, ``fsdp.internals`` and ``trainer.internals`` that the installed releases
 have (every path's, the Trainer's, both end-of-training methods, and what rotates checkpoints in this release), a copy
 of the installed package whose files are the installed ones except the piece's module, where the piece is changed as a
 release could change it (``tests/_overlay.py``: a ``code`` piece's body made a no-op, or a class given one more
@@ -33,10 +33,10 @@ from typing import Any
 
 import pytest
 
-from accelerate_txn.accelerate.internals import ACCELERATE_COMMON, ACCELERATE_FSDP1, ACCELERATE_FSDP2
-from accelerate_txn.accelerate.versions import OVERRIDE_ENV, PATCH_ENV, PATHS
 from accelerate_txn.compat.pieces import Piece, Unreadable, observe
 from accelerate_txn.fsdp.internals import TORCH_COMMON, TORCH_FSDP1, TORCH_FSDP2
+from accelerate_txn.runtime.accelerate_internals import ACCELERATE_COMMON, ACCELERATE_FSDP1, ACCELERATE_FSDP2
+from accelerate_txn.runtime.versions import OVERRIDE_ENV, PATCH_ENV, PATHS
 from accelerate_txn.trainer.internals import ALTERNATIVES, TRAINER_FSDP_PIECES, TRAINER_PIECES
 from tests._overlay import AFFECTS, module_path, shadow_of
 
@@ -83,7 +83,7 @@ with warnings.catch_warnings(record=True) as caught:
     import transformers.trainer
     import accelerate_txn
     from accelerate_txn.accelerate import patch as accelerate_patch
-    from accelerate_txn.accelerate import versions
+    from accelerate_txn.runtime import versions
     from accelerate_txn.cli import main
     from accelerate_txn.trainer import patch as trainer_patch
     from accelerate_txn.trainer import versions as trainer_versions

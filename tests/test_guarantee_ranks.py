@@ -69,10 +69,10 @@ def test_a_background_write_whose_group_was_destroyed_publishes_nothing_and_fail
 # --------------------------------------------------------------------------------- item: per-rank settings
 
 @pytest.mark.parametrize("variable, value, message", [
-    ("VIDEOX_CHECKPOINT_LOCK_TIMEOUT", "soon", "VIDEOX_CHECKPOINT_LOCK_TIMEOUT is 'soon'"),
-    ("VIDEOX_CHECKPOINT_LOCK_TIMEOUT", "-3", "VIDEOX_CHECKPOINT_LOCK_TIMEOUT is '-3'"),
+    ("ACCELERATE_TXN_LOCK_TIMEOUT", "soon", "ACCELERATE_TXN_LOCK_TIMEOUT is 'soon'"),
+    ("ACCELERATE_TXN_LOCK_TIMEOUT", "-3", "ACCELERATE_TXN_LOCK_TIMEOUT is '-3'"),
     # Read (leniently) before any agreement, by the arrival check: the ranks still meet, then all raise.
-    ("VIDEOX_CHECKPOINT_ARRIVAL_TIMEOUT", "soon", "VIDEOX_CHECKPOINT_ARRIVAL_TIMEOUT is 'soon'"),
+    ("ACCELERATE_TXN_ARRIVAL_TIMEOUT", "soon", "ACCELERATE_TXN_ARRIVAL_TIMEOUT is 'soon'"),
 ])
 def test_a_setting_invalid_on_one_rank_raises_the_same_error_on_every_rank(
         tmp_path: Path, variable: str, value: str, message: str) -> None:
@@ -91,7 +91,7 @@ def test_a_setting_invalid_on_one_rank_raises_the_same_error_on_every_rank(
 
 def test_dispatch_switched_off_runs_exactly_the_collectives_and_files_of_native_accelerate(tmp_path: Path) -> None:
     observed = launch("tests._guarantee_scenarios:dispatch_off_is_native", 2, args=(str(tmp_path),),
-                      timeout=TIMEOUT, env={"VIDEOX_ACCELERATE_PATCHES": "0"})
+                      timeout=TIMEOUT, env={"ACCELERATE_TXN_PATCHES": "0"})
     for obs in observed:
         assert obs["off"]["save"] == obs["native"]["save"]
         assert obs["off"]["load"] == obs["native"]["load"]

@@ -36,7 +36,7 @@ _GATE = """
         except UnsupportedVersionError as exc:
             obs[name] = str(exc)
     obs["published_without_override"] = os.path.exists(os.path.join(root, "a"))
-    os.environ["VIDEOX_ACCELERATE_ALLOW_UNVALIDATED"] = "1"
+    os.environ["ACCELERATE_TXN_ALLOW_UNVALIDATED"] = "1"
     path = accelerate_txn.save_training_checkpoint(acc, os.path.join(root, "b"))
     obs["published_with_override"] = (path / accelerate_txn.MANIFEST).is_file()
     print(json.dumps(obs))
@@ -44,7 +44,7 @@ _GATE = """
 
 
 def test_explicit_api_applies_the_evidence_gate_of_the_patched_methods(tmp_path: Path) -> None:
-    environment = {k: v for k, v in os.environ.items() if k != "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED"}
+    environment = {k: v for k, v in os.environ.items() if k != "ACCELERATE_TXN_ALLOW_UNVALIDATED"}
     environment["PYTHONPATH"] = str(accelerate_with_a_renamed_parameter(tmp_path))
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(_GATE)], cwd=REPO, env=environment,
                           capture_output=True, text=True, timeout=180)
@@ -52,7 +52,7 @@ def test_explicit_api_applies_the_evidence_gate_of_the_patched_methods(tmp_path:
     obs = json.loads(done.stdout.strip().splitlines()[-1])
     for name in ("save", "load"):
         assert obs[name] and "accelerate.utils.fsdp_utils.load_fsdp_optimizer has the parameters" in obs[name]
-        assert "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED" in obs[name]
+        assert "ACCELERATE_TXN_ALLOW_UNVALIDATED" in obs[name]
     assert obs["published_without_override"] is False
     assert obs["published_with_override"] is True
 

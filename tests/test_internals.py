@@ -1,5 +1,5 @@
 """The internals layers, the only doors to private Accelerate/torch/NumPy/transformers internals:
-``accelerate_txn.accelerate.internals`` (Accelerate's), ``accelerate_txn.fsdp.internals`` (torch's, NumPy's,
+``accelerate_txn.runtime.accelerate_internals`` (Accelerate's), ``accelerate_txn.fsdp.internals`` (torch's, NumPy's,
 CPython's) and ``accelerate_txn.trainer.internals`` (transformers Trainer's). Below, ``_internals`` is all of them
 together.
 
@@ -26,8 +26,8 @@ import pytest
 import torch
 
 import accelerate_txn
-from accelerate_txn.accelerate import internals as _accelerate_internals
 from accelerate_txn.fsdp import internals as _torch_internals
+from accelerate_txn.runtime import accelerate_internals as _accelerate_internals
 from accelerate_txn.testing import launch
 from accelerate_txn.trainer import internals as _trainer_internals
 
@@ -755,7 +755,7 @@ def test_no_module_but_internals_reaches_a_private_name_of_another_package() -> 
     offenders = {name: found for name, found in offenders.items() if found}
     assert not offenders, (
         f"Private Accelerate/torch/NumPy/transformers internals reached outside the internals layers (accelerate_txn/"
-        f"accelerate/internals.py, accelerate_txn/fsdp/internals.py, accelerate_txn/trainer/internals.py): {offenders}. "
+        f"runtime/accelerate_internals.py, accelerate_txn/fsdp/internals.py, accelerate_txn/trainer/internals.py): {offenders}. "
         "Add an accessor to the right one (with the versions it was checked against) and call it instead.")
     stale = {name: sorted(expected - reached.get(name, set())) for name, expected in PENDING.items()}
     assert not any(stale.values()), f"PENDING lists accesses that are gone, delete them: {stale}"

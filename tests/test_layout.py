@@ -32,14 +32,15 @@ LAYERS: dict[str, set[str]] = {
     # FSDP layer declare their own pieces with it.
     "compat": set(),
     "fsdp": {"errors", "core", "compat"},  # FSDP layouts and restores: no front end
-    "accelerate": {"errors", "store", "core", "fsdp", "compat"},  # the Accelerate front end
+    # What both front ends run on: Accelerate's internals, the version gate, the asynchronous engine.
+    "runtime": {"errors", "store", "core", "fsdp", "compat"},
+    "accelerate": {"errors", "store", "core", "fsdp", "compat", "runtime"},  # the Accelerate front end
     "weights": {"errors", "store", "core"},
-    # The Trainer front end: the Accelerate front end only for the shared import hook and version policy (see
-    # accelerate_txn/trainer/__init__.py).
-    "trainer": {"errors", "store", "core", "fsdp", "accelerate", "compat"},
-    "cli": {"errors", "store", "core", "fsdp", "accelerate", "weights", "trainer", "compat", "__init__"},
+    # The Trainer front end, beside the Accelerate one: never importing it.
+    "trainer": {"errors", "store", "core", "fsdp", "compat", "runtime"},
+    "cli": {"errors", "store", "core", "fsdp", "accelerate", "weights", "trainer", "compat", "runtime", "__init__"},
     "testing": {"errors"},
-    "__init__": {"errors", "store", "core", "fsdp", "accelerate", "weights", "trainer"},
+    "__init__": {"errors", "store", "core", "fsdp", "accelerate", "weights", "trainer", "runtime"},
     "__main__": {"cli"},
 }
 ROOT_FILES = {"__init__.py", "__main__.py", "errors.py", "validated.json", "evidence.json"}

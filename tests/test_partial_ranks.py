@@ -37,7 +37,7 @@ from accelerate_txn.testing import launch
 TIMEOUT = 300  # hard limit of one launch
 SHORT = 5.0  # arrival timeout where a rank is deliberately missing
 LONG = 120.0  # arrival timeout where every rank comes (a loaded machine never fails these)
-PATCH_ENV = "VIDEOX_ACCELERATE_PATCHES"
+PATCH_ENV = "ACCELERATE_TXN_PATCHES"
 
 
 # --------------------------------------------------------------------------------- scenarios (inside the ranks)

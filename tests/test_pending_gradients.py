@@ -183,16 +183,16 @@ def test_without_the_step_hook_only_zeroed_gradients_pass(tmp_path: Path) -> Non
 
 
 def test_with_dispatch_off_and_nothing_opted_in_a_step_notes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    # VIDEOX_ACCELERATE_PATCHES=0 is exactly native: the step hook records nothing (no protected save can run) ...
+    # ACCELERATE_TXN_PATCHES=0 is exactly native: the step hook records nothing (no protected save can run) ...
     from accelerate_txn.accelerate.gradients import pending_gradient
 
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    monkeypatch.setenv("VIDEOX_ACCELERATE_PATCHES", "0")
+    monkeypatch.setenv("ACCELERATE_TXN_PATCHES", "0")
     model(torch.ones(2, 4)).sum().backward()
     optimizer.step()
     assert pending_gradient([model]) == "weight"  # not noted as applied
     # ... and with dispatch on, the same step is noted: its gradients are not pending
-    monkeypatch.setenv("VIDEOX_ACCELERATE_PATCHES", "1")
+    monkeypatch.setenv("ACCELERATE_TXN_PATCHES", "1")
     optimizer.step()
     assert pending_gradient([model]) is None

@@ -1,4 +1,4 @@
-"""``protect="all"`` (``configure_checkpointing`` or ``VIDEOX_ACCELERATE_PROTECT=all``): one process and DDP
+"""``protect="all"`` (``configure_checkpointing`` or ``ACCELERATE_TXN_PROTECT=all``): one process and DDP
 ``save_state``/``load_state`` take the protected path too. The default stays: FSDP sharded protected, the rest native.
 """
 
@@ -83,7 +83,7 @@ def test_the_environment_turns_it_on_and_configure_checkpointing_wins(tmp_path: 
 
 def test_dispatch_off_stays_exactly_native_with_protect_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(PROTECT_ENV, "all")
-    monkeypatch.setenv("VIDEOX_ACCELERATE_PATCHES", "0")
+    monkeypatch.setenv("ACCELERATE_TXN_PATCHES", "0")
     accelerator, _, _ = _accelerator()
     accelerator.save_state(str(tmp_path / "checkpoint-1"))
     assert not (tmp_path / "checkpoint-1" / MANIFEST).exists()

@@ -38,7 +38,7 @@ _ORIGINS: dict[str, str | None] = {
     "save_training_checkpoint": "accelerate.save",
     "unpatch_accelerate_fsdp": "accelerate.patch",
     "uninstall": "accelerate.patch",
-    "wait_for_checkpoint": "accelerate.async_save",
+    "wait_for_checkpoint": "runtime.async_save",
     **dict.fromkeys(errors.__all__, "errors"),
 }
 

@@ -137,7 +137,7 @@ def test_resuming_an_older_checkpoint_saves_over_the_newer_ones_and_ends_exactly
 
 def test_a_save_on_the_main_process_only_gets_the_explained_error(tmp_path: Path) -> None:
     result = _run(tmp_path, 1, "--save_on_main_process_only",
-                  env={"VIDEOX_CHECKPOINT_ARRIVAL_TIMEOUT": "20"}, grace=120)
+                  env={"ACCELERATE_TXN_ARRIVAL_TIMEOUT": "20"}, grace=120)
     assert result.returncode != 0, result.describe()
     rank0 = result.output[0]
     assert "CheckpointArrivalError: save_state() was called on ranks [0] but ranks [1] did not reach it within 20 s" \

@@ -256,7 +256,7 @@ def test_one_process_native_save_to_a_url_warns_and_protect_all_commits_it(
     from accelerate_txn.store.s3 import S3Store
     from tests._single import stepped_accelerator
 
-    monkeypatch.delenv("VIDEOX_ACCELERATE_PROTECT", raising=False)
+    monkeypatch.delenv("ACCELERATE_TXN_PROTECT", raising=False)
     monkeypatch.chdir(tmp_path)
     parent = _parent("single")
     accelerator, model, _optimizer = stepped_accelerator(0)

@@ -186,7 +186,7 @@ def test_lock_wait_is_bounded_and_the_error_names_lock_wait_and_fix(tmp_path: Pa
     assert message.startswith(f"Another writer holds the lock {tmp_path / LOCK_NAME}: a save into {tmp_path} is in")
     assert "(waited 0.3 s for it)" in message
     assert "configure_checkpointing(accelerator, lock_timeout=SECONDS)" in message
-    assert "VIDEOX_CHECKPOINT_LOCK_TIMEOUT" in message and "NFS, Lustre" in message
+    assert "ACCELERATE_TXN_LOCK_TIMEOUT" in message and "NFS, Lustre" in message
 
 
 @pytest.mark.parametrize("code", [errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS])

@@ -99,7 +99,7 @@ def test_reused_staging_buffers_are_copied_into_again_and_unused_ones_released()
 
 
 def test_during_a_protected_save_only_dcp_writes_into_its_staging_directory_are_hashed(tmp_path: Path) -> None:
-    from accelerate_txn.accelerate.async_save import capture_dcp_saves
+    from accelerate_txn.runtime.async_save import capture_dcp_saves
 
     staging = tmp_path / "staging"
     inside = dcp.FileSystemWriter(str(staging / "model"))

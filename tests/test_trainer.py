@@ -571,7 +571,7 @@ def test_a_layout_the_evidence_did_not_foresee_fails_the_save_on_every_rank_and_
 
     shadow = overlay("transformers", tmp_path / "release", {"trainer.py": _rng_file_renamed})
     output = tmp_path / "run"
-    monkeypatch.setenv("VIDEOX_ACCELERATE_ALLOW_UNVALIDATED", "1")  # what the gate says where the evidence misses it
+    monkeypatch.setenv("ACCELERATE_TXN_ALLOW_UNVALIDATED", "1")  # what the gate says where the evidence misses it
     results = launch("tests._trainer_scenarios:train_reporting_the_error", 2, args=(str(output), 2, str(shadow)),
                      timeout=TIMEOUT)
     errors = [obs["error"] for obs in results]
@@ -594,7 +594,7 @@ def test_a_transformers_release_whose_save_writes_in_another_order_runs_native_t
     output = tmp_path / "run"
     result = subprocess.run([sys.executable, "-c", _UNVALIDATED, str(output), str(shadow)], capture_output=True,
                             text=True, timeout=TIMEOUT, cwd=Path(__file__).resolve().parents[1],
-                            env={**{k: v for k, v in os.environ.items() if k != "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED"},
+                            env={**{k: v for k, v in os.environ.items() if k != "ACCELERATE_TXN_ALLOW_UNVALIDATED"},
                                  "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(shadow)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "WARNINGS 1 " in result.stdout, result.stdout

@@ -39,13 +39,13 @@ def test_a_release_whose_save_state_chooses_use_dcp_runs_fsdp_native_with_the_wa
     code = """
 import json, inspect
 from accelerate import Accelerator
-from accelerate_txn.accelerate import versions
+from accelerate_txn.runtime import versions
 print(json.dumps({"parameter": "use_dcp" in inspect.signature(Accelerator.save_state).parameters,
                   "protected": {path: versions.protected(path) for path in ("fsdp1", "fsdp2", "common")},
                   "message": versions.unsupported_message("fsdp2")}))
 """
     environment = {key: value for key, value in os.environ.items()
-                   if key not in ("VIDEOX_ACCELERATE_PATCHES", "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED")}
+                   if key not in ("ACCELERATE_TXN_PATCHES", "ACCELERATE_TXN_ALLOW_UNVALIDATED")}
     environment["PYTHONPATH"] = os.pathsep.join([str(shadow), str(REPO)])
     completed = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=environment, capture_output=True,
                                text=True, timeout=240, check=False)

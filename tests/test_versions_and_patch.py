@@ -24,10 +24,15 @@ from accelerate_txn import (
     save_training_checkpoint,
 )
 from accelerate_txn.accelerate.config import mark_failed
-from accelerate_txn.accelerate.patch import PATCH_ENV
-from accelerate_txn.accelerate.versions import OVERRIDE_ENV, checkpoint_compatibility, installed_versions, override_requested
 from accelerate_txn.core.manifest import read_manifest, verify_manifest
 from accelerate_txn.errors import RestoreFailedError
+from accelerate_txn.runtime.versions import (
+    OVERRIDE_ENV,
+    PATCH_ENV,
+    checkpoint_compatibility,
+    installed_versions,
+    override_requested,
+)
 from tests._overlay import accelerate_with_a_renamed_parameter, overlay
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,11 +142,11 @@ _LIFECYCLE = """
     acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT")
     acc.state.device = torch.device("cpu")
     obs["fsdp_protected"] = _patch._protected(acc)
-    os.environ["VIDEOX_ACCELERATE_PATCHES"] = "0"
+    os.environ["ACCELERATE_TXN_PATCHES"] = "0"
     obs["fsdp_protected_automatic_off"] = _patch._protected(acc)
     patch_accelerate_fsdp(acc)
     obs["fsdp_protected_opted_in"] = _patch._protected(acc)
-    del os.environ["VIDEOX_ACCELERATE_PATCHES"]
+    del os.environ["ACCELERATE_TXN_PATCHES"]
     unpatch_accelerate_fsdp(acc)
     obs["fsdp_protected_opted_out"] = _patch._protected(acc)
     print(json.dumps(obs))
@@ -165,7 +170,7 @@ _UNVALIDATED = """
     from accelerate.utils import DistributedType
     from accelerate_txn.accelerate import native as _native
     from accelerate_txn.accelerate import patch as _patch
-    from accelerate_txn.accelerate import versions as _versions
+    from accelerate_txn.runtime import versions as _versions
     from accelerate_txn.errors import UnsupportedVersionError
 
     obs = {"version": accelerate.__version__, "file": accelerate.__file__}
@@ -194,7 +199,7 @@ _UNVALIDATED = """
         obs["protected_again"] = _patch._protected(acc)
     obs["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     obs["notices"] = notices
-    os.environ["VIDEOX_ACCELERATE_ALLOW_UNVALIDATED"] = "1"
+    os.environ["ACCELERATE_TXN_ALLOW_UNVALIDATED"] = "1"
     obs["protected_fsdp1_with_override"] = _versions.protected("fsdp1")
     obs["protected_with_override"] = _patch._protected(acc)
     accelerate_txn.patch_accelerate_fsdp(acc)

@@ -17,12 +17,12 @@ import accelerate
 import pytest
 import torch
 
-from accelerate_txn.accelerate import versions as _versions
-from accelerate_txn.accelerate.versions import (
+from accelerate_txn.compat.evidence import recorded
+from accelerate_txn.runtime import versions as _versions
+from accelerate_txn.runtime.versions import (
     TESTED,
     markdown_table,
 )
-from accelerate_txn.compat.evidence import recorded
 
 REPO = Path(__file__).resolve().parents[1]
 MATRIX = REPO / ".ci" / "matrix.py"

@@ -81,7 +81,7 @@ _LEAVING = [False]
 def install_leaving_notice(active: Callable[[], bool]) -> None:
     """Once: ``torch.distributed.destroy_process_group()`` of the default group first records in the store that this
     rank leaves (``core.ranks.note_leaving``), so that a rank waiting for it at a checkpoint call raises at once.
-    Only while ``active()`` (the protected path can run: with ``VIDEOX_ACCELERATE_PATCHES=0`` and nothing opted in,
+    Only while ``active()`` (the protected path can run: with ``ACCELERATE_TXN_PATCHES=0`` and nothing opted in,
     the call is exactly native, nothing written to the store)."""
     if _LEAVING[0]:
         return

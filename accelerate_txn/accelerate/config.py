@@ -23,20 +23,20 @@ from ..core.signing import Keyring, environment_paths, keyring
 from ..errors import CheckpointConfigurationError, RestoreFailedError
 from ..fsdp.dcp_writer import DIRECT_IO
 from ..fsdp.optimizer_state import raw_optimizer
-from .internals import prepared_optimizers
+from ..runtime.accelerate_internals import prepared_optimizers
 from .resume_changes import check_accept_names
 
-FINITE_ENV = "VIDEOX_CHECKPOINT_FINITE"
-LOCK_TIMEOUT_ENV = "VIDEOX_CHECKPOINT_LOCK_TIMEOUT"
+FINITE_ENV = "ACCELERATE_TXN_CHECK_FINITE"
+LOCK_TIMEOUT_ENV = "ACCELERATE_TXN_LOCK_TIMEOUT"
 #: Seconds rank 0 waits for the directory lock: a writer that died on another node of NFS or Lustre keeps its
 #: lock until the server notices (tens of seconds); a live writer's save usually takes longer than this.
 DEFAULT_LOCK_TIMEOUT = 60.0
-ARRIVAL_TIMEOUT_ENV = "VIDEOX_CHECKPOINT_ARRIVAL_TIMEOUT"
+ARRIVAL_TIMEOUT_ENV = "ACCELERATE_TXN_ARRIVAL_TIMEOUT"
 #: Seconds the ranks that reached an FSDP save_state/load_state wait for the others before raising
 #: CheckpointArrivalError: shorter than NCCL's 10-minute watchdog, which would otherwise kill the job first, unexplained.
 DEFAULT_ARRIVAL_TIMEOUT = 300.0
 CHECKSUM_MODES = ("metadata", "full")
-PROTECT_ENV = "VIDEOX_ACCELERATE_PROTECT"
+PROTECT_ENV = "ACCELERATE_TXN_PROTECT"
 #: Which ``save_state``/``load_state`` calls automatic dispatch protects: FSDP sharded ones (default), or every one of
 #: a supported distributed type (one process, DDP on CPU or GPU, FSDP sharded).
 PROTECT_MODES = ("fsdp", "all")
@@ -86,7 +86,7 @@ class CheckpointConfig:
     legacy_metadata_groups: tuple[tuple[str, ...], ...] = ()
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT
     overwrite: str = "replace"
-    protect: str | None = None  # None: VIDEOX_ACCELERATE_PROTECT decides at each call (see ``protect_mode``)
+    protect: str | None = None  # None: ACCELERATE_TXN_PROTECT decides at each call (see ``protect_mode``)
     arrival_timeout: float = DEFAULT_ARRIVAL_TIMEOUT
     # File-name template -> schema recorded in the descriptor; and -> validator(directory, rank).
     private_states: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -132,7 +132,7 @@ def checkpoint_config(accelerator: Any) -> CheckpointConfig:
 def read_configs(group: dict[str, Any]) -> dict[str, Any]:
     """Create the configuration of every Accelerator of ``group`` now, reading the environment, and return
     ``group``. Call it inside the first rank phase of a save or load: a setting that is invalid on one rank only
-    (``VIDEOX_CHECKPOINT_LOCK_TIMEOUT``) then raises the same error on every rank instead of raising on that rank
+    (``ACCELERATE_TXN_LOCK_TIMEOUT``) then raises the same error on every rank instead of raising on that rank
     alone before the first agreement, where the others would wait for it. The variables the call reads deep inside
     (:data:`fsdp.dcp_writer.DIRECT_IO` in DCP's write, the test switches of ``core.faults``) are read here too, for
     the same reason."""
@@ -184,7 +184,7 @@ ARRIVAL_TIMEOUT = Variable(ARRIVAL_TIMEOUT_ENV, _seconds, DEFAULT_ARRIVAL_TIMEOU
 
 def arrival_timeout(accelerator: Any) -> float:
     """The arrival wait of ``accelerator``, read before any agreement and therefore never raising: its configured
-    value once it has a configuration, else ``VIDEOX_CHECKPOINT_ARRIVAL_TIMEOUT``, or the default where that is
+    value once it has a configuration, else ``ACCELERATE_TXN_ARRIVAL_TIMEOUT``, or the default where that is
     unset or invalid. An invalid value is not lost: the first rank phase reads the configuration
     (:func:`read_configs`) and raises the same error on every rank. Raising here instead would raise on that rank
     alone, and the others would wait the whole arrival timeout for it."""
@@ -234,7 +234,7 @@ def configure_checkpointing(
       several models share a class, since native order alone cannot prove which weights belong where.
     * ``allow_legacy``: load checkpoints without a completion manifest (with a warning). Default True.
     * ``check_finite``: refuse to save (and to finish a restore of) NaN/Inf parameters and optimizer state.
-      Default from ``VIDEOX_CHECKPOINT_FINITE=1``.
+      Default from ``ACCELERATE_TXN_CHECK_FINITE=1``.
     * ``checksum``: ``"full"`` (default) hashes every file, verified by every restore; ``"metadata"`` hashes
       control files and small payloads and records only the size of payloads over 16 MiB.
     * ``metadata``: JSON-able user training configuration recorded in the manifest and compared on load.
@@ -243,11 +243,11 @@ def configure_checkpointing(
       lacking part of a group is an error; present values must still match.
     * ``lock_timeout``: seconds rank 0 waits for the output directory's lock held by another writer (a writer
       that died on another node of NFS or Lustre holds it until the server notices). Finite, >= 0; default
-      60, or ``VIDEOX_CHECKPOINT_LOCK_TIMEOUT``.
+      60, or ``ACCELERATE_TXN_LOCK_TIMEOUT``.
     * ``arrival_timeout``: seconds the ranks that reached an FSDP ``save_state``/``load_state`` (or the explicit
       API) wait for the others before raising ``CheckpointArrivalError`` (a call made on some ranks only, e.g.
       inside ``if accelerator.is_main_process:``). Finite, >= 0; default 300, or
-      ``VIDEOX_CHECKPOINT_ARRIVAL_TIMEOUT``. Raise it if a rank may legitimately reach a save that much later.
+      ``ACCELERATE_TXN_ARRIVAL_TIMEOUT``. Raise it if a rank may legitimately reach a save that much later.
     * ``trust_custom_objects``: let Accelerate unpickle registered custom objects (``custom_checkpoint_N.pkl``)
       with ``weights_only=False``, for objects whose state holds arbitrary Python types. Default False: they are
       read with ``weights_only=True`` in the restore preflight and restored from that state, so nothing in a
@@ -437,7 +437,7 @@ def _valid_protect(value: Any, where: str) -> str:
 
 def protect_mode(accelerator: Any) -> str:
     """``"fsdp"`` or ``"all"``: ``configure_checkpointing(protect=...)`` if it was set for ``accelerator``, else
-    ``VIDEOX_ACCELERATE_PROTECT`` (read now; unset: ``"fsdp"``). Creates no configuration (nothing else of the
+    ``ACCELERATE_TXN_PROTECT`` (read now; unset: ``"fsdp"``). Creates no configuration (nothing else of the
     environment is read); an invalid value raises ``CheckpointConfigurationError`` naming the variable."""
     config = _CONFIGS.get(accelerator)
     if config is not None and config.protect is not None:

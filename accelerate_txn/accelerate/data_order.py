@@ -78,7 +78,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointIntegrityError
-from .internals import prepared_dataloaders, stateful_shard_position_exact
+from ..runtime.accelerate_internals import prepared_dataloaders, stateful_shard_position_exact
 from .resume_changes import ORDER_SETTINGS
 from .rng import apply_rng, capture_rng
 

@@ -22,9 +22,17 @@ from ..errors import CheckpointConfigurationError
 from ..fsdp.fsdp1 import parameter_layout
 from ..fsdp.internals import inter_node_group, uses_orig_params
 from ..fsdp.optimizer_state import raw_optimizer
+from ..runtime.accelerate_internals import (
+    custom_objects,
+    prepared_dataloaders,
+    prepared_models,
+    prepared_optimizers,
+    prepared_schedulers,
+)
+from ..runtime.versions import path_of as path_of  # the gate decides which path an Accelerator takes
+from ..runtime.versions import sharded_fsdp_version
 from .config import checkpoint_config, plain
 from .data_order import order_settings
-from .internals import custom_objects, prepared_dataloaders, prepared_models, prepared_optimizers, prepared_schedulers
 from .layouts import mesh_text, unit_text
 from .resume_changes import Change, accept_hint, builtin_settings, named_changes
 
@@ -47,37 +55,19 @@ def backend(accelerator: Any) -> str:
     return accelerator.distributed_type.name
 
 
-def _sharded_fsdp_version(accelerator: Any) -> int | None:
-    """The FSDP version (1 or 2) when ``accelerator`` uses FSDP with ``SHARDED_STATE_DICT``, else ``None``."""
-    if backend(accelerator) != "FSDP":
-        return None
-    plugin = accelerator.state.fsdp_plugin
-    if plugin is None or getattr(plugin.state_dict_type, "name", None) != "SHARDED_STATE_DICT":
-        return None
-    return getattr(plugin, "fsdp_version", 1)
-
-
 def is_fsdp1_sharded(accelerator: Any) -> bool:
     """True for FSDP1 with ``SHARDED_STATE_DICT``: the configuration the protected path is built for."""
-    return _sharded_fsdp_version(accelerator) == 1
+    return sharded_fsdp_version(accelerator) == 1
 
 
 def is_fsdp2_sharded(accelerator: Any) -> bool:
     """True for FSDP2 (``fully_shard``) with ``SHARDED_STATE_DICT``."""
-    return _sharded_fsdp_version(accelerator) == 2
+    return sharded_fsdp_version(accelerator) == 2
 
 
 def is_fsdp_sharded(accelerator: Any) -> bool:
     """FSDP1 or FSDP2 with ``SHARDED_STATE_DICT``: the FSDP configurations the protected path handles."""
-    return _sharded_fsdp_version(accelerator) in (1, 2)
-
-
-def path_of(accelerator: Any) -> str:
-    """The protected path an Accelerator's checkpoints take (``accelerate.versions.PATHS``): "fsdp2" for FSDP2,
-    "fsdp1" for other FSDP setups, "common" for one process and DDP (``protect="all"``)."""
-    if accelerator.distributed_type.name != "FSDP":
-        return "common"
-    return "fsdp2" if _sharded_fsdp_version(accelerator) == 2 else "fsdp1"
+    return sharded_fsdp_version(accelerator) in (1, 2)
 
 
 PROTECTED_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")

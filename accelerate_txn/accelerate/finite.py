@@ -1,4 +1,4 @@
-"""Finite checks of training state (opt-in: ``check_finite=True`` or ``VIDEOX_CHECKPOINT_FINITE=1``)."""
+"""Finite checks of training state (opt-in: ``check_finite=True`` or ``ACCELERATE_TXN_CHECK_FINITE=1``)."""
 
 from __future__ import annotations
 

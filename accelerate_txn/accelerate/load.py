@@ -39,16 +39,8 @@ from ..core.signing import check_legacy
 from ..errors import CheckpointConfigurationError, CheckpointIntegrityError, NoCheckpointError
 from ..fsdp.internals import uninitialise_grad_scaler
 from ..fsdp.optimizer_state import raw_optimizer
-from ..store.posix import InUse, new_id
-from . import async_save as _async
-from . import remote as _remote
-from .arrival import check_arrival
-from .config import checkpoint_config, group_keys, mark_failed, read_configs
-from .descriptor import backend, check_resume, describe, is_fsdp2_sharded, participants, path_of
-from .elastic import plan_ranks
-from .finite import check_finite_state
-from .gradients import pending_gradient
-from .internals import (
+from ..runtime import async_save as _async
+from ..runtime.accelerate_internals import (
     custom_objects,
     custom_state_loader,
     load_state_pre_hooks,
@@ -57,6 +49,15 @@ from .internals import (
     prepared_schedulers,
     save_state_pre_hooks,
 )
+from ..runtime.versions import checkpoint_compatibility, require_supported_versions
+from ..store.posix import InUse, new_id
+from . import remote as _remote
+from .arrival import check_arrival
+from .config import checkpoint_config, group_keys, mark_failed, read_configs
+from .descriptor import backend, check_resume, describe, is_fsdp2_sharded, participants, path_of
+from .elastic import plan_ranks
+from .finite import check_finite_state
+from .gradients import pending_gradient
 from .loader_state import apply_loader_states
 from .native import fsdp_routing, native_method, synchronized_hooks
 from .optimizers import validate_optimizer_checkpoint, verify_restored
@@ -64,7 +65,6 @@ from .required import Preflight, check_inventory_covers, check_required_files, p
 from .resume_changes import continue_live_schedules
 from .rng import RNG_FILE, apply_rng, derive_rng
 from .selection import checkpoint_candidates
-from .versions import checkpoint_compatibility, require_supported_versions
 
 logger = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ import torch
 
 from ..core.manifest import LOADER_FILE
 from ..errors import CheckpointIntegrityError
+from ..runtime.accelerate_internals import prepared_dataloaders
 from .data_order import check_order_records, order_records, restore_order
-from .internals import prepared_dataloaders
 from .rng import load_weights_only
 
 

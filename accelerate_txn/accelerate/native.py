@@ -16,7 +16,7 @@ from typing import Any
 from weakref import WeakSet
 
 from ..core.ranks import run_phase
-from .internals import load_state_pre_hooks, save_state_pre_hooks
+from ..runtime.accelerate_internals import load_state_pre_hooks, save_state_pre_hooks
 
 _ROUTED: WeakSet = WeakSet()  # Accelerators whose FSDP loads we route (protected load in progress)
 OPTED_IN: WeakSet = WeakSet()  # patch_accelerate_fsdp(acc)

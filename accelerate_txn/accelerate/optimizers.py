@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from ..fsdp import fsdp1, fsdp2
+from ..runtime.accelerate_internals import prepared_models, prepared_optimizers, prepared_schedulers
 from .descriptor import is_fsdp2_sharded
-from .internals import prepared_models, prepared_optimizers, prepared_schedulers
 
 
 def _allow_reorder(accelerator: Any, allow_reorder: bool | None) -> bool:

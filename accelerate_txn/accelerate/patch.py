@@ -6,14 +6,14 @@ prepared data loaders' ``__iter__`` (``accelerate.data_order``: it notes where e
 native Accelerate yields); ``uninstall()`` puts the originals back. The wrappers only decide and hand off.
 
 Protected path when all hold (and every rank agrees, else every rank raises):
-automatic dispatch is on (``VIDEOX_ACCELERATE_PATCHES`` unset or truthy) or the instance was opted in with
+automatic dispatch is on (``ACCELERATE_TXN_PATCHES`` unset or truthy) or the instance was opted in with
 :func:`patch_accelerate_fsdp`; it was not opted out with :func:`unpatch_accelerate_fsdp`; the installed
 versions are validated (or the override is set); the backend is FSDP1 or FSDP2 with ``SHARDED_STATE_DICT`` (FSDP2
 only on the rows of ``validated.json`` marked ``"fsdp2": true``, else native with one warning); and the
 protected path can handle this setup (``accelerate.descriptor.unsupported_reason``: optimizer state made of
 parameter-shaped tensors and scalars, a supported sharding strategy, ...; on load also the checkpoint's
 optimizer state), decided from the live state at each call and agreed on by every rank. With
-``configure_checkpointing(protect="all")`` or ``VIDEOX_ACCELERATE_PROTECT=all`` one process and DDP
+``configure_checkpointing(protect="all")`` or ``ACCELERATE_TXN_PROTECT=all`` one process and DDP
 (:data:`BROADER_BACKENDS`) take the same path.
 
 Never does importing the library make a working native save fail: under automatic dispatch an unsupported
@@ -42,13 +42,13 @@ from ..compat.evidence import warn_once
 from ..core.ranks import agree, any_rank, collective, distributed, run_phase, world_size
 from ..core.remote import is_url
 from ..errors import CheckpointConfigurationError, UnsupportedVersionError
+from ..runtime.accelerate_internals import accelerator_module, prepared_optimizers
+from ..runtime.versions import DISPATCH, automatic_dispatch_requested, override_requested, protected, unsupported_message
 from . import data_order, gradients
 from .arrival import arrived, check_arrival, install_leaving_notice
 from .config import checkpoint_config, protect_mode, read_configs
 from .descriptor import is_fsdp2_sharded, is_fsdp_sharded, path_of, unsupported_reason
-from .internals import accelerator_module, prepared_optimizers
 from .native import OPTED_IN, OPTED_OUT, ORIGINALS, fsdp_routing, routed
-from .versions import PATCH_ENV, automatic_dispatch_requested, override_requested, protected, unsupported_message
 
 logger = logging.getLogger(__name__)
 notices = logging.getLogger("accelerate_txn")  # the "protection is off" line: one per Accelerator
@@ -67,7 +67,7 @@ def _native_condition(accelerator: Any, enabled: bool) -> str:
     if not enabled:
         if accelerator in OPTED_OUT:
             return "opted out with unpatch_accelerate_fsdp()"
-        return f"automatic dispatch is off ({PATCH_ENV}={os.environ.get(PATCH_ENV, '')!r})"
+        return f"automatic dispatch is off ({DISPATCH.source()}={os.environ.get(DISPATCH.source(), '')!r})"
     plugin = accelerator.state.fsdp_plugin  # not eligible
     if plugin is not None and getattr(plugin, "fsdp_version", 1) not in (1, 2):
         return f"FSDP{plugin.fsdp_version} is not protected (FSDP1 and FSDP2 only)"
@@ -380,7 +380,7 @@ def installed() -> bool:
 
 def _may_protect() -> bool:
     """Whether the protected path can run (for ``destroy_process_group``, which must not raise): an invalid
-    ``VIDEOX_ACCELERATE_PATCHES`` counts as on, since its error is raised by the saves and loads, not here."""
+    ``ACCELERATE_TXN_PATCHES`` counts as on, since its error is raised by the saves and loads, not here."""
     try:
         return automatic_dispatch_requested() or len(OPTED_IN) > 0
     except CheckpointConfigurationError:
@@ -422,12 +422,12 @@ def uninstall() -> None:
 
 
 def patch_accelerate_fsdp(accelerator: Any) -> Any:
-    """Opt ``accelerator`` in to the protected path (also with ``VIDEOX_ACCELERATE_PATCHES=0``); returns it.
+    """Opt ``accelerator`` in to the protected path (also with ``ACCELERATE_TXN_PATCHES=0``); returns it.
 
     Its FSDP1 and FSDP2 sharded optimizer loads, even through a native ``load_state``, use accelerate-txn's loaders.
     Raises :class:`UnsupportedVersionError` where the evidence does not protect the installed releases on this
     Accelerator's path (a private piece it relies on changed: :mod:`.versions`) unless
-    ``VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1``.
+    ``ACCELERATE_TXN_ALLOW_UNVALIDATED=1``.
     """
     if not protected(path_of(accelerator)):
         raise UnsupportedVersionError(unsupported_message(path_of(accelerator)))

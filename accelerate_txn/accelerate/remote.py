@@ -37,9 +37,9 @@ from ..errors import (
     CheckpointLockedError,
     NoCheckpointError,
 )
+from ..runtime import async_save
 from ..store.base import ObjectStore
 from ..store.posix import IN_USE, POSIX, InUse, claim, held_in_use, in_use_file, new_id, remove_tree
-from . import async_save
 from .config import checkpoint_config
 
 logger = logging.getLogger(__name__)

@@ -17,9 +17,15 @@ from typing import Any
 
 from ..core.manifest import LOADER_FILE, RANK_FILES, check_dcp_payloads, dcp_payload_names, rank_file_pattern
 from ..errors import CheckpointIntegrityError
+from ..runtime.accelerate_internals import (
+    custom_objects,
+    prepared_dataloaders,
+    prepared_models,
+    prepared_optimizers,
+    prepared_schedulers,
+)
 from .config import checkpoint_config
 from .descriptor import backend
-from .internals import custom_objects, prepared_dataloaders, prepared_models, prepared_optimizers, prepared_schedulers
 from .loader_state import SavedLoaders, read_loader_states
 from .rng import RNG_FILE, load_weights_only, read_rng_file
 

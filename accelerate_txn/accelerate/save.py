@@ -20,7 +20,7 @@ Order (each step a rank phase: a failure anywhere raises the same error everywhe
 
 On failure the iteration counters are restored and staging is removed; nothing is published.
 
-With ``async_save`` (see ``accelerate.async_save``) steps 1-4 run in the caller (the DCP writes of step 4 staged in memory)
+With ``async_save`` (see ``runtime.async_save``) steps 1-4 run in the caller (the DCP writes of step 4 staged in memory)
 and the DCP writes, then steps 5-6 (``_finish``) run in a background thread over a dedicated process group.
 """
 
@@ -59,6 +59,9 @@ from ..errors import (
 )
 from ..fsdp.host_memory import StagingPool, copy_fence
 from ..fsdp.optimizer_state import raw_optimizer
+from ..runtime import async_save as _async
+from ..runtime.accelerate_internals import load_state_pre_hooks, prepared_models, prepared_optimizers, save_state_pre_hooks
+from ..runtime.versions import installed_versions, require_supported_versions
 from ..store.posix import (
     POSIX,
     DirectoryLock,
@@ -71,7 +74,6 @@ from ..store.posix import (
     remove_leftovers,
     staging_leftovers,
 )
-from . import async_save as _async
 from . import remote as _remote
 from .arrival import check_arrival
 from .config import checkpoint_config, ensure_not_failed, group_keys, read_configs
@@ -79,11 +81,9 @@ from .descriptor import describe, participants, path_of
 from .elastic import POLICY as RESHARD_POLICY
 from .finite import check_finite_state
 from .gradients import pending_gradient, skipped_step
-from .internals import load_state_pre_hooks, prepared_models, prepared_optimizers, save_state_pre_hooks
 from .loader_state import write_loader_states
 from .native import automatic_naming_off, fsdp_routing, native_method, synchronized_hooks
 from .required import check_required_files, rank_files
-from .versions import installed_versions, require_supported_versions
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 For each path of each front end (Accelerate FSDP1, FSDP2 and one process or DDP; the Trainer on the same three) it
 says whether the installed releases are protected, from the evidence about the private pieces each path relies on
-(``accelerate.versions.PATHS``, ``trainer.internals.trainer_pieces``, ``compat.evidence``), the same check the
+(``runtime.versions.PATHS``, ``trainer.internals.trainer_pieces``, ``compat.evidence``), the same check the
 front ends run before a save; and why not, one line per differing piece. Also the override and automatic dispatch
 settings, and which stores and signing schemes are available here (``importlib.util.find_spec`` and the installed
 versions against ``store.base.CLIENT_FLOORS``: no client library is imported).
@@ -29,7 +29,7 @@ from . import _output as out
 
 @dataclass(frozen=True)
 class Target:
-    """One path of one front end: its ``--require`` name, the front end, its key in ``accelerate.versions.PATHS``,
+    """One path of one front end: its ``--require`` name, the front end, its key in ``runtime.versions.PATHS``,
     and how the output names it."""
 
     name: str
@@ -139,7 +139,7 @@ class Finding:
 
 
 def _check_accelerate(finding: Finding) -> None:
-    from ..accelerate.versions import differing
+    from ..runtime.versions import differing
 
     try:
         found = differing(finding.target.path)
@@ -248,8 +248,8 @@ def doctor_command(require: tuple[str, ...], as_json: bool) -> int:
     Each path (Accelerate FSDP1, FSDP2, one process and DDP; the Trainer on the same three) relies on private pieces
     of those packages; it is protected when every piece has a value recorded for a release that passed
     accelerate-txn's tests. Otherwise each differing piece is named, with the release and what changed. Also says
-    whether the override (VIDEOX_ACCELERATE_ALLOW_UNVALIDATED) is set and automatic dispatch
-    (VIDEOX_ACCELERATE_PATCHES) is on, and which stores and signing schemes are available.
+    whether the override (ACCELERATE_TXN_ALLOW_UNVALIDATED) is set and automatic dispatch
+    (ACCELERATE_TXN_PATCHES) is on, and which stores and signing schemes are available.
 
     Exit 0 when every path required is protected (the override counts), 1 when one is not, or when automatic
     dispatch is off, or no front end is installed; 2 a usage error. Imports torch, Accelerate and transformers.
@@ -257,7 +257,8 @@ def doctor_command(require: tuple[str, ...], as_json: bool) -> int:
     import platform
 
     from .. import __version__
-    from ..accelerate.versions import OVERRIDE_ENV, PATCH_ENV, automatic_dispatch_requested, override_requested
+    from ..core.environment import OLDER_NAMES
+    from ..runtime.versions import OVERRIDE_ENV, PATCH_ENV, automatic_dispatch_requested, override_requested
 
     named = _required(require)
     override, dispatch = override_requested(), automatic_dispatch_requested()  # an invalid value raises, naming it
@@ -275,7 +276,9 @@ def doctor_command(require: tuple[str, ...], as_json: bool) -> int:
         "releases": releases(),
         "automatic_dispatch": dispatch,
         "override": override,
-        "environment": {name: os.environ.get(name) for name in (OVERRIDE_ENV, PATCH_ENV)},
+        # Each switch under its name, and under an older name where that one is set (``core.environment``).
+        "environment": {name: os.environ.get(name) for name in (OVERRIDE_ENV, PATCH_ENV)
+                        for name in (name, *(old for old in OLDER_NAMES.get(name, ()) if old in os.environ))},
         "paths": {finding.target.name: {
             "label": finding.target.label, "front_end": finding.target.front_end,
             "installed": not finding.absent, "missing_packages": list(finding.absent),

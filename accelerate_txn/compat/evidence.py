@@ -28,8 +28,8 @@ from .pieces import Piece, forget_observed, observe_all, outline
 
 EVIDENCE_FILE = "evidence.json"
 #: Set to 1 to take the protected path where the evidence does not protect the installed releases (the user's risk;
-#: read by the front ends through ``accelerate.versions.override_requested``, which accepts only its documented values).
-OVERRIDE_ENV = "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED"
+#: read by the front ends through ``runtime.versions.override_requested``, which accepts only its documented values).
+OVERRIDE_ENV = "ACCELERATE_TXN_ALLOW_UNVALIDATED"
 
 
 class EvidenceDamaged(Exception):

@@ -2,7 +2,8 @@
 
 A value outside them raises :class:`CheckpointConfigurationError` naming the variable, the value and the accepted
 values, instead of silently meaning something else (``ACCELERATE_TXN_DIRECT_IO=off`` once meant "on"). Every value is
-read with surrounding spaces ignored; unset and empty mean the default. A switch (:func:`flag`) takes ``1``,
+read with surrounding spaces ignored; unset and empty mean the default. A variable that had an older name
+(:data:`OLDER_NAMES`, ``VIDEOX_*``) is read under either. A switch (:func:`flag`) takes ``1``,
 ``true``, ``yes``, ``on`` and ``0``, ``false``, ``no``, ``off``; a choice (:func:`choice`) its names; both in any case.
 
 Who raises depends on where a variable is read, which its declaring module decides: the front ends read every
@@ -22,6 +23,18 @@ from ..errors import CheckpointConfigurationError
 
 T = TypeVar("T")
 
+#: The older spelling of each variable, still honoured: the names of VideoX, the training codebase accelerate-txn was
+#: extracted from (``VIDEOX_ACCELERATE_PATCHES=0`` keeps working). Set under both names to different values, a
+#: setting is refused, not guessed (:meth:`Variable.raw`).
+OLDER_NAMES: dict[str, tuple[str, ...]] = {
+    "ACCELERATE_TXN_PATCHES": ("VIDEOX_ACCELERATE_PATCHES",),
+    "ACCELERATE_TXN_PROTECT": ("VIDEOX_ACCELERATE_PROTECT",),
+    "ACCELERATE_TXN_ALLOW_UNVALIDATED": ("VIDEOX_ACCELERATE_ALLOW_UNVALIDATED",),
+    "ACCELERATE_TXN_CHECK_FINITE": ("VIDEOX_CHECKPOINT_FINITE",),
+    "ACCELERATE_TXN_LOCK_TIMEOUT": ("VIDEOX_CHECKPOINT_LOCK_TIMEOUT",),
+    "ACCELERATE_TXN_ARRIVAL_TIMEOUT": ("VIDEOX_CHECKPOINT_ARRIVAL_TIMEOUT",),
+}
+
 #: The spellings of a switch, in any case.
 ON = ("1", "true", "yes", "on")
 OFF = ("0", "false", "no", "off")
@@ -37,9 +50,26 @@ class Variable(Generic[T]):
     default: T
     accepted: str
 
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        """The older spellings still honoured (:data:`OLDER_NAMES`)."""
+        return OLDER_NAMES.get(self.name, ())
+
     def raw(self) -> str:
-        """The value as set, spaces stripped (``""``: unset or empty)."""
-        return os.environ.get(self.name, "").strip()
+        """The value as set, spaces stripped (``""``: unset or empty), under :attr:`name` or any of its
+        :attr:`aliases`. Set under two spellings to different values, it is a configuration error naming both:
+        which one was meant is not for the library to guess."""
+        found = {name: value for name in (self.name, *self.aliases) if (value := os.environ.get(name, "").strip())}
+        if len(set(found.values())) > 1:
+            spelled = ", ".join(f"{name}={os.environ.get(name)!r}" for name in found)
+            raise CheckpointConfigurationError(
+                f"The environment variables {spelled} are spellings of one setting with different values: unset "
+                f"all but {self.name}.")
+        return next(iter(found.values()), "")
+
+    def source(self) -> str:
+        """The spelling the current value was read from (:attr:`name` when unset)."""
+        return next((name for name in (self.name, *self.aliases) if os.environ.get(name, "").strip()), self.name)
 
     def read(self) -> T:
         """The meaning of the current value; the default when unset or empty; else a configuration error naming
@@ -51,7 +81,7 @@ class Variable(Generic[T]):
             return self.parse(raw)
         except ValueError:
             raise CheckpointConfigurationError(
-                f"The environment variable {self.name} is {os.environ.get(self.name)!r}: {self.accepted}. Set an "
+                f"The environment variable {self.source()} is {os.environ.get(self.source())!r}: {self.accepted}. Set an "
                 "accepted value, or unset it for the default.") from None
 
 

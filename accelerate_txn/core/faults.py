@@ -14,7 +14,7 @@ default ``SIGTERM`` action ends the process at once (as ``SIGKILL`` does, with a
 (``torchrun``'s raises ``SignalException``; ``SIGINT``'s raises ``KeyboardInterrupt``) raises at that instant.
 
 ``ACCELERATE_TXN_ASYNC_FAIL_AT=R`` (``R#K1,K2``) makes rank ``R`` raise inside the background write of its
-asynchronous saves (only the ``K1``-th, ``K2``-th of this process): read by ``accelerate.async_save``.
+asynchronous saves (only the ``K1``-th, ``K2``-th of this process): read by ``runtime.async_save``.
 
 A value of any of them outside these forms raises ``CheckpointConfigurationError`` naming it (``core.environment``);
 the front ends read them at the start of each save and load, inside its first rank phase.

@@ -7,7 +7,7 @@ protected save these two calls are intercepted in the saving thread instead:
 
 * the caller takes this rank's *local* data only (its boxes of every original parameter and of its
   parameter-shaped optimizer state, each a contiguous tensor; the persistent buffers, the scalar state and the
-  group options): no collective over the training group. An asynchronous save (``accelerate.async_save``)
+  group options): no collective over the training group. An asynchronous save (``runtime.async_save``)
   copies them into host memory (training moves on during the write); a synchronous save takes *views* of the
   live flat-parameter shards, buffers and optimizer state (no staging memory, no copy: it writes them before
   ``save_state`` returns, and nothing mutates them meanwhile). The 0-dim state (``step``) and the group options
@@ -273,7 +273,7 @@ def _agreed(capture: Callable[[], Deferred | None], what: str, staged: bool) -> 
 def install(capturing: Callable[[], bool | None], model_state_dict: tuple[Any, str]) -> None:
     """Once: while a protected save runs in this thread (``capturing()`` is True for an asynchronous save, False
     for a synchronous one, None outside a protected save), Accelerate's FSDP1 model state dict (``model_state_dict``:
-    the (module, name) the front end's internals layer gives, ``accelerate.internals.model_state_dict_point``) and
+    the (module, name) the front end's internals layer gives, ``runtime.accelerate_internals.model_state_dict_point``) and
     ``FSDP.optim_state_dict`` return a :class:`Deferred` when this module can build them collective-free: from host
     copies when asynchronous, from views of the live tensors when synchronous. Everything else passes through."""
     if _installed:

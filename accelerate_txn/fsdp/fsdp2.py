@@ -35,7 +35,7 @@ Accelerate's FSDP2 ``SHARDED_STATE_DICT`` checkpoints are DCP directories like F
   :func:`verify_restored_fsdp2` checks the result.
 
 Validated versions: the FSDP2 path is taken only on the rows of ``validated.json`` marked ``"fsdp2": true``
-(``accelerate.versions.FSDP2_VALIDATED``; each passed at least tests/test_fsdp2.py, real 2-process gloo runs, with
+(``runtime.versions.FSDP2_VALIDATED``; each passed at least tests/test_fsdp2.py, real 2-process gloo runs, with
 that pair installed: docs/versions.md records what ran on each); elsewhere FSDP2 runs native Accelerate with a
 warning.
 """

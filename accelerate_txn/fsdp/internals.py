@@ -1,5 +1,5 @@
 """Every private torch, NumPy and CPython internal accelerate-txn relies on, in one file (shared by the FSDP layer
-and every front end; Accelerate's own internals are in :mod:`accelerate_txn.accelerate.internals`).
+and every front end; Accelerate's own internals are in :mod:`accelerate_txn.runtime.accelerate_internals`).
 
 The rest of the library reaches torch internals only through these functions (tests/test_internals.py fails on
 a private access anywhere else, and calls every function here on the installed versions). Supporting a new torch

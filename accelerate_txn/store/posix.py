@@ -352,7 +352,7 @@ class DirectoryLock:
             "A writer killed on this machine releases the lock at once; one that died on another node of a shared "
             "filesystem (NFS, Lustre) holds it until the server notices, often tens of seconds: retry, or wait "
             "longer with configure_checkpointing(accelerator, lock_timeout=SECONDS) or "
-            "VIDEOX_CHECKPOINT_LOCK_TIMEOUT. (The lock file itself is harmless; do not delete it.)"
+            "ACCELERATE_TXN_LOCK_TIMEOUT. (The lock file itself is harmless; do not delete it.)"
         )
 
     def __enter__(self) -> DirectoryLock:

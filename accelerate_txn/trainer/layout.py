@@ -17,9 +17,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..accelerate.versions import checkpoint_compatibility
 from ..core.manifest import list_tree
 from ..errors import CheckpointConfigurationError, CheckpointIntegrityError
+from ..runtime.versions import checkpoint_compatibility
 from .order import order_record
 
 TRAINER_STATE = "trainer_state.json"

@@ -8,7 +8,7 @@ last read: the checkpoint is held in use until then) and the module's ``load_fsd
 to :mod:`.resume`, :mod:`.save` and :mod:`.restore` (which acts only inside a protected resume:
 :func:`.restore.resuming`).
 
-Protected when all hold: automatic dispatch is on (``VIDEOX_ACCELERATE_PATCHES`` unset or truthy); the installed
+Protected when all hold: automatic dispatch is on (``ACCELERATE_TXN_PATCHES`` unset or truthy); the installed
 transformers, torch and Accelerate are protected by the evidence about the pieces the Trainer relies on
 (:mod:`.versions`) or the override is set; the Trainer's class (a subclass's overrides too) has the private points of
 :mod:`.internals` with their signatures; the Trainer is not DeepSpeed's (DeepSpeed writes its own checkpoint layout)
@@ -41,6 +41,7 @@ from .restore import check_before_model_load, loaded, restore_optimizer, resumin
 from .resume import resolve_resume
 from .save import RUN_IDS, protected_finalize, protected_save
 from .versions import (
+    DISPATCH,
     automatic_dispatch_requested,
     override_requested,
     path_of_trainer,
@@ -51,7 +52,6 @@ from .versions import (
 
 logger = logging.getLogger(__name__)
 MODULE = "transformers.trainer"
-PATCH_ENV = "VIDEOX_ACCELERATE_PATCHES"
 ORIGINALS: dict[str, Any] = {}
 _NOTED: WeakSet = WeakSet()
 _WARNED: set[str] = set()  # the reasons said by a warning (no INFO line besides)
@@ -61,7 +61,7 @@ def native_reason(trainer: Any) -> str | None:
     """Why this Trainer's checkpoints run native (``None``: protected); a changed piece, a damaged evidence file or a
     Trainer without its private points is warned once per process and reason (``compat.evidence.warn_once``)."""
     if not automatic_dispatch_requested():
-        return f"automatic dispatch is off ({PATCH_ENV}={os.environ.get(PATCH_ENV)!r})"
+        return f"automatic dispatch is off ({DISPATCH.source()}={os.environ.get(DISPATCH.source())!r})"
     path = path_of_trainer(trainer)
     if not protected(type(trainer), path):
         message = unsupported_message(type(trainer), path)
@@ -91,7 +91,7 @@ def _read_switches() -> None:
 
 def _protected(trainer: Any) -> bool:
     # The switches native_reason (and the save's crash points) read, first in a rank phase: a value invalid on one rank
-    # (VIDEOX_ACCELERATE_PATCHES=maybe) raises the same error on every rank, not on that rank alone while the others
+    # (ACCELERATE_TXN_PATCHES=maybe) raises the same error on every rank, not on that rank alone while the others
     # wait in the agreement below.
     run_phase(_read_switches, "Reading the environment's switches")
     reason = native_reason(trainer)

@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 from weakref import WeakKeyDictionary
 
-from ..accelerate.async_save import capture_dcp_saves
 from ..core import faults
 from ..core.carry import carry_note, carry_user_files, find_user_files, shown, user_file_rows
 from ..core.manifest import (
@@ -54,6 +53,7 @@ from ..core.ranks import agree, gather_rows, on_main, rank, run_phase, world_siz
 from ..core.select import complete_run_id, numbered_checkpoints, prune, replace_refusal
 from ..core.signing import Keyring, environment_keyring
 from ..errors import CheckpointError, CheckpointExistsError
+from ..runtime.async_save import capture_dcp_saves
 from ..store.posix import (
     POSIX,
     DirectoryLock,
@@ -240,7 +240,7 @@ def protected_save(wrapped: Any, trainer: Any, args: tuple[Any, ...], kwargs: di
 
         def native() -> Any:
             # The FSDP DCP files are written as in a protected Accelerate save (``fsdp.dcp_writer``, hashed as
-            # written: ``accelerate.async_save.capture_dcp_saves``).
+            # written: ``runtime.async_save.capture_dcp_saves``).
             with redirected_output_dir(trainer, str(staging)), capture_dcp_saves(False, staging) as capture:
                 try:
                     return wrapped(*args, **kwargs)

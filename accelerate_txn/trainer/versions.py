@@ -1,11 +1,11 @@
 """The Trainer front end's gate: evidence about the private pieces it relies on decides, not version numbers.
 
 The Trainer is protected where every private transformers piece it relies on (``trainer.internals.trainer_pieces``)
-and every Accelerate and torch piece of the FSDP path it uses (``accelerate.versions.PATHS``) has a value recorded
+and every Accelerate and torch piece of the FSDP path it uses (``runtime.versions.PATHS``) has a value recorded
 for a release that passed the Trainer tests (``accelerate_txn/evidence.json``), each through the same mechanism
 (``compat.evidence``): a transformers release that changed none of them is protected the day it ships, whatever
 the torch and Accelerate releases beside it, as long as their own pieces match. Elsewhere Trainer runs native after
-one warning naming the piece, the release and what changed; ``VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1`` takes the
+one warning naming the piece, the release and what changed; ``ACCELERATE_TXN_ALLOW_UNVALIDATED=1`` takes the
 protected path at the user's own risk. The ``"transformers"`` rows of ``accelerate_txn/validated.json`` record the
 (transformers, torch, Accelerate) releases the Trainer tests ran on: the record whose evidence is kept.
 """
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from ..accelerate.descriptor import path_of
-from ..accelerate.versions import PATH_NAMES, PATHS, TABLE_FILE, installed_versions, override_requested, series
-from ..accelerate.versions import automatic_dispatch_requested as automatic_dispatch_requested  # the one switch
 from ..compat.evidence import Difference, differences, explain
 from ..compat.pieces import Piece
+from ..runtime.versions import DISPATCH as DISPATCH  # the one switch
+from ..runtime.versions import PATH_NAMES, PATHS, TABLE_FILE, installed_versions, override_requested, path_of, series
+from ..runtime.versions import automatic_dispatch_requested as automatic_dispatch_requested
 from .internals import TRAINER_FSDP_PIECES, trainer_pieces
 
 

@@ -161,7 +161,7 @@ def capture_dcp_saves(stage: bool, root: Path, pool: StagingPool | None = None) 
         import wrapt
 
         from ..fsdp import capture as _async_capture
-        from .internals import model_state_dict_point
+        from .accelerate_internals import model_state_dict_point
 
         wrapt.wrap_function_wrapper(dcp, "save", _dcp_save)
         _async_capture.install(_capture_mode, model_state_dict_point())
@@ -343,7 +343,7 @@ def install_exit_handling() -> None:
     import wrapt
 
     from ..fsdp.internals import register_thread_exit_hook
-    from .internals import accelerator_module
+    from .accelerate_internals import accelerator_module
 
     def end_training(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         if instance is not None:

@@ -2,11 +2,11 @@
 
 Protection is decided by evidence, not version numbers (:mod:`..compat.evidence`): each protected path (FSDP1, FSDP2,
 and the one-process/DDP path of ``protect="all"``) declares the private Accelerate and torch pieces it relies on
-(``accelerate.internals``, ``fsdp.internals``); the installed releases are protected on a path when every one of its
+(``runtime.accelerate_internals``, ``fsdp.internals``); the installed releases are protected on a path when every one of its
 pieces has a value recorded for a release that passed the library's tests (``accelerate_txn/evidence.json``),
 whatever their version numbers. Elsewhere automatic dispatch runs native Accelerate after one warning naming the
 piece, the release and what changed, and the explicit API refuses, unless the user sets
-``VIDEOX_ACCELERATE_ALLOW_UNVALIDATED=1`` and accepts the risk.
+``ACCELERATE_TXN_ALLOW_UNVALIDATED=1`` and accepts the risk.
 
 The table ``accelerate_txn/validated.json`` stays the record of what ran: the (torch, Accelerate) pairs on which the
 distributed matrix subset passed with exactly those releases (``make test-matrix-table`` runs every row; CI runs a
@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any
 
 from packaging.version import Version
 
@@ -30,10 +31,10 @@ from ..compat.evidence import Difference, differences, explain
 from ..compat.pieces import Piece
 from ..core.environment import flag
 from ..fsdp.internals import TORCH_COMMON, TORCH_FSDP1, TORCH_FSDP2
-from .internals import ACCELERATE_COMMON, ACCELERATE_FSDP1, ACCELERATE_FSDP2
+from .accelerate_internals import ACCELERATE_COMMON, ACCELERATE_FSDP1, ACCELERATE_FSDP2
 
 #: ``0`` (or false, off, no) turns automatic dispatch off: ``save_state``/``load_state`` and Trainer run exactly native.
-PATCH_ENV = "VIDEOX_ACCELERATE_PATCHES"
+PATCH_ENV = "ACCELERATE_TXN_PATCHES"
 DISPATCH = flag(PATCH_ENV, True)
 #: ``1`` (or true, yes, on) takes the protected path where the evidence does not protect the installed releases.
 OVERRIDE = flag(OVERRIDE_ENV, False)
@@ -108,6 +109,24 @@ PATHS: dict[str, tuple[Piece, ...]] = {
     "common": (*ACCELERATE_COMMON, *TORCH_COMMON),  # one process and DDP (protect="all")
 }
 PATH_NAMES = {"fsdp1": "FSDP1", "fsdp2": "FSDP2", "common": "one-process and DDP"}
+
+
+def sharded_fsdp_version(accelerator: Any) -> int | None:
+    """The FSDP version (1 or 2) when ``accelerator`` uses FSDP with ``SHARDED_STATE_DICT``, else ``None``."""
+    if accelerator.distributed_type.name != "FSDP":
+        return None
+    plugin = accelerator.state.fsdp_plugin
+    if plugin is None or getattr(plugin.state_dict_type, "name", None) != "SHARDED_STATE_DICT":
+        return None
+    return getattr(plugin, "fsdp_version", 1)
+
+
+def path_of(accelerator: Any) -> str:
+    """The protected path an Accelerator's checkpoints take (``runtime.versions.PATHS``): "fsdp2" for FSDP2,
+    "fsdp1" for other FSDP setups, "common" for one process and DDP (``protect="all"``)."""
+    if accelerator.distributed_type.name != "FSDP":
+        return "common"
+    return "fsdp2" if sharded_fsdp_version(accelerator) == 2 else "fsdp1"
 
 
 def differing(path: str = "fsdp1") -> list[Difference]:
