@@ -33,13 +33,13 @@ crash-sweep: venv
 ## For a machine with a GPU (not CI): NCCL, one process, protected round trip on CUDA, parameter CPU offload, CUDA RNG.
 ## Prints why it skipped where no GPU is visible.
 test-gpu: venv
-	$(PY) tests/gpu_check.py
+	$(PY) tests/scripts/gpu_check.py
 
 ## The documentation site: MkDocs + Material, strict (any warning fails), into site/, with the API reference
 ## generated from the docstrings (mkdocstrings; griffe reads the source, nothing is imported). Its tools live in
 ## their own environment (.venv-docs, pinned by docs/requirements.txt), apart from the library's constraints.txt.
 ## First a Markdown lint: a list must have a blank line before and after it (MD032), or Python-Markdown renders
-## it as a paragraph with a literal "- ". After the build, tests/test_docs.py checks the built site: every public
+## it as a paragraph with a literal "- ". After the build, tests/project/test_docs.py checks the built site: every public
 ## name on the reference page, no list item left inside a paragraph.
 DOCS_VENV ?= .venv-docs
 DOCS_LINT := $(DOCS_VENV)/bin/pymarkdown --strict-config --set 'plugins.selectively_enable_rules=$$!true' \
@@ -47,7 +47,7 @@ DOCS_LINT := $(DOCS_VENV)/bin/pymarkdown --strict-config --set 'plugins.selectiv
 docs: $(DOCS_VENV)/.installed
 	$(DOCS_LINT) scan --recurse docs
 	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict -d site
-	$(DOCS_VENV)/bin/python tests/test_docs.py site
+	$(DOCS_VENV)/bin/python tests/project/test_docs.py site
 
 $(DOCS_VENV)/.installed: docs/requirements.txt
 	$(PYTHON) -m venv $(DOCS_VENV)
@@ -85,10 +85,10 @@ test-accelerate:
 ## fresh-optimizer restore, corruption and configuration refusal, a hook failing on one rank, no overwrite),
 ## kill -9 mid-save and resume, ranks that disagree, a DCP exception on one rank, a restore failing part way,
 ## and an elastic resume (FSDP1 flat parameters, 2 -> 3 ranks, exact).
-MATRIX_TESTS ?= tests/test_distributed.py tests/test_elastic.py -k "orig_params or kill_9 or ranks_with_different_configuration or silently_empty_native or dcp_checkpoint_exception or restore_failing_part_way or flat_parameters_and_another_optimizer"
+MATRIX_TESTS ?= tests/fsdp/test_distributed.py tests/accelerate/test_elastic.py -k "orig_params or kill_9 or ranks_with_different_configuration or silently_empty_native or dcp_checkpoint_exception or restore_failing_part_way or flat_parameters_and_another_optimizer"
 ## MATRIX_FSDP2_TESTS run as well on the rows marked "fsdp2": true: FSDP2's protected save, an exact resume into a
 ## fresh model and optimizer, a flipped byte refused, a whole-job kill -9 mid-write then an exact restart.
-MATRIX_FSDP2_TESTS ?= tests/test_fsdp2.py tests/test_crash_fsdp2.py -k "save_is_protected_and_published or resume_into_a_fresh_model or flipped_byte_in_a_dcp or kill_mid_flush_of_a_fresh_run"
+MATRIX_FSDP2_TESTS ?= tests/fsdp/test_fsdp2.py tests/core/test_crash_fsdp2.py -k "save_is_protected_and_published or resume_into_a_fresh_model or flipped_byte_in_a_dcp or kill_mid_flush_of_a_fresh_run"
 MATRIX_ARGS ?=
 test-matrix:
 	$(PYTHON) .ci/matrix.py --cover --fsdp2-tests '$(MATRIX_FSDP2_TESTS)' $(MATRIX_ARGS) -- $(MATRIX_TESTS)
@@ -104,11 +104,11 @@ test-matrix:
 ## TRAINER_NEWEST_TESTS (FSDP1): a protected save publishes checkpoint-N with a verified manifest; kill -9 of one
 ## rank or of the whole job at each phase of a save, each followed by resume_from_checkpoint=True, which takes the
 ## newest complete checkpoint with its optimizer state bitwise and ends exactly as the uninterrupted run.
-TRAINER_NEWEST_TESTS ?= tests/test_trainer.py -k "protected_trainer_save_publishes or kill_9_at_each_phase or fsdp1_resume_restores_the_optimizer"
+TRAINER_NEWEST_TESTS ?= tests/trainer/test_trainer.py -k "protected_trainer_save_publishes or kill_9_at_each_phase or fsdp1_resume_restores_the_optimizer"
 ## TRAINER_NEWEST_FSDP2_TESTS: the whole job killed mid-save resumes exactly (every checkpoint's manifest verified);
 ## each damaged file class (model and optimizer shards, scheduler, RNG, Trainer state, missing, extra) refused on
 ## every rank before anything is loaded.
-TRAINER_NEWEST_FSDP2_TESTS ?= tests/test_trainer.py -k "kill_9_of_the_whole_job_mid_save or each_damaged_file_class"
+TRAINER_NEWEST_FSDP2_TESTS ?= tests/trainer/test_trainer.py -k "kill_9_of_the_whole_job_mid_save or each_damaged_file_class"
 NEWEST_ARGS ?=
 test-newest:
 	$(PYTHON) .ci/newest.py --fsdp2-tests '$(MATRIX_FSDP2_TESTS)' --trainer-tests '$(TRAINER_NEWEST_TESTS)' \

@@ -469,7 +469,7 @@ def main(argv: list[str]) -> int:
                              "it stopped)")
     parser.add_argument("--fsdp2-tests", default="", metavar="PYTEST_ARGS",
                         help="one string of pytest arguments run as well on each table row marked \"fsdp2\": true "
-                             "(after the tests given after --), e.g. \"tests/test_fsdp2.py -k 'resume or flipped'\"")
+                             "(after the tests given after --), e.g. \"tests/fsdp/test_fsdp2.py -k 'resume or flipped'\"")
     parser.add_argument("--list", action="store_true", help="print the jobs and exit")
     parser.add_argument("pytest_args", nargs="*", help="after --: what pytest runs in every job")
     options = parser.parse_args(argv)

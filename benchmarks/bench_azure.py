@@ -1,7 +1,7 @@
 """Azure Blob clients against a loopback Azurite: which one can make a checkpoint commit create-only, and how fast
 each moves checkpoint-sized files.
 
-Azurite (the npm package, installed by ``tests._azurite`` into ``.azurite/``) runs in memory on 127.0.0.1 on a
+Azurite (the npm package, installed by ``tests.support.azurite`` into ``.azurite/``) runs in memory on 127.0.0.1 on a
 free port, in its own process. For each client:
 
 * **create-only, one request**: ``If-None-Match: *`` on ``Put Blob`` of a small blob, written twice; the second must
@@ -40,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests._azurite import ACCOUNT, KEY, LISTENING, azurite_binary
+from tests.support.azurite import ACCOUNT, KEY, LISTENING, azurite_binary
 
 CONTAINER = "bench-azure"
 

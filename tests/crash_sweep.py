@@ -3,16 +3,16 @@
 Each trial trains a fresh 2-rank FSDP run on CPU (automatic naming, ``total_limit=2``, a save every step),
 SIGKILLs every rank at an instant drawn from ``(seed, trial)`` over several saves, checks the checkpoint
 directory, and restarts: the newest complete checkpoint must be selected and restored exactly, the next save
-published, leftovers removed, no published checkpoint lost or corrupt (see tests/_crash_harness.py). Prints
+published, leftovers removed, no published checkpoint lost or corrupt (see tests/scenarios/crash_harness.py). Prints
 one line per trial and a summary; exits 1 if any trial failed. ``make crash-sweep`` runs it with 50 trials.
 
-``--fsdp-version 1`` (the default) runs the ranks of tests/_crash_scenarios.py (FSDP1); ``--fsdp-version 2``
-those of tests/_crash_fsdp2.py (Accelerate's FSDP2: ``fully_shard``, DTensor parameters; the restart compares
+``--fsdp-version 1`` (the default) runs the ranks of tests/scenarios/crash_scenarios.py (FSDP1); ``--fsdp-version 2``
+those of tests/scenarios/crash_fsdp2.py (Accelerate's FSDP2: ``fully_shard``, DTensor parameters; the restart compares
 each rank's local shards). ``--async`` (FSDP1 or FSDP2): every save is asynchronous (``async_save=True``), so kills land
 in the background write, hash, publish and retention as well; a returned save then proves only the previous one
 published. ``--seed S`` and ``--dir D`` (keep the run directories) as usual.
 
-``--trainer``: the transformers Trainer front end instead (tests/_trainer_kills.py, FSDP1, ``save_total_limit=2``, a
+``--trainer``: the transformers Trainer front end instead (tests/scenarios/trainer_kills.py, FSDP1, ``save_total_limit=2``, a
 save every 2 steps): one uninterrupted reference run, then per trial the whole job SIGKILLed at an instant drawn
 from ``(seed, trial)``, the directory checked, and ``resume_from_checkpoint=True`` compared with the reference
 (newest complete checkpoint taken, its optimizer state restored bitwise, final weights and optimizer bitwise).
@@ -27,11 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests._crash_harness import summary, sweep
-from tests._crash_scenarios import ASYNC_ENV
+from tests.scenarios.crash_harness import summary, sweep
+from tests.scenarios.crash_scenarios import ASYNC_ENV
 
-#: The module whose ``main`` each rank runs, per FSDP version (``_crash_harness.Job``'s ``entry``).
-ENTRIES = {1: "tests._crash_scenarios", 2: "tests._crash_fsdp2"}
+#: The module whose ``main`` each rank runs, per FSDP version (``crash_harness.Job``'s ``entry``).
+ENTRIES = {1: "tests.scenarios.crash_scenarios", 2: "tests.scenarios.crash_fsdp2"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def trainer_sweep(trials: int, seed: int, keep: Path | None) -> int:
     """``--trainer``: a reference run, then ``trials`` random-instant kills, each followed by a checked restart."""
-    from tests._trainer_kills import random_kill_trial, reference_run
+    from tests.scenarios.trainer_kills import random_kill_trial, reference_run
 
     started = time.monotonic()
     failed: list[str] = []
