@@ -8,6 +8,8 @@
   its own package.
 * The package root holds only the public face and subpackages.
 * The offline CLI imports no torch.
+* The tests mirror the package: every test file lives in the folder of the room it tests (``tests/<room>/`` names a
+  subpackage of ``accelerate_txn``), beside the folders of whole-repository checks, scenario code and support.
 """
 
 from __future__ import annotations
@@ -44,6 +46,19 @@ LAYERS: dict[str, set[str]] = {
     "__main__": {"cli"},
 }
 ROOT_FILES = {"__init__.py", "__main__.py", "errors.py", "validated.json", "evidence.json"}
+
+TESTS = Path(__file__).resolve().parents[1]
+#: What may sit directly under tests/: the package marker, the shared fixtures, and the crash sweep
+#: (``python -m tests.crash_sweep``). No script run by path belongs here: Python would put tests/ first on its
+#: path, where tests/accelerate/ stands in for Accelerate itself (``make test-gpu`` runs tests/scripts/gpu_check.py).
+TESTS_ROOT_FILES = {"__init__.py", "conftest.py", "crash_sweep.py"}
+#: The folders of tests/ that are no room of the package, and what each holds.
+TESTS_OTHER_FOLDERS = {
+    "project": "whole-repository checks: layout, README, docs, dependency floors, CI, benchmarks, demo, public API",
+    "scenarios": "code that runs inside launched ranks and the harnesses that start them (no test_*.py)",
+    "support": "loopback servers and helpers the tests share (no test_*.py)",
+    "scripts": "scripts run by path: the launcher's example script, make test-gpu's check (no test_*.py)",
+}
 
 
 def _module_name(path: Path) -> str:
@@ -181,6 +196,82 @@ def test_the_offline_cli_imports_no_torch(tmp_path: Path) -> None:
               "print('clean', codes)\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "clean" in result.stdout, result.stdout + result.stderr
+
+
+def misplaced_tests(tests: Path, package: Path) -> list[str]:
+    """What in the test tree ``tests`` does not mirror ``package``: a file directly under tests/ other than
+    ``TESTS_ROOT_FILES``; a folder that is neither one of ``TESTS_OTHER_FOLDERS`` nor a subpackage of ``package``
+    (at any depth: tests/fsdp/ mirrors accelerate_txn/fsdp/); a module of a room that is not a test (helpers belong in
+    scenarios/ or support/); a test file outside the rooms and project/ (scenarios/, support/, scripts/ hold none);
+    a folder without ``__init__.py`` (the tests import each other as packages; scripts/ is run by path)."""
+    found = []
+
+    def entries(folder: Path) -> list[Path]:
+        return sorted(entry for entry in folder.iterdir()
+                      if not entry.name.startswith(".") and entry.name != "__pycache__")
+
+    for entry in entries(tests):
+        if entry.is_file():
+            if entry.name not in TESTS_ROOT_FILES:
+                found.append(f"tests/{entry.name}: only {sorted(TESTS_ROOT_FILES)} belong directly under tests/; a test "
+                             f"goes into the folder of the room it tests")
+            continue
+        folders = [entry, *sorted(path for path in entry.rglob("*") if path.is_dir() and path.name != "__pycache__")]
+        for folder in folders:
+            where = folder.relative_to(tests).as_posix()
+            files = [path for path in entries(folder) if path.is_file()]
+            if entry.name != "scripts" and not (folder / "__init__.py").is_file():
+                found.append(f"tests/{where}/: no __init__.py")
+            if entry.name in TESTS_OTHER_FOLDERS:
+                if entry.name != "project":
+                    found += [f"tests/{where}/{path.name}: a test in {entry.name}/, which holds "
+                              f"{TESTS_OTHER_FOLDERS[entry.name]}" for path in files if path.name.startswith("test_")]
+                continue
+            if not (package / folder.relative_to(tests) / "__init__.py").is_file():
+                found.append(f"tests/{where}/: names no subpackage of {package.name} (the rooms mirror the package; "
+                             f"other folders: {sorted(TESTS_OTHER_FOLDERS)})")
+            found += [f"tests/{where}/{path.name}: not a test (test_*.py) in a room; helpers go to scenarios/ or support/"
+                      for path in files if path.name != "__init__.py"
+                      and not (path.name.startswith("test_") and path.suffix == ".py")]
+    return found
+
+
+def test_every_test_file_lives_in_the_folder_of_the_room_it_tests() -> None:
+    assert misplaced_tests(TESTS, PACKAGE) == [], "The tests do not mirror the package:\n" + "\n".join(
+        misplaced_tests(TESTS, PACKAGE))
+
+
+def test_the_tests_mirror_check_can_fail(tmp_path: Path) -> None:
+    """Each kind of misplacement in a crafted tree is named, and a well-formed tree passes."""
+    package = tmp_path / "pkg"
+    for room in ("core", "fsdp"):
+        (package / room).mkdir(parents=True)
+        (package / room / "__init__.py").write_text("")
+    tests = tmp_path / "tests"
+    for folder in ("core", "project", "scenarios", "scripts"):
+        (tests / folder).mkdir(parents=True)
+        if folder != "scripts":
+            (tests / folder / "__init__.py").write_text("")
+    for name in ("__init__.py", "conftest.py", "crash_sweep.py", "core/test_a.py", "project/test_layout.py",
+                 "scenarios/a_scenarios.py", "scripts/train.py"):
+        (tests / name).write_text("")
+    assert misplaced_tests(tests, package) == []
+
+    (tests / "test_flat.py").write_text("")  # a test directly under tests/
+    (tests / "weights").mkdir()  # a folder naming no subpackage
+    (tests / "weights" / "__init__.py").write_text("")
+    (tests / "fsdp").mkdir()  # a room without __init__.py
+    (tests / "fsdp" / "test_b.py").write_text("")
+    (tests / "core" / "_helper.py").write_text("")  # a helper in a room
+    (tests / "scenarios" / "test_c.py").write_text("")  # a test among the scenarios
+    (tests / "core" / "deeper").mkdir()  # a folder below a room that the room's subpackage does not have
+    (tests / "core" / "deeper" / "__init__.py").write_text("")
+    found = misplaced_tests(tests, package)
+    expected = ["tests/test_flat.py:", "tests/weights/: names no subpackage of pkg", "tests/fsdp/: no __init__.py",
+                "tests/core/_helper.py: not a test", "tests/scenarios/test_c.py: a test in scenarios/",
+                "tests/core/deeper/: names no subpackage of pkg"]
+    assert [message for message in expected if not any(line.startswith(message) for line in found)] == [], found
+    assert len(found) == len(expected), found
 
 
 def test_the_checks_can_fail() -> None:
