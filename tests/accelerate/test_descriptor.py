@@ -319,7 +319,7 @@ class _Schedule:
 
 def test_callable_signature_rejects_callable_object() -> None:
     with pytest.raises(CheckpointConfigurationError,
-                       match=r"LR scheduler callable tests\.test_descriptor\._Schedule cannot be described"):
+                       match=r"LR scheduler callable tests\.accelerate\.test_descriptor\._Schedule cannot be described"):
         _callable_signature(_Schedule())
     with pytest.raises(CheckpointConfigurationError, match=r"_Schedule cannot be described"):
         _callable_signature(functools.partial(_Schedule()))
