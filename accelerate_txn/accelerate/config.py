@@ -150,7 +150,7 @@ _ARRIVAL_WAIT = ("the wait for every rank to reach save_state()/load_state()", f
 
 def _valid_seconds(value: Any, where: str, wait: tuple[str, str]) -> float:
     """``value`` as a wait in seconds (a finite number >= 0), else a configuration error naming the ``wait``."""
-    from ..store.posix import wait_seconds
+    from ..store.base import wait_seconds
 
     seconds = wait_seconds(value)
     if seconds is None:
@@ -168,7 +168,7 @@ def _valid_arrival_timeout(value: Any, where: str) -> float:
 
 
 def _seconds(raw: str) -> float:
-    from ..store.posix import wait_seconds
+    from ..store.base import wait_seconds
 
     seconds = wait_seconds(raw)
     if seconds is None:
@@ -194,7 +194,7 @@ def arrival_timeout(accelerator: Any) -> float:
         config = None
     if config is not None:
         return config.arrival_timeout
-    from ..store.posix import wait_seconds
+    from ..store.base import wait_seconds
 
     seconds = wait_seconds(ARRIVAL_TIMEOUT.raw() or DEFAULT_ARRIVAL_TIMEOUT)
     return DEFAULT_ARRIVAL_TIMEOUT if seconds is None else seconds

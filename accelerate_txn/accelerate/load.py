@@ -50,7 +50,8 @@ from ..runtime.accelerate_internals import (
     save_state_pre_hooks,
 )
 from ..runtime.versions import checkpoint_compatibility, require_supported_versions
-from ..store.posix import InUse, new_id
+from ..store import local_store
+from ..store.base import Hold, new_id
 from . import remote as _remote
 from .arrival import check_arrival
 from .config import checkpoint_config, group_keys, mark_failed, read_configs
@@ -117,7 +118,7 @@ def _across_tiers(found: list[Path], reasons: list[str], remote: list[tuple[int,
 
 
 def _fetch_and_verify(url: str, root: Path, group: dict[str, Any], templates: list[str],
-                      holding: list[InUse]) -> tuple[dict[str, Any] | None, dict[str, Preflight], Path]:
+                      holding: list[Hold]) -> tuple[dict[str, Any] | None, dict[str, Preflight], Path]:
     """The local copy of ``url`` in the cache ``root``, verified like a local checkpoint. A copy found already in the
     cache (not fsynced when downloaded: the restore checks every byte) that fails is downloaded again, once. The
     hold on the copy (no other job sharing the cache removes it while held) is appended to ``holding``: the caller
@@ -320,9 +321,9 @@ def load_training_checkpoint(owners: Any, input_dir: str | Path | None = None, *
     candidates, automatic = on_main(lambda: _candidates(primary, group, input_dir), "Selecting the checkpoint")
     templates = _templates(group)
     # The checkpoint being restored is held in use from before its verification to the end of the restore
-    # (store.posix.InUse): retention, prune and another job's cache clean-up leave it alone meanwhile, so every file
+    # (``store.base.Hold``): retention, prune and another job's cache clean-up leave it alone meanwhile, so every file
     # the verification passed is still there when the restore reads it.
-    holding: list[InUse] = []
+    holding: list[Hold] = []
     try:
         for index, candidate in enumerate(candidates):
             path = Path(candidate)
@@ -331,7 +332,7 @@ def load_training_checkpoint(owners: Any, input_dir: str | Path | None = None, *
                     manifest, found, path = _fetch_and_verify(candidate, _remote.cache_root(primary), group, templates,
                                                               holding)
                 else:
-                    holding.append(InUse(path))
+                    holding.append(local_store().hold(path))
                     run_phase(holding[-1].acquire, f"Holding {path} in use")
                     manifest, found = _verify(path, group, templates)
             except (CheckpointIntegrityError, NoCheckpointError) as exc:  # NoCheckpointError: a mirror's went away
@@ -354,7 +355,7 @@ def load_training_checkpoint(owners: Any, input_dir: str | Path | None = None, *
     return _after_restore(primary, group, found, manifest, path, candidates, candidate, automatic)
 
 
-def _release(holding: list[InUse]) -> None:
+def _release(holding: list[Hold]) -> None:
     while holding:
         holding.pop().release()
 

@@ -38,8 +38,8 @@ from ..errors import (
     NoCheckpointError,
 )
 from ..runtime import async_save
-from ..store.base import ObjectStore
-from ..store.posix import IN_USE, POSIX, InUse, claim, held_in_use, in_use_file, new_id, remove_tree
+from ..store import local_store, object_store
+from ..store.base import IN_USE, Hold, new_id
 from .config import checkpoint_config
 
 logger = logging.getLogger(__name__)
@@ -53,34 +53,8 @@ POINTS = (
     "fetch:during",            # this rank downloaded one file of its share
 )
 
-_STORES: dict[str, ObjectStore] = {}
 #: Seconds a download waits to publish its copy while another job restores from the copy it replaces.
 COPY_WAIT = 600.0
-
-
-def object_store(url: str) -> ObjectStore:
-    """The client for ``url``'s scheme (one per process), configured from the client library's own environment."""
-    scheme = url.partition("://")[0]
-    store = _STORES.get(scheme)
-    if store is None:
-        if scheme == "s3":
-            from ..store.s3 import S3Store
-
-            store = S3Store()
-        elif scheme == "az":
-            from ..store.azure import AzureStore
-
-            store = AzureStore()
-        elif scheme == "gs":
-            from ..store.gcs import GcsStore
-
-            store = GcsStore()
-        else:
-            raise CheckpointConfigurationError(f"{url}: accelerate-txn stores checkpoints in S3 (s3://), Azure Blob "
-                                               f"(az://) and Google Cloud Storage (gs://) object storage; {scheme}:// "
-                                               "is not supported")
-        _STORES[scheme] = store
-    return store
 
 
 def cache_root(owner: Any) -> Path:
@@ -152,34 +126,34 @@ def _download_held(copy: Path) -> bool:
     """Whether a download of ``copy``'s name into its cache directory is still owned by a live process (its in-use
     lock is held): it will publish ``copy``, and its ranks may be about to use it."""
     prefix = f"..{copy.name}.download-"
-    return any(held_in_use(entry) for entry in copy.parent.glob(f"{prefix}*{IN_USE}"))
+    return any(local_store().held(entry) for entry in copy.parent.glob(f"{prefix}*{IN_USE}"))
 
 
 def keep_newest_copy(path: Path) -> list[Path]:
     """Bound the cache: remove the other checkpoint copies beside ``path``, downloads cut short, and lock files of
     directories that are gone (the lowest rank of a cache directory, after publishing ``path``). Only what no
     process uses: a copy another job restores from (or is downloading) holds its in-use lock, and so does a
-    download in progress (``store.posix.InUse``); each is claimed without waiting and skipped when in use, so two
+    download in progress (``store.base.Hold``); each is claimed without waiting and skipped when in use, so two
     jobs sharing one cache never remove each other's copies. Returns what was removed."""
     removed = []
     parent = path.parent
     for _number, other in numbered_checkpoints(parent):
         if other == path or other.is_symlink() or _download_held(other):
             continue
-        with claim(other) as free:
+        with local_store().claim(other) as free:
             if free:
-                remove_tree(other)
+                local_store().remove_tree(other)
                 removed.append(other)
     for entry in sorted(parent.iterdir()):  # downloads into this cache that were cut short (their owner is gone)
         if entry.name.startswith(".") and ".download-" in entry.name and entry.is_dir() and not entry.is_symlink():
-            with claim(entry) as free:
+            with local_store().claim(entry) as free:
                 if free:
-                    remove_tree(entry)
+                    local_store().remove_tree(entry)
                     removed.append(entry)
     for lock in sorted(parent.glob(f".*{IN_USE}")):  # lock files of directories that no longer exist
         target = parent / lock.name[1:-len(IN_USE)]
         if not target.exists() and not target.is_symlink():
-            with claim(target):
+            with local_store().claim(target):
                 pass  # claimed: the lock file goes; held: someone is about to create and use it
     return removed
 
@@ -206,11 +180,11 @@ def start_mirror(owners: list[Any], published: Path, run_id: str, limit: int | N
 
 
 def fetch(url: str, root: Path, group: Any = None, *, reuse: bool = True,
-          keys: Keyring | None = None) -> tuple[Path, bool, InUse]:
+          keys: Keyring | None = None) -> tuple[Path, bool, Hold]:
     """Download the checkpoint at ``url`` into the cache ``root`` (collective); returns the local copy, complete
     (manifest last) and verified file by file as downloaded, whether a copy already there was reused (``reuse``,
     only for a checkpoint whose every file is hashed: the restore verifies it byte for byte, and the caller fetches
-    again, ``reuse=False``, if that fails), and this rank's hold on the copy (:class:`~..store.posix.InUse`): while
+    again, ``reuse=False``, if that fails), and this rank's hold on the copy (:class:`~..store.base.Hold`): while
     it is held no other job sharing the cache removes or replaces the copy. The caller releases it when the restore
     is over (on every path: an exception here releases it already). ``keys``: the restore's verification keys
     (default: the environment's); a manifest whose authenticator they refuse is refused before anything is
@@ -238,8 +212,8 @@ def fetch(url: str, root: Path, group: Any = None, *, reuse: bool = True,
     download = on_main(new_id, "Naming the download", group)
     staging = final.parent / f".{final.name}.download-{download}"
     marker = f".peer-{download}-"
-    using = InUse(final)  # this rank's hold on the copy it restores from
-    owning = InUse(staging)  # this rank's hold on its download directory, from before it exists
+    using = local_store().hold(final)  # this rank's hold on the copy it restores from
+    owning = local_store().hold(staging)  # this rank's hold on its download directory, from before it exists
 
     # A copy whose every file is hashed is verified byte for byte by the restore: it is not fsynced as it is
     # downloaded, and one already in the cache is reused. Otherwise (checksum="metadata") it is fsynced and never
@@ -281,7 +255,7 @@ def fetch(url: str, root: Path, group: Any = None, *, reuse: bool = True,
                 for entry in staging.iterdir():
                     if entry.name.startswith(marker):
                         entry.unlink()
-                write_manifest(staging, manifest, store=POSIX)
+                write_manifest(staging, manifest, store=local_store())
                 _publish_copy(staging, final, txid, reusable)
                 keep_newest_copy(final)
 
@@ -327,19 +301,19 @@ def _publish_copy(staging: Path, final: Path, txid: str, reusable: bool) -> None
     deadline = time.monotonic() + COPY_WAIT
     warned = False
     while True:
-        with claim(final) as free:
+        with local_store().claim(final) as free:
             if free:
                 if final.exists() or final.is_symlink():
-                    remove_tree(final)
+                    local_store().remove_tree(final)
                 staging.rename(final)
-                in_use_file(final).unlink(missing_ok=True)  # while claimed: no lock file left beside an unused copy
+                local_store().hold_file(final).unlink(missing_ok=True)  # while claimed: no lock file left beside an unused copy
                 return
         if reusable and _holds(final, txid):  # in use, the same checkpoint: never replaced while anyone holds it
-            remove_tree(staging)
+            local_store().remove_tree(staging)
             return
         if time.monotonic() >= deadline:
             raise CheckpointLockedError(
-                f"The local copy {final} is in use by another process (it holds {in_use_file(final)}) and it "
+                f"The local copy {final} is in use by another process (it holds {local_store().hold_file(final)}) and it "
                 f"holds another checkpoint than the one to load; waited {COPY_WAIT:g} s for it. The object store is "
                 "not at fault. Load again when that job's restore is over, or give concurrent jobs separate cache "
                 "directories: configure_checkpointing(accelerator, cache_dir=...).")

@@ -13,9 +13,10 @@ Order (each step a rank phase: a failure anywhere raises the same error everywhe
    spread over the ranks;
 6. rank 0 gathers the rows, checks that they cover exactly the staged tree and every rank's files, fsyncs the
    directories, writes the manifest last (fsynced), renames staging onto the final name (or swaps it with the
-   checkpoint it replaces, deleting that one after the commit: ``store.posix.replace_directory``), fsyncs the
+   checkpoint it replaces, deleting that one after the commit), fsyncs the
    parent, then prunes older complete checkpoints of the same run (renamed aside first, then deleted).
 
+Steps 3, 5 and 6 are the shared transaction (``core.transaction``) with this front end's terms (:data:`TERMS`).
 ``core.faults.point`` marks the instants the crash-consistency tests kill a rank at.
 
 On failure the iteration counters are restored and staging is removed; nothing is published.
@@ -29,51 +30,25 @@ from __future__ import annotations
 import functools
 import logging
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ..core import faults as _faults
-from ..core.carry import carry_note, carry_user_files, find_user_files, user_file_rows
-from ..core.manifest import (
-    HASH,
-    MANIFEST,
-    PROTOCOL,
-    check_dcp_inventory,
-    check_rank_coverage,
-    complete_rows,
-    hash_rows,
-    list_tree,
-    rank_file_pattern,
-    with_metadata_cache,
-    write_manifest,
-    writer_rank,
-)
+from ..core.manifest import check_rank_coverage, rank_file_pattern, with_metadata_cache
 from ..core.ranks import agree, background_group, gather_rows, on_main, rank, run_phase, world_size
 from ..core.remote import is_url
 from ..core.remote import split as split_url
-from ..core.select import CHECKPOINT_NAME, complete_run_id, numbered_checkpoints, prune, replace_refusal
-from ..errors import (
-    CheckpointConfigurationError,
-    CheckpointError,
-    CheckpointExistsError,
-)
+from ..core.select import CHECKPOINT_NAME
+from ..core.transaction import Policy, Terms, Transaction, own_rows, retain
+from ..errors import CheckpointConfigurationError
 from ..fsdp.host_memory import StagingPool, copy_fence
 from ..fsdp.optimizer_state import raw_optimizer
 from ..runtime import async_save as _async
 from ..runtime.accelerate_internals import load_state_pre_hooks, prepared_models, prepared_optimizers, save_state_pre_hooks
 from ..runtime.versions import installed_versions, require_supported_versions
-from ..store.posix import (
-    POSIX,
-    DirectoryLock,
-    StagedDirectory,
-    carry_files,
-    create_directory,
-    fsync_directories,
-    new_id,
-    recover_replaced,
-    remove_leftovers,
-    staging_leftovers,
-)
+from ..store import local_store
+from ..store.base import new_id
 from . import remote as _remote
 from .arrival import check_arrival
 from .config import checkpoint_config, ensure_not_failed, group_keys, read_configs
@@ -205,25 +180,6 @@ def _rank_templates(group: dict[str, Any]) -> list[str]:
     return sorted({f"{name}/{t}" if name else t for name, owner in group.items() for t in rank_files(owner)})
 
 
-def _own_rows(staging: Path, templates: list[str], integrity: str,
-              written: dict[Path, tuple[int, str]] | None = None) -> dict[str, dict[str, Any]]:
-    """Hash and fsync the staged files this rank wrote (see ``core.manifest.writer_rank``); files hashed while DCP
-    wrote them (``written``, by absolute path) are only fsynced and their size checked."""
-    world, me = world_size(), rank()
-    bases = [template.rsplit("/", 1)[-1] for template in templates]
-    # Each rank lists the staged tree (a directory listing) but stats only its own files.
-    mine = list(list_tree(staging, keep=lambda name: writer_rank(name, world, bases) == me))
-    return hash_rows(staging, mine, algorithm=HASH, integrity=integrity, flush=True,
-                     after_first=lambda: _faults.point("save:during-flush"), written=_relative(written, staging))
-
-
-def _relative(written: dict[Path, tuple[int, str]] | None, staging: Path) -> dict[str, tuple[int, str]]:
-    """``written`` keyed by inventory names (relative to ``staging``); entries outside it are dropped."""
-    root = staging.absolute()
-    return {path.relative_to(root).as_posix(): value for path, value in (written or {}).items()
-            if path.is_relative_to(root)}
-
-
 def _staging_pool(owner: Any) -> StagingPool | None:
     """The Accelerator's pool of reused staging buffers (``reuse_staging_memory``), created on first use."""
     config = checkpoint_config(owner)
@@ -232,141 +188,52 @@ def _staging_pool(owner: Any) -> StagingPool | None:
     return config.staging_pool if config.reuse_staging_memory else None
 
 
-class _Reservation:
-    """Rank 0's side of the transaction: the lock and the staged directory (constructed inside a phase)."""
+#: The Accelerate front end's terms of the shared transaction (``core.transaction``).
+TERMS = Terms(
+    native="native Accelerate",
+    instead=("A protected save replaces its destination as a whole; save to a new directory (a checkpoint directory of "
+             "its own, e.g. OUTPUT/checkpoint-N)."),
+    elsewhere="save to a new directory",
+)
 
-    def __init__(self, path: Path, run_id: str, lock_timeout: float, overwrite: str = "replace",
-                 automatic: bool = False, protected: dict[str, Path] | None = None, cache: bool = False,
-                 private_patterns: list[re.Pattern[str]] | None = None) -> None:
-        self.private_patterns = private_patterns or []  # registered per-rank files: the old checkpoint's, never carried
-        self.cache = cache  # the local copy of a save to an object store: replaced without a warning
-        self.lock = DirectoryLock(path.parent, lock_timeout)
-        self.staged = StagedDirectory(path, run_id)
-        self.overwrite = overwrite
-        self.automatic = automatic  # automatic checkpoint naming: an existing directory is refused, as native does
-        self.protected = protected or {}
-        self.replacing = False
 
-    def open(self) -> str:
-        path = self.staged.final
-        create_directory(path.parent)  # a parent that is a file: one library error, on every rank (a rank phase)
-        self.lock.acquire()
-        try:
-            recover_replaced(path.parent)  # a replacement killed between its two renames: the old one goes back
-            exists = path.exists() or path.is_symlink()
-            if exists and (self.overwrite == "refuse" or self.automatic):
-                fix = ("with automatic naming, set accelerator.project_configuration.iteration past it" if self.automatic
-                       else "or let it be replaced atomically: configure_checkpointing(accelerator, overwrite='replace')")
-                raise CheckpointExistsError(
-                    f"Refusing to overwrite {path}: it already exists. Resume from it, or save to a new directory "
-                    f"({fix})."
-                )
-            if exists:
-                why = replace_refusal(path, self.protected)
-                if why is not None:
-                    raise CheckpointExistsError(
-                        f"Refusing to replace {path}: {why}. A protected save replaces its destination as a whole; "
-                        "save to a new directory (a checkpoint directory of its own, e.g. OUTPUT/checkpoint-N)."
-                    )
-                self.replacing = True
-                user = find_user_files(path, private_patterns=self.private_patterns).files
-                (logger.debug if self.cache else logger.warning)(
-                    "Replacing %s (%s): the new checkpoint is published atomically in its place, and the "
-                    "old one is deleted only after that%s", path, _what_is_replaced(path, self.staged.run_id),
-                    carry_note(list(user)))
-            runs = {complete_run_id(p) for _, p in numbered_checkpoints(path.parent)} - {None}
-            strangers = runs - {self.staged.run_id}
-            if strangers and self.overwrite == "refuse":
-                raise CheckpointExistsError(
-                    f"{path.parent} holds checkpoints of another training run ({sorted(strangers)[0]}); "
-                    "resume that run with load_state() first, or save into a new directory "
-                    "(configure_checkpointing(accelerator, overwrite='replace') saves beside them)."
-                )
-            if strangers and (path.parent, self.staged.run_id) not in _WARNED_BESIDE:
-                _WARNED_BESIDE.add((path.parent, self.staged.run_id))
-                logger.warning("%s also holds checkpoints of another training run (%s): saving beside them; "
-                               "retention (total_limit) prunes only this run's checkpoints", path.parent,
-                               ", ".join(sorted(strangers)))
-            # Under the lock no other writer is alive: leftovers of our run, or of runs that never published
-            # here, are dead. Another run's leftovers (it owns checkpoints here) are reported, not touched.
-            abandoned = {run for _, run in staging_leftovers(path.parent)} - runs
-            remove_leftovers(path.parent, abandoned | {self.staged.run_id})
-            return str(self.staged.create_beside() if self.replacing else self.staged.create())
-        except BaseException:
-            self.lock.release()
-            raise
+def transaction(path: Path, run_id: str, lock_timeout: float, overwrite: str = "replace", *, automatic: bool = False,
+                protected: dict[str, Path] | None = None, cache: bool = False,
+                private_patterns: list[re.Pattern[str]] | None = None) -> Transaction:
+    """Rank 0's side of one save of this front end (constructed inside a phase): the shared transaction with
+    Accelerate's terms; ``cache``: the local copy of a save to an object store (replaced without a warning);
+    ``automatic``: automatic checkpoint naming (an existing directory is refused, as native does)."""
+    return Transaction(path, run_id, store=local_store(), terms=TERMS if not cache else replace(TERMS, loud=False),
+                       lock_timeout=lock_timeout,
+                       policy=Policy(overwrite=overwrite, automatic=automatic, protected=protected or {},
+                                     private_patterns=tuple(private_patterns or ())))
 
-    def publish(self, owners: dict[str, Any], descriptors: dict[str, Any], run_id: str, integrity: str,
-                rows: dict[str, dict[str, Any]], steps: dict[str, int] | None = None,
-                lineage: dict[str, Any] | None = None, progress: dict[str, Any] | None = None) -> str:
-        staging = self.staged.staging
-        rank_templates = sorted({t for owner in owners.values() for t in rank_files(owner)})
+
+def _publish(reservation: Transaction, owners: dict[str, Any], descriptors: dict[str, Any], integrity: str,
+             rows: dict[str, dict[str, Any]], steps: dict[str, int] | None = None, lineage: dict[str, Any] | None = None,
+             progress: dict[str, Any] | None = None) -> str:
+    """Rank 0: the publish of the shared transaction with this front end's proof and manifest fields."""
+    rank_templates = sorted({t for owner in owners.values() for t in rank_files(owner)})
+
+    def check(staging: Path, rows: dict[str, dict[str, Any]]) -> None:
         for name, owner in owners.items():
             check_required_files(owner, staging / name, range(owner.num_processes), read_custom=False)
-        complete_rows(staging, rows, integrity=integrity)
         # The publish proof, from the files themselves (what every verification re-checks): each rank of the saving
-        # world wrote its per-rank files and its DCP payloads, and every tensor of every DCP .metadata is covered
-        # completely by chunks stored in listed files.
+        # world wrote its per-rank files and its DCP payloads.
         check_rank_coverage(staging, rows, descriptors, rank_templates)
-        check_dcp_inventory(staging, {"files": rows})
-        carried = self._carry() if self.replacing else {}
-        fsync_directories(staging)
-        manifest: dict[str, Any] = {
-            "protocol": PROTOCOL,
-            "status": "complete",
-            "run_id": run_id,
-            "transaction_id": self.staged.txid,
-            "components": descriptors,
-            "steps": steps if steps is not None else {name: owner.step for name, owner in owners.items()},
-            # Optional (older manifests lack it): checkpoint number and optimizer steps taken, for people (CLI, logs).
-            "progress": progress if progress is not None else progress_record(self.staged.final, owners),
-            "versions": installed_versions(),
-            "integrity": integrity,
-            "hash": HASH,
-            "files": dict(sorted(rows.items())),
-            # How per-rank state maps onto another world size on an elastic resume (``accelerate.elastic``).
-            "rank_state": {"policy": RESHARD_POLICY, "files": rank_templates},
-        }
-        if lineage:
-            manifest["resharded_from"] = lineage
-        if carried:  # the user's own files carried from the checkpoint this one replaces (not checkpoint content)
-            manifest["user_files"] = user_file_rows(carried)
-        write_manifest(staging, manifest, store=POSIX, signer=group_keys(owners).signer)
-        _faults.point("save:after-manifest")
-        if self.replacing:
-            _faults.point("save:replace-before-swap")
-        # Every file and directory was fsynced above.
-        return str(self.staged.publish(synced=True, replace=self.replacing,
-                                       between=lambda: _faults.point("save:replace-old-aside"),
-                                       committed=lambda: _faults.point("save:replace-after-swap")))
 
-    def _carry(self) -> dict[str, int]:
-        """Carry the user's files of the checkpoint being replaced into staging (``core.carry``), fsynced; returns
-        ``{name: size}`` of those carried. The old tree is not touched: it stays complete until the swap."""
-        return carry_user_files(self.staged.final, self.staged.staging, carry_files,
-                                private_patterns=self.private_patterns)
-
-    def close(self) -> None:
-        """Rank 0, outside any rank phase (after the ranks agreed on the outcome): never raises."""
-        try:
-            self.staged.discard_quietly()
-        finally:
-            self.lock.release()
-
-
-_WARNED_BESIDE: set[tuple[Path, str]] = set()  # (directory, run id) told that it saves beside another run
-
-
-def _what_is_replaced(path: Path, run_id: str) -> str:
-    """The directory a save replaces, in words: whose checkpoint it is."""
-    owner = complete_run_id(path)
-    if owner == run_id:
-        return "a checkpoint of this run"
-    if owner is not None:
-        return f"a checkpoint of another run, {owner}"
-    if (path / MANIFEST).exists():
-        return "a directory whose manifest is not readable"
-    return "a checkpoint without a manifest (native Accelerate)" if any(path.iterdir()) else "an empty directory"
+    fields: dict[str, Any] = {
+        "components": descriptors,
+        "steps": steps if steps is not None else {name: owner.step for name, owner in owners.items()},
+        # Optional (older manifests lack it): checkpoint number and optimizer steps taken, for people (CLI, logs).
+        "progress": progress if progress is not None else progress_record(reservation.final, owners),
+        "versions": installed_versions(),
+        # How per-rank state maps onto another world size on an elastic resume (``accelerate.elastic``).
+        "rank_state": {"policy": RESHARD_POLICY, "files": rank_templates},
+    }
+    if lineage:
+        fields["resharded_from"] = lineage
+    return str(reservation.publish(rows, fields, integrity=integrity, signer=group_keys(owners).signer, check=check))
 
 
 def protected_directories(owner: Any) -> dict[str, Path]:
@@ -396,7 +263,7 @@ def _give_back(iterations: dict[int, tuple[Any, int]], lineages: dict[str, Any],
 
 @with_metadata_cache  # the publish proof parses each .metadata once
 def _finish(group: Any, owners: dict[str, Any], staging: Path, templates: list[str], integrity: str,
-            reservation: _Reservation | None, descriptors: dict[str, Any], run_id: str, path: Path,
+            reservation: Transaction | None, descriptors: dict[str, Any], run_id: str, path: Path,
             limit: int | None, steps: dict[str, int], world: int, record: dict[str, str] | None = None,
             lineage: dict[str, Any] | None = None, written: dict[Path, tuple[int, str]] | None = None,
             progress: dict[str, Any] | None = None, remote: str | None = None, replace_remote: bool = True) -> str:
@@ -409,25 +276,15 @@ def _finish(group: Any, owners: dict[str, Any], staging: Path, templates: list[s
             owner, target, (owner.process_index,), read_custom=False, shared=False),
             "Checking this rank's staged files", group)
     # Every rank hashes and flushes what it wrote (on a shared filesystem only the writer's fsync is reliable).
-    rows = gather_rows(run_phase(lambda: _own_rows(staging, templates, integrity, written),
+    rows = gather_rows(run_phase(lambda: own_rows(staging, templates, integrity, written),
                                   "Hashing and flushing the staged checkpoint", group), world, group)
-    published: str = on_main(lambda: reservation.publish(owners, descriptors, run_id, integrity,  # type: ignore[union-attr]
-                                                          rows, steps, lineage, progress), f"Publishing {path}",
-                                     group)
+    published: str = on_main(lambda: _publish(reservation, owners, descriptors, integrity,  # type: ignore[arg-type]
+                                              rows, steps, lineage, progress), f"Publishing {path}", group)
     if record is not None:
         record["published"] = published
     _faults.point("save:after-rename")
-    local_limit = 1 if remote is not None else limit  # a save to an object store keeps one local copy (the cache)
-    if local_limit is not None:
-        try:
-            on_main(lambda: [str(p) for p in prune(path.parent, run_id, local_limit, path, store=POSIX,
-                                                        keys=group_keys(owners))], "Retention",
-                    group)
-        except CheckpointError as exc:  # the new checkpoint is published: report, don't fail the save ...
-            if getattr(exc, "out_of_step", False):
-                raise  # ... unless a rank went away (or fell out of step): the job cannot go on, say so on every rank
-            if rank() == 0:
-                logger.warning("Checkpoint %s is published, but retention failed: %s", published, exc)
+    # A save to an object store keeps one local copy (the cache).
+    retain(reservation, published, 1 if remote is not None else limit, keys=group_keys(owners), group=group)
     if rank(group) == 0:  # once per save, not once per rank
         logger.info("Published checkpoint %s (%s)", published,
                     progress_text(progress or progress_record(path, owners), steps))
@@ -494,7 +351,7 @@ def save_training_checkpoint(
         on_main(lambda: _remote.refuse_existing(remote, automatic=automatic,
                                                 overwrite=checkpoint_config(primary).overwrite),
                 f"Checking {remote}")
-    reservation = run_phase(lambda: _Reservation(
+    reservation = run_phase(lambda: transaction(
         path, run_id, checkpoint_config(primary).lock_timeout,
         "replace" if remote is not None else checkpoint_config(primary).overwrite,
         automatic=automatic and remote is None, protected=protected_directories(primary),
@@ -505,7 +362,7 @@ def save_training_checkpoint(
     handle: _async.AsyncCheckpoint | None = None
     done: dict[str, str] = {}  # the synchronous tail notes its publish here (before retention)
     try:
-        staging = Path(on_main(lambda: reservation.open(), f"Reserving {path}"))  # type: ignore[union-attr]
+        staging = Path(on_main(lambda: str(reservation.open()), f"Reserving {path}"))  # type: ignore[union-attr]
         steps = {name: owner.step for name, owner in group.items()}
         progress = progress_record(path, group)  # at staging time, as steps: an asynchronous save must not race training
         comm = run_phase(background_group, "Creating the background process group") if background else None

@@ -27,6 +27,7 @@ from ..core import remote as objects
 from ..core.manifest import MANIFEST, hashed_names, write_manifest
 from ..core.select import CHECKPOINT_NAME
 from ..errors import CheckpointConfigurationError, CheckpointError, CheckpointIntegrityError, NoCheckpointError
+from ..store import object_store
 from ..store.base import ObjectStore
 from ._scan import COMPLETE, CORRUPT, Entry, PathKindError, Verification, private_patterns, verify_checkpoint
 
@@ -42,7 +43,6 @@ MODEL_DIR = "pytorch_model_fsdp_0"
 CONFIG = "config.json"
 #: The adapter config a checkpoint of a PEFT model may carry (a protected Trainer save writes it), for ``export``.
 ADAPTER_CONFIG = "adapter_config.json"
-_STORES: dict[str, ObjectStore] = {}
 
 
 def is_url(value: Any) -> bool:
@@ -97,21 +97,7 @@ def parse_url(url: str) -> Any:
 
 def store(url: str) -> ObjectStore:
     """The client for ``url`` (one per process), configured from the client library's standard environment."""
-    scheme = url.partition("://")[0]
-    if scheme not in _STORES:
-        if scheme == "az":
-            from ..store.azure import AzureStore
-
-            _STORES[scheme] = AzureStore()
-        elif scheme == "gs":
-            from ..store.gcs import GcsStore
-
-            _STORES[scheme] = GcsStore()
-        else:
-            from ..store.s3 import S3Store
-
-            _STORES[scheme] = S3Store()
-    return _STORES[scheme]
+    return object_store(url)
 
 
 def client_error(exc: BaseException) -> str | None:

@@ -13,8 +13,11 @@ from its own primitives:
   delete the manifest first).
 * :meth:`Store.remove_tree` deletes what was retired or abandoned, at any depth, never following links.
 
-Reads (manifests, inventories, hashes) go through local paths. Staging, locking and publishing are used by the
-front ends directly from the implementation (``store.posix``: ``StagedDirectory``, ``DirectoryLock``).
+Reads (manifests, inventories, hashes) go through local paths. A :class:`LocalStore` adds what the transaction
+(``core.transaction``) needs of a local tree beyond that: the writers' lock of a parent directory, the staged
+directory of one transaction and its publish, the recovery and cleanup of what a killed writer left, the carry of a
+user's files, and the in-use holds of a restore. The front ends get one from ``store.local_store()`` and never import
+an implementation (tests/project/test_layout.py).
 
 An object store (no rename, no directory, no lock) is behind :class:`ObjectStore`, addressed by URL: the
 checkpoint protocol on it (``core.remote``) is written against this interface, and ``store.s3`` implements it.
@@ -28,10 +31,13 @@ floors (:data:`CLIENT_FLOORS`), which the stores, ``core.signing``, the exports 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import stat
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -116,6 +122,132 @@ class Store(Protocol):
     def remove_tree(self, path: Path) -> None:
         """Delete ``path`` and everything under it (a link is removed itself, never followed); nothing to do if
         it does not exist."""
+        ...
+
+
+#: The suffix of a directory's in-use lock file (``PARENT/.NAME.in-use``: :meth:`LocalStore.hold_file`).
+IN_USE = ".in-use"
+
+
+def new_id() -> str:
+    """A fresh random identifier (32 hex digits) for runs and transactions."""
+    return uuid.uuid4().hex
+
+
+def wait_seconds(value: Any) -> float | None:
+    """``value`` as a lock wait in seconds (a finite number >= 0, not a bool), or ``None`` if it is not one."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if isinstance(value, bool) or not math.isfinite(seconds) or seconds < 0 else seconds
+
+
+class Lock(Protocol):
+    """The writers' lock of one parent directory: at most one live holder; released by the kernel when its holder
+    dies (``kill -9`` included)."""
+
+    def acquire(self) -> None:
+        """Take it, waiting at most the lock's timeout; ``CheckpointLockedError`` naming the holder's file else."""
+        ...
+
+    def release(self) -> None:
+        """Let it go (nothing to do if not held)."""
+        ...
+
+
+class Staged(Protocol):
+    """One transaction's staging directory ``staging`` (a hidden sibling of ``final``), published atomically."""
+
+    final: Path
+    run_id: str
+    txid: str
+
+    @property
+    def staging(self) -> Path: ...
+
+    def create(self) -> Path:
+        """Create ``staging`` while ``final`` does not exist (the caller holds the lock)."""
+        ...
+
+    def create_beside(self) -> Path:
+        """Create ``staging`` while ``final`` exists and stays in service until a replacing publish."""
+        ...
+
+    def publish(self, *, synced: bool = False, replace: bool = False, between: Callable[[], None] | None = None,
+                committed: Callable[[], None] | None = None, tree: Path | None = None) -> Path:
+        """Rename the staged tree (``tree``: a directory inside ``staging``; default ``staging`` itself) onto
+        ``final`` (replacing it as a whole with ``replace``), durably; the commit point."""
+        ...
+
+    def discard(self) -> None: ...
+
+    def discard_quietly(self) -> None: ...
+
+
+class Hold(Protocol):
+    """A shared hold on a directory in use (a restore's checkpoint, a cached copy): nothing of this library removes
+    or replaces it while held."""
+
+    @property
+    def held(self) -> bool: ...
+
+    def acquire(self, timeout: float = ...) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+@runtime_checkable
+class LocalStore(Store, Protocol):
+    """A :class:`Store` of local (or shared) directories with what the transaction needs beyond it; see the module
+    docstring. ``store.posix.PosixStore`` implements it."""
+
+    def lock(self, parent: Path, timeout: float) -> Lock:
+        """The writers' lock of ``parent`` (not yet taken)."""
+        ...
+
+    def staged(self, final: Path, run_id: str) -> Staged:
+        """A new transaction of run ``run_id`` publishing ``final`` (nothing created yet)."""
+        ...
+
+    def create_directory(self, path: Path) -> None:
+        """Create ``path`` and its parents; refuse (one library error) a file in the way or a refused mount."""
+        ...
+
+    def recover_replaced(self, parent: Path) -> list[Path]:
+        """Put back the checkpoints of ``parent`` whose replacement was killed between its two renames."""
+        ...
+
+    def staging_leftovers(self, parent: Path) -> list[tuple[Path, str]]:
+        """``(path, run id)`` of every staging directory in ``parent``."""
+        ...
+
+    def remove_leftovers(self, parent: Path, removable_runs: Iterable[str] | None) -> list[Path]:
+        """Remove the staging directories of ``removable_runs`` and every retired leftover in ``parent``."""
+        ...
+
+    def fsync_directories(self, root: Path) -> None:
+        """fsync every directory of the tree ``root`` (its files were fsynced by their writers)."""
+        ...
+
+    def carry_files(self, source: Path, target: Path, names: Iterable[str]) -> None:
+        """Put the files ``names`` of ``source`` at the same paths under ``target``, durably."""
+        ...
+
+    def hold(self, path: Path) -> Hold:
+        """A hold on the directory ``path`` (not yet taken)."""
+        ...
+
+    def claim(self, path: Path) -> AbstractContextManager[bool]:
+        """Claim ``path`` for removal without waiting: ``True`` inside the block when no one holds it."""
+        ...
+
+    def held(self, lock: Path) -> bool:
+        """Whether some process holds the in-use lock file ``lock``."""
+        ...
+
+    def hold_file(self, path: Path) -> Path:
+        """The in-use lock file of the directory ``path``."""
         ...
 
 

@@ -35,14 +35,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import math
 import os
 import re
 import shutil
 import stat
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -55,6 +53,9 @@ except ImportError:  # not POSIX: acquire() explains
     fcntl = None  # type: ignore[assignment]
 
 from ..errors import CheckpointConfigurationError, CheckpointExistsError, CheckpointLockedError
+from .base import IN_USE
+from .base import new_id as new_id  # re-exported: the ids of the writers' transactions
+from .base import wait_seconds as wait_seconds
 from .mounts import refuse_object_store_mount
 
 logger = logging.getLogger(__name__)
@@ -68,11 +69,6 @@ REPLACED_NAME = re.compile(r"\.(?P<name>.+)\.replaced-(?P<txid>[0-9a-f]+)\Z")
 _NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
 _BUSY = frozenset({errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES})
 _FIRST_POLL, _LAST_POLL = 0.02, 0.5  # seconds between attempts while another writer holds the lock
-
-
-def new_id() -> str:
-    """A fresh random identifier (32 hex digits) for runs and transactions."""
-    return uuid.uuid4().hex
 
 
 def fsync_path(path: Path) -> None:
@@ -363,15 +359,6 @@ class DirectoryLock:
         self.release()
 
 
-def wait_seconds(value: Any) -> float | None:
-    """``value`` as a lock wait in seconds (a finite number >= 0, not a bool), or ``None`` if it is not one."""
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        return None
-    return None if isinstance(value, bool) or not math.isfinite(seconds) or seconds < 0 else seconds
-
-
 def _open_lock_file(path: Path) -> int:
     # O_RDWR: NFSv4 emulates flock with byte-range locks, and an exclusive one needs a writable descriptor.
     # O_NOFOLLOW: never create or lock a file somewhere else through a planted symlink.
@@ -412,7 +399,7 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 #: Suffix of the lock file that marks a directory in use: ``PARENT/.NAME.in-use`` (:class:`InUse`, :func:`claim`).
-IN_USE = ".in-use"
+IN_USE = IN_USE  # the in-use lock files' suffix (``store.base``)
 #: Seconds :meth:`InUse.acquire` waits while a removal or a replacement holds the directory (each is brief).
 IN_USE_WAIT = 120.0
 #: Seconds :func:`replace_directory` waits for the restores holding a directory in use to end before it refuses.
@@ -604,21 +591,24 @@ class StagedDirectory:
         return self.staging
 
     def publish(self, *, synced: bool = False, replace: bool = False, between: Callable[[], None] | None = None,
-                committed: Callable[[], None] | None = None) -> Path:
+                committed: Callable[[], None] | None = None, tree: Path | None = None) -> Path:
         """fsync the staged tree (unless the caller did: ``synced``), rename it onto ``final`` and fsync the
         parent. Atomic on POSIX. The rename is the commit point: a failure after it is logged, not raised, since
         the directory is published and complete.
 
-        ``replace``: an existing ``final`` is replaced by :func:`replace_directory` (``between`` and ``committed``
-        are its callbacks); without it an existing ``final`` is refused."""
+        ``tree``: the directory inside ``staging`` that is published (the Trainer's ``checkpoint-N``, written there
+        by the native save); default ``staging`` itself. ``replace``: an existing ``final`` is replaced by
+        :func:`replace_directory` (``between`` and ``committed`` are its callbacks); without it an existing
+        ``final`` is refused."""
+        tree = self.staging if tree is None else tree
         if not synced:
-            fsync_tree(self.staging)
+            fsync_tree(tree)
         if replace and (self.final.exists() or self.final.is_symlink()):
-            replace_directory(self.staging, self.final, self.txid, between=between, committed=committed)
+            replace_directory(tree, self.final, self.txid, between=between, committed=committed)
             return self.final
         if self.final.exists() or self.final.is_symlink():
             raise CheckpointExistsError(f"Checkpoint destination {self.final} appeared while saving; nothing was published.")
-        os.rename(self.staging, self.final)
+        os.rename(tree, self.final)
         try:
             fsync_path(self.final.parent)
         except OSError as exc:
@@ -898,6 +888,44 @@ class PosixStore:
 
     def remove_tree(self, path: Path) -> None:
         remove_tree(path)
+
+    # --- What the transaction needs beyond :class:`~.base.Store` (:class:`~.base.LocalStore`) -----------------
+
+    def lock(self, parent: Path, timeout: float) -> DirectoryLock:
+        return DirectoryLock(parent, timeout)
+
+    def staged(self, final: Path, run_id: str) -> StagedDirectory:
+        return StagedDirectory(final, run_id)
+
+    def create_directory(self, path: Path) -> None:
+        create_directory(path)
+
+    def recover_replaced(self, parent: Path) -> list[Path]:
+        return recover_replaced(parent)
+
+    def staging_leftovers(self, parent: Path) -> list[tuple[Path, str]]:
+        return staging_leftovers(parent)
+
+    def remove_leftovers(self, parent: Path, removable_runs: Iterable[str] | None) -> list[Path]:
+        return remove_leftovers(parent, removable_runs)
+
+    def fsync_directories(self, root: Path) -> None:
+        fsync_directories(root)
+
+    def carry_files(self, source: Path, target: Path, names: Iterable[str]) -> None:
+        carry_files(source, target, names)
+
+    def hold(self, path: Path) -> InUse:
+        return InUse(path)
+
+    def claim(self, path: Path) -> contextlib.AbstractContextManager[bool]:
+        return claim(path)
+
+    def held(self, lock: Path) -> bool:
+        return held_in_use(lock)
+
+    def hold_file(self, path: Path) -> Path:
+        return in_use_file(path)
 
 
 #: The one POSIX store (it holds no state).

@@ -21,7 +21,7 @@ restore after the model was loaded. :func:`check_before_model_load` wraps Traine
 routed resume it first runs the optimizer restore's own checks (from the checkpoint's metadata and group entries; no
 collective inside, one agreement phase) so that such a checkpoint is refused, on every rank, before the model loads.
 
-The checkpoint a protected resume restores from is held in use (``store.posix.InUse``, taken by :mod:`.resume`
+The checkpoint a protected resume restores from is held in use (``store.base.Hold``, taken by :mod:`.resume`
 before its verification) until Trainer has read everything from it: :func:`resuming` releases it when ``train``
 returns or raises, and earlier, once Trainer's load is over, at the first of :func:`rng_loaded` (Trainer's
 ``_load_rng_state``, the last read of a resume, returned or raised) and :func:`loaded` (the first save). Every rank
@@ -40,7 +40,7 @@ from typing import Any
 
 from ..core.ranks import run_phase
 from ..fsdp import fsdp1, fsdp2
-from ..store.posix import InUse
+from ..store.base import Hold
 from .adapters import load_arguments
 from .internals import model_load_arguments, optimizer_load_arguments
 from .layout import backend, state_dict_type
@@ -49,11 +49,11 @@ logger = logging.getLogger(__name__)
 #: The Trainer whose protected ``train(resume_from_checkpoint=...)`` runs in this context (``None``: none).
 _RESUMING: contextvars.ContextVar[Any] = contextvars.ContextVar("accelerate_txn_trainer_resuming", default=None)
 #: The hold on the checkpoint that protected resume restores from, while Trainer may still read it (``None``: none).
-_HOLD: contextvars.ContextVar[InUse | None] = contextvars.ContextVar("accelerate_txn_trainer_hold", default=None)
+_HOLD: contextvars.ContextVar[Hold | None] = contextvars.ContextVar("accelerate_txn_trainer_hold", default=None)
 
 
 @contextlib.contextmanager
-def resuming(trainer: Any, hold: InUse | None = None) -> Iterator[None]:
+def resuming(trainer: Any, hold: Hold | None = None) -> Iterator[None]:
     """While inside, Trainer's optimizer restores for ``trainer`` take the library's path, and ``hold`` (this rank's
     hold on the checkpoint it resumes from) is kept until Trainer's load is over (:func:`loaded`), at the latest until
     the block ends, however it ends."""

@@ -22,7 +22,7 @@ batch size, gradient accumulation, ``drop_last``, sampler and its seed) with its
 a change is the same :class:`~accelerate_txn.errors.CheckpointConfigurationError` on every rank, before anything
 loads (never a reason to fall back to an older checkpoint), unless ``ignore_data_skip`` accepts it.
 
-Every rank holds each candidate in use (``store.posix.InUse``) from before its verification; the one chosen stays
+Every rank holds each candidate in use (``store.base.Hold``) from before its verification; the one chosen stays
 held, returned to the caller, until Trainer has read all of it (:mod:`.restore`), so retention, ``accelerate-txn
 prune`` and another job's retention keep it meanwhile (``CheckpointLockedError``: kept for their next run). A skipped
 candidate is released at once, and every hold on any error.
@@ -38,7 +38,8 @@ from ..core.manifest import check_hashes, hashed_names, writer_rank
 from ..core.ranks import on_main, rank, run_phase, world_size
 from ..core.select import check_candidate, checkpoint_candidates, numbered_checkpoints, refuse_transient
 from ..errors import CheckpointIntegrityError, NoCheckpointError
-from ..store.posix import InUse
+from ..store import local_store
+from ..store.base import Hold
 from .layout import RANK_TEMPLATES, TrainerRules
 from .order import check_data_order
 from .reads import check_resume_files
@@ -73,10 +74,10 @@ def _verify(trainer: Any, path: Path, rules: TrainerRules) -> str | None:
     return manifest["run_id"] if manifest is not None else None
 
 
-def _held_and_verified(trainer: Any, path: Path, rules: TrainerRules) -> tuple[str | None, InUse]:
+def _held_and_verified(trainer: Any, path: Path, rules: TrainerRules) -> tuple[str | None, Hold]:
     """Every rank holds ``path`` in use, then verifies it (:func:`_verify`): its run id and this rank's hold, which
     the caller releases; on any error the hold is released here, on every rank."""
-    hold = InUse(path)
+    hold = local_store().hold(path)
     try:
         run_phase(hold.acquire, f"Holding {path} in use")
         return _verify(trainer, path, rules), hold
@@ -85,7 +86,7 @@ def _held_and_verified(trainer: Any, path: Path, rules: TrainerRules) -> tuple[s
         raise
 
 
-def resolve_resume(trainer: Any, resume: Any) -> tuple[Any, str | None, InUse | None]:
+def resolve_resume(trainer: Any, resume: Any) -> tuple[Any, str | None, Hold | None]:
     """The ``resume_from_checkpoint`` native ``train`` gets, the run id of the checkpoint, and this rank's hold on it
     (``None`` when there is no checkpoint at all), which the caller releases (see the module docstring). ``resume`` is
     ``True`` or a path (``None``/``False`` never reach here)."""

@@ -5,7 +5,8 @@ each step a rank phase (a failure anywhere raises the same error everywhere):
 
 1. every rank agrees on the destination ``RUN_DIR/checkpoint-N`` and ``save_total_limit``; rank 0 chooses the run id
    (the one this Trainer resumed from or saved before, else a new one);
-2. rank 0 takes the directory lock of ``RUN_DIR``, puts back a checkpoint whose replacement was killed, removes dead
+2. (the shared transaction, ``core.transaction``, with the Trainer's :data:`TERMS`, also runs 4-6) rank 0 takes the
+   directory lock of ``RUN_DIR``, puts back a checkpoint whose replacement was killed, removes dead
    writers' leftovers, and creates the hidden staging sibling ``RUN_DIR/.checkpoint-N.staging-<run>-<txid>/``;
 3. the native save runs with Trainer's run directory pointed at that staging directory (``internals``), so it
    writes ``.../staging/checkpoint-N/`` (model, optimizer, scheduler, scaler, RNG, ``trainer_state.json``) and its
@@ -32,42 +33,18 @@ a rank at.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 from weakref import WeakKeyDictionary
 
 from ..core import faults
-from ..core.carry import carry_note, carry_user_files, find_user_files, shown, user_file_rows
-from ..core.manifest import (
-    HASH,
-    PROTOCOL,
-    check_dcp_inventory,
-    complete_rows,
-    hash_rows,
-    list_tree,
-    write_manifest,
-    writer_rank,
-)
 from ..core.ranks import agree, gather_rows, on_main, rank, run_phase, world_size
-from ..core.select import complete_run_id, numbered_checkpoints, prune, replace_refusal
 from ..core.signing import Keyring, environment_keyring
-from ..errors import CheckpointError, CheckpointExistsError
+from ..core.transaction import Terms, Transaction, own_rows, prune_outside_a_save, retain
+from ..errors import CheckpointError
 from ..runtime.async_save import capture_dcp_saves
-from ..store.posix import (
-    POSIX,
-    DirectoryLock,
-    StagedDirectory,
-    carry_files,
-    create_directory,
-    fsync_directories,
-    fsync_path,
-    new_id,
-    recover_replaced,
-    remove_leftovers,
-    replace_directory,
-    staging_leftovers,
-)
+from ..store import local_store
+from ..store.base import new_id
 from .adapters import ADAPTER_CONFIG, write_adapter_config
 from .internals import finalize_trial, output_dir, redirected_output_dir, save_arguments
 from .layout import FRONTEND, RANK_TEMPLATES, TRAINER_STATE, check_files, required_files, training_record
@@ -83,105 +60,41 @@ LOCK_TIMEOUT = 300.0  # seconds rank 0 waits for another writer of the same outp
 RUN_IDS: WeakKeyDictionary[Any, str] = WeakKeyDictionary()
 
 
-class Reservation:
-    """Rank 0's side of one Trainer save: the lock on the run directory and the staging directory."""
+#: The Trainer front end's terms of the shared transaction (``core.transaction``): the native save writes
+#: ``STAGING/checkpoint-N/`` (Trainer's run directory redirected into staging), a directory with Trainer's
+#: ``trainer_state.json`` is one of its checkpoints (replaced, the user's files in it carried).
+TERMS = Terms(
+    native="a native save",
+    instead="Move it away, or set another output_dir.",
+    elsewhere="set another output_dir",
+    names=TRAINER_NAMES,
+    own_checkpoint=lambda path: (path / TRAINER_STATE).is_file(),
+    not_own=f", and it is no Trainer checkpoint (no {TRAINER_STATE})",
+    nested=True,
+    other_runs=False,
+)
 
-    def __init__(self, final: Path, run_id: str, keys: Keyring | None = None) -> None:
-        self.final = final
-        self.keys = keys or Keyring()  # the manifest is signed with keys.signer, if any
-        self.lock = DirectoryLock(final.parent, LOCK_TIMEOUT)
-        self.staged = StagedDirectory(final, run_id)
-        self.replacing = False
 
-    @property
-    def tree(self) -> Path:
-        """Where the native save writes: ``checkpoint-N`` inside the staging directory."""
-        return self.staged.staging / self.final.name
+def transaction(final: Path, run_id: str) -> Transaction:
+    """Rank 0's side of one Trainer save (constructed inside a phase): the shared transaction with the Trainer's
+    terms, over the run directory's lock."""
+    return Transaction(final, run_id, store=local_store(), terms=TERMS, lock_timeout=LOCK_TIMEOUT)
 
-    def open(self) -> str:
-        """Lock, recover, clean, decide about an existing ``checkpoint-N``, create staging; returns its path."""
-        parent, run_id = self.final.parent, self.staged.run_id
-        create_directory(parent)  # a parent that is a file: one library error, on every rank (a rank phase)
-        self.lock.acquire()
-        try:
-            recover_replaced(parent)  # a replacement killed between its two renames: the old one goes back
-            if self.final.exists() or self.final.is_symlink():
-                why = None if (self.final / TRAINER_STATE).is_file() else replace_refusal(self.final)
-                if why is not None:
-                    raise CheckpointExistsError(
-                        f"Refusing to replace {self.final}: {why}, and it is no Trainer checkpoint (no "
-                        f"{TRAINER_STATE}). Move it away, or set another output_dir.")
-                user = find_user_files(self.final, names=TRAINER_NAMES)
-                if user.blocked:
-                    raise CheckpointExistsError(
-                        f"Refusing to replace {self.final}: it holds {shown(user.blocked)} beside the checkpoint, "
-                        "which is not a regular file (a symbolic link, or nested too deep): the new checkpoint could "
-                        f"not carry it, and replacing the directory would lose it. Move it out of {self.final}, or set "
-                        "another output_dir.")
-                self.replacing = True
-                logger.warning("Replacing %s: the new checkpoint is published atomically in its place, the old one "
-                               "deleted only after that%s", self.final, carry_note(list(user.files)))
-            runs = {complete_run_id(path) for _, path in numbered_checkpoints(parent)} - {None}
-            # Under the lock no other writer is alive: leftovers of this run, or of runs that never published here,
-            # are dead writers'. Another run's leftovers are reported, not touched.
-            abandoned = {run for _, run in staging_leftovers(parent)} - runs
-            remove_leftovers(parent, abandoned | {run_id})
-            staging = self.staged.create_beside() if self.replacing else self.staged.create()
-            self.tree.mkdir()
-            return str(staging)
-        except BaseException:
-            self.lock.release()
-            raise
 
-    def publish(self, record: dict[str, Any], rows: dict[str, dict[str, Any]]) -> str:
-        """Check the staged tree against the ranks' rows, write the manifest last and rename the tree into place."""
-        tree = self.tree
-        complete_rows(tree, rows, integrity=INTEGRITY)
+def _publish(reservation: Transaction, record: dict[str, Any], rows: dict[str, dict[str, Any]],
+             keys: Keyring) -> str:
+    """Rank 0: the publish of the shared transaction with the Trainer's proof (every file a resume reads) and
+    manifest fields."""
+
+    def check(tree: Path, rows: dict[str, dict[str, Any]]) -> None:
         record["required"] = required_files(record, set(rows))
         check_files(tree, set(rows), record, record["required"])
-        check_dcp_inventory(tree, {"files": rows})
-        # The user's own files in the checkpoint-N being replaced go into the new one (outside its inventory).
-        carried = carry_user_files(self.final, tree, carry_files, names=TRAINER_NAMES) if self.replacing else {}
-        fsync_directories(tree)
-        manifest = {
-            "protocol": PROTOCOL,
-            "status": "complete",
-            "run_id": self.staged.run_id,
-            "transaction_id": self.staged.txid,
-            "frontend": FRONTEND,
-            "trainer": record,
-            "progress": {"checkpoint": record["global_step"], "global_step": record["global_step"]},
-            "versions": record.pop("versions"),
-            "integrity": INTEGRITY,
-            "hash": HASH,
-            "files": dict(sorted(rows.items())),
-        }
-        if carried:
-            manifest["user_files"] = user_file_rows(carried)
-        write_manifest(tree, manifest, store=POSIX, signer=self.keys.signer)
-        faults.point("save:after-manifest")
-        if self.replacing and (self.final.exists() or self.final.is_symlink()):
-            faults.point("save:replace-before-swap")
-            replace_directory(tree, self.final, self.staged.txid, between=lambda: faults.point("save:replace-old-aside"),
-                              committed=lambda: faults.point("save:replace-after-swap"))
-        else:
-            if self.final.exists() or self.final.is_symlink():
-                raise CheckpointExistsError(f"Checkpoint destination {self.final} appeared while saving; nothing was "
-                                            "published.")
-            os.rename(tree, self.final)
-            try:
-                fsync_path(self.final.parent)
-            except OSError as exc:  # published: report, the rename stands
-                logger.warning("Published %s, but fsync of %s failed (%s)", self.final, self.final.parent, exc)
-        self.staged.discard()  # the empty staging directory
-        return str(self.final)
 
-    def close(self) -> None:
-        """Rank 0, outside any rank phase (after the ranks agreed on the outcome): never raises."""
-        try:
-            self.staged.discard_quietly()
-        finally:
-            self.lock.release()
+    versions = record.pop("versions")
+    fields = {"frontend": FRONTEND, "trainer": record,
+              "progress": {"checkpoint": record["global_step"], "global_step": record["global_step"]},
+              "versions": versions}
+    return str(reservation.publish(rows, fields, integrity=INTEGRITY, signer=keys.signer, check=check))
 
 
 def published_path(path: str | None, staging: Path, run_dir: Path) -> str | None:
@@ -206,17 +119,6 @@ def _map_recorded_paths(trainer: Any, staging: Path, run_dir: Path, tree: Path) 
             state.save_to_json(str(tree / TRAINER_STATE))
 
 
-def _own_rows(tree: Path, written: dict[Path, tuple[int, str]]) -> dict[str, dict[str, Any]]:
-    """Hash and fsync the staged files this rank wrote (``core.manifest.writer_rank``); the DCP files hashed as
-    they were written (``written``, absolute paths) are only fsynced and their size checked."""
-    world, me = world_size(), rank()
-    mine = list(list_tree(tree, keep=lambda name: writer_rank(name, world, RANK_TEMPLATES) == me))
-    root = tree.absolute()
-    hashed = {path.relative_to(root).as_posix(): value for path, value in written.items() if path.is_relative_to(root)}
-    return hash_rows(tree, mine, algorithm=HASH, integrity=INTEGRITY, flush=True,
-                     after_first=lambda: faults.point("save:during-flush"), written=hashed)
-
-
 def protected_save(wrapped: Any, trainer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``wrapped(*args, **kwargs)`` (native ``_save_checkpoint``) as a transaction; see the module docstring."""
     trial = save_arguments(args, kwargs)
@@ -229,12 +131,12 @@ def protected_save(wrapped: Any, trainer: Any, args: tuple[Any, ...], kwargs: di
     agree({"path": str(final), "limit": limit, "keys": keys.key_ids()},
           "the Trainer checkpoint path, save_total_limit and signing keys")
     run_id: str = on_main(lambda: RUN_IDS.get(trainer) or new_id(), "Choosing the run id")
-    reservation = run_phase(lambda: Reservation(final, run_id, keys) if rank() == 0 else None,
+    reservation = run_phase(lambda: transaction(final, run_id) if rank() == 0 else None,
                             "Preparing the directory lock")
     result: Any = None
     try:
-        staging = Path(on_main(lambda: reservation.open(), f"Reserving {final}"))  # type: ignore[union-attr]
-        tree = staging / final.name
+        tree = Path(on_main(lambda: str(reservation.open()), f"Reserving {final}"))  # type: ignore[union-attr]
+        staging = tree.parent
 
         written: dict[Path, tuple[int, str]] = {}
 
@@ -252,22 +154,14 @@ def protected_save(wrapped: Any, trainer: Any, args: tuple[Any, ...], kwargs: di
         on_main(lambda: write_adapter_config(trainer, tree), f"Writing the adapter's {ADAPTER_CONFIG} into {tree}")
         faults.point("save:after-native-save")
         record = {**training_record(trainer), "versions": trainer_versions()}
-        rows = gather_rows(run_phase(lambda: _own_rows(tree, written), "Hashing and flushing the staged checkpoint"),
-                           world_size())
-        published = on_main(lambda: reservation.publish(record, rows), f"Publishing {final}")  # type: ignore[union-attr]
+        rows = gather_rows(run_phase(lambda: own_rows(tree, RANK_TEMPLATES, INTEGRITY, written),
+                                     "Hashing and flushing the staged checkpoint"), world_size())
+        published = on_main(lambda: _publish(reservation, record, rows, keys),  # type: ignore[arg-type]
+                            f"Publishing {final}")
         RUN_IDS[trainer] = run_id
         faults.point("save:after-rename")
-        if limit is not None:
-            keep = [Path(trainer.state.best_model_checkpoint)] if trainer.state.best_model_checkpoint else []
-            try:
-                on_main(lambda: [str(p) for p in prune(run_dir, run_id, limit, final, store=POSIX, keep=keep,
-                                                          keys=keys)],
-                        "Retention (save_total_limit)")
-            except CheckpointError as exc:  # the new checkpoint is published: report, don't fail the save ...
-                if getattr(exc, "out_of_step", False):
-                    raise  # ... unless a rank went away (or fell out of step): the job cannot go on
-                if rank() == 0:
-                    logger.warning("Checkpoint %s is published, but retention failed: %s", published, exc)
+        keep = [Path(trainer.state.best_model_checkpoint)] if trainer.state.best_model_checkpoint else []
+        retain(reservation, published, limit, keep=keep, keys=keys, what="Retention (save_total_limit)")
         if rank() == 0:
             logger.info("Published Trainer checkpoint %s (global step %d)", published, trainer.state.global_step)
     finally:
@@ -295,13 +189,8 @@ def end_of_training_removal(trainer: Any, trial: Any) -> list[str]:
     run_dir = Path(output_dir(trainer, trial)).expanduser().absolute()
 
     def remove() -> list[str]:
-        lock = DirectoryLock(run_dir, LOCK_TIMEOUT)
-        lock.acquire()
-        try:
-            return [str(path) for path in prune(run_dir, run_id, 1, None, store=POSIX, keep=[Path(best)],
-                                                keep_newest=False)]
-        finally:
-            lock.release()
+        return [str(path) for path in prune_outside_a_save(run_dir, run_id, 1, store=local_store(),
+                                                           lock_timeout=LOCK_TIMEOUT, keep=[Path(best)], newest=False)]
 
     try:
         return on_main(remove, "End-of-training removal (save_total_limit=1)") or []
