@@ -8,6 +8,10 @@
   its own package.
 * The package root holds only the public face and subpackages.
 * The offline CLI imports no torch.
+* The save transaction is written once (``core/transaction.py``): no front end defines a reservation, runs one of its
+  steps itself or imports a store implementation (``store.local_store()`` instead); nothing else is defined in both
+  front ends but their declared faces (``BOTH_FRONT_ENDS``); the Trainer front end imports nothing of the Accelerate
+  one.
 * The tests mirror the package: every test file lives in the folder of the room it tests (``tests/<room>/`` names a
   subpackage of ``accelerate_txn``), beside the folders of whole-repository checks, scenario code and support.
 """
@@ -280,3 +284,78 @@ def test_the_checks_can_fail() -> None:
     assert "accelerate_txn.accelerate.patch" in graph["accelerate_txn.accelerate.autopatch"]  # function-level
     assert "accelerate_txn.core.manifest" in graph["accelerate_txn.core.select"]
     assert _part("accelerate_txn.store.base") == "store.base" and _part("accelerate_txn.errors") == "errors"
+
+
+# --- One transaction, front ends side by side (issue 44) ---------------------------------------------------------------
+
+FRONT_ENDS = ("accelerate", "trainer")
+#: The steps of the save transaction (``core/transaction.py`` and the core and store functions it runs): a front end
+#: never runs one itself, nor imports one by name.
+TRANSACTION_STEPS = frozenset({
+    "hash_rows", "complete_rows", "carry_user_files", "find_user_files", "carry_files", "recover_replaced",
+    "remove_leftovers", "staging_leftovers", "fsync_directories", "replace_directory", "prune", "StagedDirectory",
+    "DirectoryLock", "Transaction.publish",
+})
+#: Defined in ``core`` only: the transaction and its collective steps.
+CORE_ONLY = frozenset({"Transaction", "Reservation", "own_rows", "retain", "prune_outside_a_save"})
+#: Top-level names both front ends define, each its own face of something shared (anything else defined in both is
+#: a step written twice: move it below them, into ``core`` or ``runtime``).
+BOTH_FRONT_ENDS = {
+    "install", "uninstall", "installed", "_protected",  # each front end's wrapt patch of its own targets
+    "install_on_import", "_install_patch",  # each its own import hook target (``compat.hooks`` is the shared hook)
+    "transaction", "_publish",  # each front end's Terms and manifest fields of the one core transaction
+    "backend", "describe",  # the distributed type, the configuration descriptor: of an Accelerator, of a Trainer
+    "_verify",  # the verification of a load (Accelerate's component rules) and of a resume (Trainer's layout)
+    "order_record", "_length",  # the data order of prepared loaders, of the Trainer's sampler
+}
+
+
+def _front_end_findings(module: str, path: Path) -> list[str]:
+    """What ``module`` (a front end's) does against the one transaction: a reservation class of its own, a core-only
+    name defined, a transaction step or a store implementation imported by name."""
+    found = []
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in CORE_ONLY:
+            found.append(f"{module}:{node.lineno}: defines {node.name} (core/transaction.py's)")
+        if isinstance(node, ast.ClassDef):
+            methods = {item.name for item in node.body if isinstance(item, ast.FunctionDef)}
+            if {"open", "publish"} <= methods:
+                found.append(f"{module}:{node.lineno}: class {node.name} reserves and publishes itself")
+    for target, name, line in _imports(module, path):
+        if name in TRANSACTION_STEPS:
+            found.append(f"{module}:{line}: imports the transaction step {name} from {target}")
+        store = target if name is None else f"{target}.{name}"
+        if (store.startswith(f"{NAME}.store.") and store.split(".")[2] != "base"
+                and f"{NAME}.store.{store.split('.')[2]}" in MODULES):
+            found.append(f"{module}:{line}: imports the store implementation {store} (use store.local_store())")
+    return found
+
+
+def test_the_save_transaction_is_written_once_and_no_front_end_imports_a_store_implementation() -> None:
+    offenders = [finding for module, path in MODULES.items() if _part(module) in FRONT_ENDS
+                 for finding in _front_end_findings(module, path)]
+    assert offenders == [], "The transaction is core/transaction.py's:\n" + "\n".join(offenders)
+    defined: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        if _part(module) in FRONT_ENDS:
+            for node in ast.parse(path.read_text(encoding="utf-8")).body:
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                    defined.setdefault(node.name, set()).add(_part(module))
+    twice = sorted(name for name, parts in defined.items() if len(parts) > 1 and name not in BOTH_FRONT_ENDS)
+    assert twice == [], f"Defined in both front ends (written twice; move it into core/ or runtime/): {twice}"
+
+
+def test_the_trainer_front_end_imports_nothing_of_the_accelerate_front_end() -> None:
+    offenders = [f"{module}:{line}: imports {target}" for module, path in MODULES.items() if _part(module) == "trainer"
+                 for target, _name, line in _imports(module, path) if _part(target) == "accelerate"]
+    assert offenders == [], "\n".join(offenders)
+
+
+def test_the_transaction_checks_can_fail(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("from ..store.posix import POSIX\nfrom ..core.carry import carry_user_files\n"
+                     "class Reservation:\n    def open(self): ...\n    def publish(self): ...\n", encoding="utf-8")
+    findings = _front_end_findings(f"{NAME}.accelerate.probe", probe)
+    assert len(findings) == 4, findings  # a store implementation, a step, a core-only name, a class publishing itself
+    assert "transaction" in BOTH_FRONT_ENDS and {"Transaction", "own_rows", "retain"} <= CORE_ONLY

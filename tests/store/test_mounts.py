@@ -233,9 +233,9 @@ def test_a_protected_save_refuses_and_writes_nothing(on_gcsfuse: Path) -> None:
 
 
 def test_the_trainer_reservation_refuses_before_creating_anything(on_gcsfuse: Path) -> None:
-    from accelerate_txn.trainer.save import Reservation
+    from accelerate_txn.trainer.save import transaction
 
-    reservation = Reservation(on_gcsfuse / "out" / "checkpoint-5", "0" * 32)
+    reservation = transaction(on_gcsfuse / "out" / "checkpoint-5", "0" * 32)
     with pytest.raises(CheckpointConfigurationError, match="gcsfuse"):
         reservation.open()
     assert not reservation.lock.is_locked

@@ -404,13 +404,14 @@ def test_a_reservation_under_a_regular_file_fails_with_one_library_error_and_clo
     # Regression (issue 34 item 6): the reservation's mkdir raised a raw FileExistsError, and the cleanup that follows
     # a failed reservation on rank 0 (outside any rank phase) raised NotADirectoryError from the staging path, so rank
     # 0 ended with a different error than the other ranks.
-    from accelerate_txn.accelerate.save import _Reservation
-    from accelerate_txn.trainer.save import Reservation
+    from accelerate_txn.accelerate.save import transaction as accelerate_transaction
+    from accelerate_txn.trainer.save import transaction as trainer_transaction
 
     blocker = tmp_path / "file.txt"
     blocker.write_text("a regular file")
     final = blocker / "run" / "checkpoint-2"
-    reservation = _Reservation(final, "ab12", 0.0) if frontend == "accelerate" else Reservation(final, "ab12")
+    reservation = (accelerate_transaction(final, "ab12", 0.0) if frontend == "accelerate"
+                   else trainer_transaction(final, "ab12"))
     with pytest.raises(CheckpointConfigurationError) as caught:
         reservation.open()
     assert str(caught.value) == (
