@@ -30,7 +30,7 @@ __version__ = "0.1.0.dev0"
 # The public API is loaded on first use (PEP 562): ``import accelerate_txn`` stays cheap (the standard library's
 # ``sys`` and eight modules of the package: this one, ``errors``, ``accelerate``, ``accelerate.autopatch``, ``trainer``,
 # ``trainer.autopatch``, and the import hook both share, ``compat`` and ``compat.hooks``;
-# benchmarks/bench_import.py measures it, tests/test_import_cost.py pins it), and the offline CLI (``verify``,
+# benchmarks/bench_import.py measures it, tests/project/test_import_cost.py pins it), and the offline CLI (``verify``,
 # ``list``, ``latest``) never imports torch.
 _LAZY = {
     "configure_checkpointing": "accelerate.config",

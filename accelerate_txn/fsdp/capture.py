@@ -23,7 +23,7 @@ protected save these two calls are intercepted in the saving thread instead:
 
 DCP stores each saved box with its offsets, and every reader (native Accelerate's template of dim-0 chunks, the
 protected restore's flat-range boxes) reads the overlapping parts, so the files load with both; the DCP entries
-(keys, global shapes, dtypes) equal a native save's (tests/test_async_save.py and tests/test_sync_capture.py check
+(keys, global shapes, dtypes) equal a native save's (tests/runtime/test_async_save.py and tests/fsdp/test_sync_capture.py check
 all three). DCP's default writer clones a view whose storage is larger than it, one tensor at a time as it writes.
 
 Every rank must take the same path (a rank building natively runs collectives the others would never join), so
@@ -62,7 +62,7 @@ logger = logging.getLogger(__name__)
 _SCALARS = (bool, int, float, type(None))
 # Private torch attributes are reached only through ``fsdp.internals`` (flat-parameter layout, state-dict hooks,
 # persistent buffers, FSDP name cleaning). A change in any of them shows as a declined capture (native FSDP1 path)
-# or as a failing tests/test_async_save.py, which compares the files with a synchronous save's.
+# or as a failing tests/runtime/test_async_save.py, which compares the files with a synchronous save's.
 
 
 @dataclass

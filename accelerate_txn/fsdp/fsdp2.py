@@ -35,7 +35,7 @@ Accelerate's FSDP2 ``SHARDED_STATE_DICT`` checkpoints are DCP directories like F
   :func:`verify_restored_fsdp2` checks the result.
 
 Validated versions: the FSDP2 path is taken only on the rows of ``validated.json`` marked ``"fsdp2": true``
-(``runtime.versions.FSDP2_VALIDATED``; each passed at least tests/test_fsdp2.py, real 2-process gloo runs, with
+(``runtime.versions.FSDP2_VALIDATED``; each passed at least tests/fsdp/test_fsdp2.py, real 2-process gloo runs, with
 that pair installed: docs/versions.md records what ran on each); elsewhere FSDP2 runs native Accelerate with a
 warning.
 """
@@ -131,7 +131,7 @@ def unsupported_placements(name: str, parameter: Any) -> str | None:
     ``fully_shard`` makes of a dimension tensor parallelism already split (torch's ``_StridedShard(dim, sf)`` on
     the data-parallel mesh dimension, ``Shard(dim)`` on the later ones, ``sf`` their product: FSDP2 + TP). Each
     rank's piece of such a "right-to-left" sharding is still one box, and torch computes it so (uneven splits
-    included; tests/test_fsdp2_tp.py checks every box against the gathered tensor). Refused: ``Partial`` (a
+    included; tests/fsdp/test_fsdp2_tp.py checks every box against the gathered tensor). Refused: ``Partial`` (a
     pending reduction, not a state), and any other placement, whose pieces may not be boxes. Only public names
     are read: the placement's class (``Shard``, ``Replicate`` exactly), ``is_partial()``, and the strided
     shard's ``dim``/``split_factor`` attributes."""

@@ -1,7 +1,7 @@
 """Every private torch, NumPy and CPython internal accelerate-txn relies on, in one file (shared by the FSDP layer
 and every front end; Accelerate's own internals are in :mod:`accelerate_txn.runtime.accelerate_internals`).
 
-The rest of the library reaches torch internals only through these functions (tests/test_internals.py fails on
+The rest of the library reaches torch internals only through these functions (tests/runtime/test_internals.py fails on
 a private access anywhere else, and calls every function here on the installed versions). Supporting a new torch
 release means reading this file against the new source, and running that test.
 
@@ -40,7 +40,7 @@ Where a later release differs, branch here on the installed version (``packaging
 
 Also private, but named rather than accessed (so not here): ``core.manifest.MetadataUnpickler`` allowlists the
 pickle globals DCP ``.metadata`` is built from, some of them private (``torch.distributed.checkpoint.filesystem.
-_StorageInfo``, ``torch.serialization._get_layout``, ``pathlib._local`` on Python 3.13); tests/test_internals.py
+_StorageInfo``, ``torch.serialization._get_layout``, ``pathlib._local`` on Python 3.13); tests/runtime/test_internals.py
 checks that each of them resolves on the installed versions. ``fsdp.dcp_reader`` likewise names the pickle global of
 a ``torch.save`` tensor archive (``torch._utils._rebuild_tensor_v2``); the torch ones are pieces (below).
 

@@ -1,7 +1,7 @@
 """Every private Accelerate internal accelerate-txn relies on, in one file (the Accelerate front end's internals layer).
 
 The rest of the library reaches Accelerate internals only through these functions; private torch, NumPy and
-CPython pieces live in :mod:`accelerate_txn.fsdp.internals` (tests/test_internals.py fails on a private access
+CPython pieces live in :mod:`accelerate_txn.fsdp.internals` (tests/runtime/test_internals.py fails on a private access
 anywhere else, and calls every function of both on the installed versions). Supporting a new Accelerate release
 means reading this file against the new source, and running that test.
 

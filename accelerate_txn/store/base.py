@@ -310,7 +310,7 @@ class ObjectStore(Protocol):
 # --- Optional clients ---------------------------------------------------------------------------------------------
 
 #: The oldest release of each optional client that accelerate-txn runs with, by the extra that installs it: the
-#: floors of pyproject.toml's extras (tests/test_dependency_floors.py checks that they agree). An older client fails
+#: floors of pyproject.toml's extras (tests/project/test_dependency_floors.py checks that they agree). An older client fails
 #: deep inside a call (``'S3FileSystem' object has no attribute 'call_s3'``), so each user checks at first use
 #: (:func:`require_clients`) and ``accelerate-txn doctor`` lists each one as missing, too old or ok.
 CLIENT_FLOORS: dict[str, dict[str, str]] = {

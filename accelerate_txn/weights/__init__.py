@@ -1,6 +1,6 @@
 """Model-weight I/O: bounded, atomic Diffusers/transformers sharded-safetensors export and validated loading.
 
-Guarantees (each is pinned by ``tests/test_weights.py``):
+Guarantees (each is pinned by ``tests/weights/test_weights.py``):
 
 * **Validate everything, then change anything.** Every loader reads the safetensors headers (or, for ``.bin``
   files, the ``weights_only`` payload) of every file first and checks keys, shapes, duplicates and the index
