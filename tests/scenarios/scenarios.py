@@ -450,7 +450,7 @@ def own_files(root: str) -> dict[str, Any]:
     """A protected save, then each rank's share of the hash-and-fsync pass over a copy of the published tree."""
     import json
 
-    from accelerate_txn.accelerate.save import _own_rows
+    from accelerate_txn.core.transaction import own_rows
     from accelerate_txn.core.manifest import list_tree
 
     acc, model, opt, sched = _build(0)
@@ -459,7 +459,7 @@ def own_files(root: str) -> dict[str, Any]:
     path = Path(root) / "ckpt"
     acc.save_state(str(path))
     templates = ["random_states_{rank}.pkl", "training_state_{rank}.pt"]
-    rows = _own_rows(path, templates, "full")
+    rows = own_rows(path, templates, "full")
     recorded = json.loads((path / accelerate_txn.MANIFEST).read_text())["files"]
     return {"mine": sorted(rows), "tree": sorted(list_tree(path)),
             # the manifest adds a DCP schema to .metadata rows; size and hash must be exactly this rank's
