@@ -258,7 +258,14 @@ def doctor_command(require: tuple[str, ...], as_json: bool) -> int:
 
     from .. import __version__
     from ..core.environment import OLDER_NAMES
-    from ..runtime.versions import OVERRIDE_ENV, PATCH_ENV, automatic_dispatch_requested, override_requested
+    from ..runtime.versions import DISPATCH as DISPATCH_SWITCH
+    from ..runtime.versions import OVERRIDE as OVERRIDE_SWITCH
+    from ..runtime.versions import (
+        OVERRIDE_ENV,
+        PATCH_ENV,
+        automatic_dispatch_requested,
+        override_requested,
+    )
 
     named = _required(require)
     override, dispatch = override_requested(), automatic_dispatch_requested()  # an invalid value raises, naming it
@@ -277,8 +284,8 @@ def doctor_command(require: tuple[str, ...], as_json: bool) -> int:
         "automatic_dispatch": dispatch,
         "override": override,
         # Each switch under its name, and under an older name where that one is set (``core.environment``).
-        "environment": {name: os.environ.get(name) for name in (OVERRIDE_ENV, PATCH_ENV)
-                        for name in (name, *(old for old in OLDER_NAMES.get(name, ()) if old in os.environ))},
+        "environment": {name: os.environ.get(name) for switch in (OVERRIDE_ENV, PATCH_ENV)
+                        for name in (switch, *(old for old in OLDER_NAMES.get(switch, ()) if old in os.environ))},
         "paths": {finding.target.name: {
             "label": finding.target.label, "front_end": finding.target.front_end,
             "installed": not finding.absent, "missing_packages": list(finding.absent),
@@ -294,7 +301,8 @@ def doctor_command(require: tuple[str, ...], as_json: bool) -> int:
     if as_json:
         out.emit_json(report)
     else:
-        _print(report, found, statuses, failing, named is not None, (OVERRIDE_ENV, PATCH_ENV))
+        # Each switch named as it was set (an older VIDEOX_ name too: ``core.environment``).
+        _print(report, found, statuses, failing, named is not None, (OVERRIDE_SWITCH.source(), DISPATCH_SWITCH.source()))
     return 0 if ok else 1
 
 

@@ -109,8 +109,8 @@ def _statuses(report: dict[str, Any]) -> dict[str, str]:
 
 @pytest.fixture
 def plain_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(PATCH_ENV, raising=False)
-    monkeypatch.delenv(OVERRIDE_ENV, raising=False)
+    for name in (PATCH_ENV, OVERRIDE_ENV, "VIDEOX_ACCELERATE_PATCHES", "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED"):
+        monkeypatch.delenv(name, raising=False)
 
 
 # --- The installed releases (in this process) ------------------------------------------------------------------------
@@ -163,6 +163,20 @@ def test_automatic_dispatch_off_is_exactly_native_and_exit_1(capsys: pytest.Capt
     assert f"automatic dispatch ({PATCH_ENV}=0): off: exactly native" in stdout
     assert "Accelerate FSDP1" in stdout and "off: exactly native (the evidence matches)" in stdout
     assert stdout.splitlines()[-1] == f"  automatic dispatch is off ({PATCH_ENV}=0): unset {PATCH_ENV} to protect them"
+
+
+def test_the_older_dispatch_switch_is_read_and_named_as_it_was_set(capsys: pytest.CaptureFixture[str],
+                                                                   plain_environment: None,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VIDEOX_ACCELERATE_PATCHES", "0")  # the name of the design this came from: still honoured
+    code, stdout = _doctor(capsys, "--json", "--require", "fsdp1")
+    report = json.loads(stdout)
+    assert code == 1 and report["automatic_dispatch"] is False and report["paths"]["fsdp1"]["status"] == "off"
+    assert report["environment"] == {OVERRIDE_ENV: None, PATCH_ENV: None, "VIDEOX_ACCELERATE_PATCHES": "0"}
+    code, stdout = _doctor(capsys)
+    assert code == 1 and "automatic dispatch (VIDEOX_ACCELERATE_PATCHES=0): off: exactly native" in stdout
+    assert stdout.splitlines()[-1] == ("  automatic dispatch is off (VIDEOX_ACCELERATE_PATCHES=0): unset "
+                                       "VIDEOX_ACCELERATE_PATCHES to protect them")
 
 
 def test_a_front_end_not_installed_is_no_failure_unless_required(capsys: pytest.CaptureFixture[str],

@@ -450,8 +450,8 @@ def own_files(root: str) -> dict[str, Any]:
     """A protected save, then each rank's share of the hash-and-fsync pass over a copy of the published tree."""
     import json
 
-    from accelerate_txn.core.transaction import own_rows
     from accelerate_txn.core.manifest import list_tree
+    from accelerate_txn.core.transaction import own_rows
 
     acc, model, opt, sched = _build(0)
     register_checkpoint_state(acc, {"noise": torch.Generator().manual_seed(1)}, {"batches": 0})
