@@ -53,9 +53,9 @@ except ImportError:  # not POSIX: acquire() explains
     fcntl = None  # type: ignore[assignment]
 
 from ..errors import CheckpointConfigurationError, CheckpointExistsError, CheckpointLockedError
-from .base import IN_USE
+from .base import IN_USE as IN_USE  # re-exported: the in-use lock files' suffix
 from .base import new_id as new_id  # re-exported: the ids of the writers' transactions
-from .base import wait_seconds as wait_seconds
+from .base import wait_seconds
 from .mounts import refuse_object_store_mount
 
 logger = logging.getLogger(__name__)
@@ -398,8 +398,6 @@ def _same_file(fd: int, path: Path) -> bool:
     return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 
 
-#: Suffix of the lock file that marks a directory in use: ``PARENT/.NAME.in-use`` (:class:`InUse`, :func:`claim`).
-IN_USE = IN_USE  # the in-use lock files' suffix (``store.base``)
 #: Seconds :meth:`InUse.acquire` waits while a removal or a replacement holds the directory (each is brief).
 IN_USE_WAIT = 120.0
 #: Seconds :func:`replace_directory` waits for the restores holding a directory in use to end before it refuses.

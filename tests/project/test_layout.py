@@ -294,7 +294,7 @@ FRONT_ENDS = ("accelerate", "trainer")
 TRANSACTION_STEPS = frozenset({
     "hash_rows", "complete_rows", "carry_user_files", "find_user_files", "carry_files", "recover_replaced",
     "remove_leftovers", "staging_leftovers", "fsync_directories", "replace_directory", "prune", "StagedDirectory",
-    "DirectoryLock", "Transaction.publish",
+    "DirectoryLock",
 })
 #: Defined in ``core`` only: the transaction and its collective steps.
 CORE_ONLY = frozenset({"Transaction", "Reservation", "own_rows", "retain", "prune_outside_a_save"})
