@@ -130,6 +130,30 @@ def test_the_reference_page_names_every_public_export() -> None:
     assert {"accelerate_txn.errors", "accelerate_txn.weights", "accelerate_txn.testing"} <= directives
 
 
+def _keyword_parameters(module: Path, function: str) -> list[str]:
+    """The keyword-only parameters of a function, read from its module's source (nothing is imported)."""
+    for node in ast.parse(module.read_text()).body:
+        if isinstance(node, ast.FunctionDef) and node.name == function:
+            return [argument.arg for argument in node.args.kwonlyargs]
+    raise AssertionError(f"{module} has no function {function}")
+
+
+def test_the_configuration_page_lists_every_configure_checkpointing_argument() -> None:
+    """docs/configuration.md's signature of configure_checkpointing and its options table name every keyword the
+    code takes (``signing_key`` and ``verification_keys`` were once left to the docstring), in the code's order."""
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    code = _keyword_parameters(PACKAGE / "accelerate" / "config.py", "configure_checkpointing")
+    signature = re.search(r"^accelerate_txn\.configure_checkpointing\(\n    accelerator,\n(.*?)^\)", text,
+                          re.MULTILINE | re.DOTALL)
+    assert signature, "docs/configuration.md: no configure_checkpointing(accelerator, ...) signature block"
+    listed = re.findall(r"^    (\w+)=None,$", signature.group(1), re.MULTILINE)
+    assert listed == code, f"docs/configuration.md's signature names {listed}; the code takes {code}"
+    section = text.split("## `configure_checkpointing`", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \|", section, re.MULTILINE)
+    assert sorted(rows) == sorted(code), (f"options table: missing {sorted(set(code) - set(rows))}, "
+                                          f"not arguments {sorted(set(rows) - set(code))}")
+
+
 def test_the_reference_page_is_in_the_navigation() -> None:
     assert re.search(r"^\s+- API reference: reference/api\.md$", (ROOT / "mkdocs.yml").read_text(), re.MULTILINE)
 
