@@ -7,11 +7,20 @@ PYTEST_ARGS ?=
 
 .PHONY: venv test demo lint bench test-accelerate test-matrix test-matrix-table test-matrix-full test-newest crash-sweep test-gpu docs clean  # docs/ exists: docs must be phony
 
+## One environment, .venv, built in two layers, each with its marker file:
+## - $(VENV)/.base-installed: the CPU build of torch and the package with its base dependencies only (about 35
+##   packages): all that `make demo` and the accelerate-txn command need;
+## - $(VENV)/.installed (make venv): the same environment plus the test extra and the real clients (about 280
+##   packages more) that the suite needs.
+## `make demo` then `make test` adds the extras to the same .venv; after `make venv`, `make demo` installs nothing.
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+$(VENV)/.base-installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt torch==2.13.0
+	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt torch==2.13.0 -e .
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.base-installed pyproject.toml constraints.txt
 	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt -e '.[test,clients]'
 	touch $@
 
@@ -20,8 +29,9 @@ test: venv
 	$(PY) -m ruff check accelerate_txn tests benchmarks examples
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-## 2-process FSDP training on CPU: checkpoint, kill -9 mid-save, resume, prove nothing was lost.
-demo: venv
+## 2-process FSDP training on CPU: checkpoint, kill -9 mid-save, resume, prove nothing was lost. Needs only the
+## base layer of .venv (no extras: examples/demo.py and examples/demo_train.py import torch and accelerate_txn).
+demo: $(VENV)/.base-installed
 	$(PY) examples/demo.py --output demo-output
 
 ## Seeded random-instant kill -9 sweep: 50 trials of a real 2-rank FSDP1 run on CPU (CRASH_SWEEP_ARGS="--trials 200 --seed 1";

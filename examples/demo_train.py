@@ -1,11 +1,13 @@
 """One rank of the demo's training job: FSDP1 on CPU (gloo), checkpointed with accelerate-txn.
 
-Started twice by ``examples/demo.py`` with the environment torchrun would give (``MASTER_ADDR``, ``MASTER_PORT``,
-``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``). Modes:
+Started by ``examples/demo.py`` once per job, with the environment torchrun would give (``MASTER_ADDR``,
+``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``). Modes:
 
-* ``reference``: train ``--steps`` steps from scratch, ``save_state()`` every ``--save-every`` steps;
-* ``crash``: the same, but at save number ``--crash-at-save`` a save pre-hook on rank 0 writes ``--marker`` and
-  blocks until it is killed, so the save stays in progress until the demo kills the job;
+* ``reference``: train ``--steps`` steps from scratch and never save: what the training computes when nothing
+  interrupts it (a save that changed the training would show as a difference);
+* ``crash``: the same steps with ``save_state()`` every ``--save-every`` steps; at save number ``--crash-at-save``
+  a save pre-hook on rank 0 writes ``--marker`` and blocks until it is killed, so the save stays in progress until
+  the demo kills the job;
 * ``resume``: ``load_state()`` with no argument (the newest complete checkpoint), then train on to ``--steps``.
 
 Every mode writes ``--result`` with this rank's final parameter shards, optimizer state, scheduler state,
@@ -132,7 +134,7 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)  # the protected save refuses pending gradients
         progress["step"] += 1
         result["losses"][progress["step"]] = loss.item()
-        if progress["step"] % args.save_every == 0:
+        if args.mode != "reference" and progress["step"] % args.save_every == 0:
             saved = accelerator.save_state()
             checkpoints = Path(saved).parent
             result["saves"].append({

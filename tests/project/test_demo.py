@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,3 +27,54 @@ def test_demo_kill_mid_save_and_resume_loses_nothing(tmp_path: Path) -> None:
     assert VERDICT in completed.stdout, report
     assert "cleaned up by that save: yes" in completed.stdout, report
     assert not list((output / "crashed-run" / "checkpoints").glob(".*.staging-*")), report
+
+
+def _make_dry_run(target: str, venv: Path) -> list[str]:
+    """The commands ``make -n TARGET`` would run with ``VENV=venv``, one per line."""
+    if shutil.which("make") is None:
+        pytest.skip("GNU make is not installed")
+    completed = subprocess.run(["make", "-n", target, f"VENV={venv}"], cwd=REPO, capture_output=True, text=True,
+                               timeout=60, stdin=subprocess.DEVNULL)
+    assert completed.returncode == 0, completed.stderr
+    return completed.stdout.splitlines()
+
+
+def _pip_installs(commands: list[str]) -> list[str]:
+    return [command for command in commands if "pip install " in command]
+
+
+def test_make_demo_installs_the_package_without_extras(tmp_path: Path) -> None:
+    """On a fresh clone ``make demo`` creates .venv with torch and the package's base dependencies: no extra."""
+    commands = _make_dry_run("demo", tmp_path / "venv")
+    installs = _pip_installs(commands)
+    assert installs, commands
+    assert any("torch==2.13.0" in command and command.endswith(" -e .") for command in installs), installs
+    assert not any(".[" in command for command in installs), f"make demo installs an extra: {installs}"
+    assert any("-m venv" in command for command in commands), commands
+    assert commands[-1].endswith("examples/demo.py --output demo-output"), commands
+
+
+def _marked(venv: Path, *markers: str) -> None:
+    """Fake a built environment: its marker files, newer than pyproject.toml and constraints.txt."""
+    venv.mkdir()
+    newest = max((REPO / name).stat().st_mtime for name in ("pyproject.toml", "constraints.txt"))
+    for age, marker in enumerate(markers):  # in build order, each newer than the one before
+        (venv / marker).touch()
+        os.utime(venv / marker, (newest + 10 + age, newest + 10 + age))
+
+
+def test_make_demo_after_make_venv_installs_nothing(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    _marked(venv, ".base-installed", ".installed")
+    commands = _make_dry_run("demo", venv)
+    assert not _pip_installs(commands), commands
+    assert not any("-m venv" in command for command in commands), commands
+
+
+def test_make_venv_after_make_demo_adds_the_extras_to_the_same_environment(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    _marked(venv, ".base-installed")
+    commands = _make_dry_run("venv", venv)
+    installs = _pip_installs(commands)
+    assert len(installs) == 1 and installs[0].endswith("-e '.[test,clients]'"), commands
+    assert not any("-m venv" in command for command in commands), f"make venv recreates the environment: {commands}"
