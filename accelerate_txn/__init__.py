@@ -18,6 +18,7 @@ from .errors import (
     CheckpointIntegrityError,
     CheckpointLockedError,
     CheckpointRankError,
+    CheckpointUnprotectedError,
     NoCheckpointError,
     NonFiniteStateError,
     RestoreFailedError,
@@ -97,6 +98,20 @@ def checkpoint_source_identity(path: Any) -> Any:
     return on_main(lambda: checkpoint_fingerprint(path), f"Fingerprinting {path}")
 
 
+def protection(owner: Any) -> Any:
+    """Whether ``owner``'s checkpoints take the protected path now, and if not why and the one change that would
+    protect them: a :class:`~accelerate_txn.runtime.protection.Protection` (truthy when protected; ``.reason``,
+    ``.fix``, ``.path``). ``owner`` is an ``Accelerator`` or a transformers ``Trainer``. Local, no collective: call it
+    on any rank, at any time (the optimizer's live state counts, so ask after the first step too)."""
+    if hasattr(owner, "args") and hasattr(owner, "accelerator") and hasattr(owner, "state"):
+        from .trainer.patch import protection as trainer_protection
+
+        return trainer_protection(owner)
+    from .accelerate.patch import protection as accelerator_protection
+
+    return accelerator_protection(owner)
+
+
 # Wrap Accelerator.save_state/load_state now if Accelerate is imported, else the moment it is; the same for the
 # transformers Trainer's save and resume (``accelerate_txn.trainer``).
 install_on_import()
@@ -113,6 +128,7 @@ __all__ = [
     "CheckpointIntegrityError",
     "CheckpointLockedError",
     "CheckpointRankError",
+    "CheckpointUnprotectedError",
     "NoCheckpointError",
     "NonFiniteStateError",
     "RestoreFailedError",
@@ -126,6 +142,7 @@ __all__ = [
     "latest_training_checkpoint",
     "load_training_checkpoint",
     "patch_accelerate_fsdp",
+    "protection",
     "register_checkpoint_state",
     "save_training_checkpoint",
     "unpatch_accelerate_fsdp",

@@ -46,6 +46,12 @@ class CheckpointConfigurationError(CheckpointError, ValueError):
     """The live training configuration does not match the checkpoint, or the library is misconfigured."""
 
 
+class CheckpointUnprotectedError(CheckpointConfigurationError):
+    """Protection is required (``ACCELERATE_TXN_REQUIRE_PROTECTION=1`` or ``configure_checkpointing(acc,
+    require_protection=True)``) and this save or load would run native, unprotected: raised before anything is
+    written or read, the same on every rank."""
+
+
 class CheckpointLockedError(CheckpointError):
     """Another live writer holds the lock on the checkpoint directory."""
 
@@ -79,6 +85,7 @@ __all__ = [
     "CheckpointIntegrityError",
     "CheckpointLockedError",
     "CheckpointRankError",
+    "CheckpointUnprotectedError",
     "NoCheckpointError",
     "NonFiniteStateError",
     "RestoreFailedError",

@@ -87,6 +87,8 @@ class CheckpointConfig:
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT
     overwrite: str = "replace"
     protect: str | None = None  # None: ACCELERATE_TXN_PROTECT decides at each call (see ``protect_mode``)
+    # None: ACCELERATE_TXN_REQUIRE_PROTECTION decides at each call (``accelerate.patch.require_protection``)
+    require_protection: bool | None = None
     arrival_timeout: float = DEFAULT_ARRIVAL_TIMEOUT
     # File-name template -> schema recorded in the descriptor; and -> validator(directory, rank).
     private_states: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -127,6 +129,11 @@ def checkpoint_config(accelerator: Any) -> CheckpointConfig:
         )
         _CONFIGS[accelerator] = config
     return config
+
+
+def existing_config(accelerator: Any) -> CheckpointConfig | None:
+    """The configuration of ``accelerator`` if one was created (none is created here: nothing is read)."""
+    return _CONFIGS.get(accelerator)
 
 
 def read_configs(group: dict[str, Any]) -> dict[str, Any]:
@@ -219,6 +226,7 @@ def configure_checkpointing(
     reshard_rank_map: Mapping[int, int] | None = None,
     overwrite: str | None = None,
     protect: str | None = None,
+    require_protection: bool | None = None,
     accept_changes: Iterable[str] | None = None,
     mirror: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
@@ -280,6 +288,12 @@ def configure_checkpointing(
       directory, the working or project directory) is never replaced: the save runs native Accelerate with one
       warning. Saving beside another run's checkpoints is allowed with one warning (retention prunes only this
       run's). ``"refuse"``: both raise ``CheckpointExistsError`` before anything is written.
+    * ``require_protection``: strict mode. ``True``: a ``save_state``/``load_state`` of this Accelerator that would
+      run native Accelerate (unprotected: an FSDP setting the protected path does not take, automatic dispatch off,
+      releases the evidence does not protect, ...) raises ``CheckpointUnprotectedError`` on every rank, naming the
+      reason and the fix, before anything is written or read. ``False``: it runs native after one WARNING per
+      process and reason. Default: ``ACCELERATE_TXN_REQUIRE_PROTECTION`` (unset: off).
+      ``accelerate_txn.protection(accelerator)`` answers the same question without saving.
     * ``accept_changes``: changes a resume refuses unless named, accepted on purpose, each exactly as the refusal
       prints it: ``"schedulers[N].<value>"`` (a learning-rate schedule's warmup, cycles, ...; a built-in
       scheduler's setting, which the restore keeps at its saved value) or ``"training.<key>"`` (a metadata
@@ -358,6 +372,12 @@ def configure_checkpointing(
         changes["reshard_rank_map"] = check_rank_map(reshard_rank_map)
     if protect is not None:
         changes["protect"] = _valid_protect(protect, f"configure_checkpointing(protect={protect!r})")
+    if require_protection is not None:
+        if not isinstance(require_protection, bool):
+            raise CheckpointConfigurationError(
+                f"configure_checkpointing(require_protection={require_protection!r}): use True (a save or load that "
+                "would run native raises CheckpointUnprotectedError instead) or False (it runs native, with a WARNING)")
+        changes["require_protection"] = require_protection
     if overwrite is not None:
         if overwrite not in OVERWRITE_MODES:
             raise CheckpointConfigurationError(

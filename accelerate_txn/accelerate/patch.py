@@ -43,16 +43,22 @@ from ..core.ranks import agree, any_rank, collective, distributed, run_phase, wo
 from ..core.remote import is_url
 from ..errors import CheckpointConfigurationError, UnsupportedVersionError
 from ..runtime.accelerate_internals import accelerator_module, prepared_optimizers
-from ..runtime.versions import DISPATCH, automatic_dispatch_requested, override_requested, protected, unsupported_message
+from ..runtime.protection import REQUIRE, STATE_DICT_FIX, Protection, refuse_native, say_native
+from ..runtime.versions import (
+    DISPATCH,
+    OVERRIDE_ENV,
+    automatic_dispatch_requested,
+    override_requested,
+    protected,
+    unsupported_message,
+)
 from . import data_order, gradients
 from .arrival import arrived, check_arrival, install_leaving_notice
-from .config import checkpoint_config, protect_mode, read_configs
+from .config import checkpoint_config, existing_config, protect_mode, read_configs
 from .descriptor import is_fsdp2_sharded, is_fsdp_sharded, path_of, unsupported_reason
 from .native import OPTED_IN, OPTED_OUT, ORIGINALS, fsdp_routing, routed
 
 logger = logging.getLogger(__name__)
-notices = logging.getLogger("accelerate_txn")  # the "protection is off" line: one per Accelerator
-_NOTED: WeakSet = WeakSet()  # Accelerators whose native FSDP run was logged
 _WARNED: WeakSet = WeakSet()  # Accelerators warned that an unsupported setup runs native
 _TARGETS = ("Accelerator.save_state", "Accelerator.load_state", "load_fsdp_model", "load_fsdp_optimizer",
             "save_fsdp_optimizer")
@@ -75,13 +81,67 @@ def _native_condition(accelerator: Any, enabled: bool) -> str:
     return f"state_dict_type is {kind} (protected: SHARDED_STATE_DICT only)"
 
 
-def _note_native(accelerator: Any, condition: str) -> None:
-    if accelerator in _NOTED:
-        return
-    _NOTED.add(accelerator)
-    if getattr(accelerator, "is_main_process", True):
-        notices.info("accelerate-txn: FSDP checkpoints of this Accelerator are NOT protected (native "
-                     "save_state/load_state): %s", condition)
+def _fix(accelerator: Any, condition: str) -> str | None:
+    """The one change that would protect this Accelerator's checkpoints, for a native ``condition``."""
+    if accelerator in OPTED_OUT:
+        return "opt it back in with patch_accelerate_fsdp(accelerator)"
+    if condition.startswith("automatic dispatch is off"):
+        return f"unset {DISPATCH.source()} (or set it to 1), or opt this Accelerator in with patch_accelerate_fsdp()"
+    if condition.startswith("state_dict_type is"):
+        return STATE_DICT_FIX
+    if condition.startswith("FSDP") and "is not protected" in condition:
+        return "use FSDP1 or FSDP2 (FullyShardedDataParallelPlugin(fsdp_version=1 or 2))"
+    return None
+
+
+def require_protection(accelerator: Any) -> tuple[bool, str]:
+    """Whether strict mode is on for ``accelerator`` and where it was asked for: ``configure_checkpointing(
+    require_protection=...)`` if set, else :data:`runtime.protection.REQUIRE` (read now)."""
+    config = existing_config(accelerator)
+    if config is not None and config.require_protection is not None:
+        return config.require_protection, f"configure_checkpointing(require_protection={config.require_protection})"
+    return REQUIRE.read(), f"{REQUIRE.source()}={REQUIRE.raw()}"
+
+
+def _native(accelerator: Any, condition: str, fix: str | None = None, *, say: bool = True) -> bool:
+    """This call runs native because of ``condition``: raise in strict mode, else say so (one WARNING per process and
+    reason, from the main process); returns False (the dispatch decision). ``say=False``: a warning already said it."""
+    fix = fix if fix is not None else _fix(accelerator, condition)
+    strict, source = require_protection(accelerator)
+    if strict:
+        refuse_native("this Accelerator's checkpoints", condition, fix, source=source)
+    if say:
+        say_native("FSDP checkpoints of this Accelerator", condition, fix,
+                   main=bool(getattr(accelerator, "is_main_process", True)))
+    return False
+
+
+def protection(accelerator: Any) -> Protection:
+    """Whether ``accelerator``'s checkpoints take the protected path now (``accelerate_txn.protection``): decided on
+    this process from the live setup, with no collective; see :class:`runtime.protection.Protection`."""
+    kind = accelerator.distributed_type.name
+    path = path_of(accelerator)
+    enabled = (accelerator in OPTED_IN or automatic_dispatch_requested()) and accelerator not in OPTED_OUT
+
+    def native(reason: str, fix: str | None = None) -> Protection:
+        return Protection(False, "accelerate", path, reason, fix if fix is not None else _fix(accelerator, reason))
+
+    if kind != "FSDP" and kind not in BROADER_BACKENDS:
+        return native(f"the distributed type {kind} is not protected")
+    if kind != "FSDP" and protect_mode(accelerator) != "all":
+        return native(f"{kind} checkpoints are protected only with protect='all'",
+                      "configure_checkpointing(accelerator, protect='all') or ACCELERATE_TXN_PROTECT=all")
+    if not enabled:
+        return native(_native_condition(accelerator, enabled))
+    if not protected(path):
+        return native(unsupported_message(path), f"install a validated pair (accelerate-txn doctor) or set "
+                                                 f"{OVERRIDE_ENV}=1 at your own risk")
+    if kind == "FSDP" and not is_fsdp_sharded(accelerator):
+        return native(_native_condition(accelerator, enabled))
+    reason = unsupported_reason(accelerator)
+    if reason is not None:
+        return native(reason)
+    return Protection(True, "accelerate", path)
 
 
 def _checkpoint_reason(accelerator: Any, input_dir: Any) -> str | None:
@@ -170,65 +230,73 @@ def _broader(accelerator: Any, kind: str) -> bool:
     return False
 
 
-def _eligibility(accelerator: Any) -> tuple[bool, bool]:
-    """(eligible, validated) on this rank, with the settings the protected path will use read now (inside the
+def _eligibility(accelerator: Any) -> tuple[bool, bool, bool]:
+    """(eligible, validated, strict) on this rank, with the settings the protected path will use read now (inside the
     caller's rank phase: a setting invalid on one rank raises the same error on every rank)."""
     eligible = is_fsdp_sharded(accelerator) or accelerator.distributed_type.name in BROADER_BACKENDS
     validated = protected(path_of(accelerator))
+    strict, _source = require_protection(accelerator)
     if eligible and validated:
         read_configs({"": accelerator})
-    return eligible, validated
+    return eligible, validated, strict
 
 
 def _protected(accelerator: Any, input_dir: Any = None, *, loading: bool = False, output_dir: Any = None) -> bool:
     """The dispatch decision; for FSDP (and, with ``protect="all"``, one process and DDP) with dispatch on, a
     collective (all ranks must agree), preceded by the collective-free check that every rank reached this call
-    (``accelerate.arrival``)."""
+    (``accelerate.arrival``). Every native outcome goes through :func:`_native`: a WARNING, or in strict mode an
+    error raised where every rank decides alike."""
     kind = accelerator.distributed_type.name
     opted_in = accelerator in OPTED_IN
     enabled = (opted_in or automatic_dispatch_requested()) and accelerator not in OPTED_OUT
     if kind != "FSDP" and not (enabled and _broader(accelerator, kind)):
         # Native, and without any collective: the backend is the same on every rank, and users of other
         # backends may call save_state on the main process only, which a collective here would hang. With
-        # protect="all" (opt-in) one process and DDP take the protected path: every rank must call it.
+        # protect="all" (opt-in) one process and DDP take the protected path: every rank must call it. Only strict
+        # mode speaks here (native one-process and DDP checkpoints are the default, said by the docs, not each call).
+        if require_protection(accelerator)[0]:
+            found = protection(accelerator)
+            _native(accelerator, found.reason or f"{kind} checkpoints run native", found.fix, say=False)
         return False
     if not enabled:
         # Off is exactly native: no collective, no file, nothing beyond the environment read above (and the one
-        # INFO line per Accelerator that says protection is off).
-        _note_native(accelerator, _native_condition(accelerator, enabled))
-        return False
+        # WARNING per process that says protection is off).
+        return _native(accelerator, _native_condition(accelerator, enabled))
     # Before the first collective: a call made on some ranks only (save_state under ``if is_main_process:``) ends
     # there with an explained CheckpointArrivalError on those ranks, not in a mismatched collective.
     check_arrival(accelerator, "load_state" if loading else "save_state", input_dir if loading else output_dir)
-    eligible, validated = run_phase(functools.partial(_eligibility, accelerator),
-                                    "Deciding whether to use the protected checkpoint path")
-    agree({"enabled": enabled, "eligible": eligible, "validated": validated,
+    eligible, validated, strict = run_phase(functools.partial(_eligibility, accelerator),
+                                            "Deciding whether to use the protected checkpoint path")
+    agree({"enabled": enabled, "eligible": eligible, "validated": validated, "strict": strict,
            "backend": accelerator.distributed_type.name}, "whether to use the protected checkpoint path")
     if enabled and eligible and not validated:
-        # One warning per process and reason, on every rank: it names what changed (no INFO line besides it).
-        warn_once(unsupported_message(path_of(accelerator)), stacklevel=4)
-        return False
+        # One warning per process and reason, on every rank: it names what changed (no other line besides it).
+        if not strict:
+            warn_once(unsupported_message(path_of(accelerator)), stacklevel=4)
+        return _native(accelerator, unsupported_message(path_of(accelerator)),
+                       f"install a validated pair (accelerate-txn doctor) or set {OVERRIDE_ENV}=1 at your own risk",
+                       say=False)
     if not (enabled and eligible):
-        _note_native(accelerator, _native_condition(accelerator, enabled))
-        return False
+        return _native(accelerator, _native_condition(accelerator, enabled))
     reason, per_call = _agreed_reason(accelerator, input_dir, loading, output_dir)
     if reason is None:
         return True
-    if per_call and not opted_in:  # this save's destination only: warn for each such save
-        warnings.warn(f"accelerate-txn: this save_state() runs native Accelerate, UNPROTECTED: {reason}.",
-                      RuntimeWarning, stacklevel=4)
-        return False
     if opted_in:
         raise CheckpointConfigurationError(
             f"This Accelerator was opted in with patch_accelerate_fsdp(), but the protected path cannot handle it: "
             f"{reason} Unpatch it (unpatch_accelerate_fsdp) to use native save_state/load_state, unprotected.")
+    if strict:
+        return _native(accelerator, reason, say=False)
+    if per_call:  # this save's destination only: warn for each such save
+        warnings.warn(f"accelerate-txn: this save_state() runs native Accelerate, UNPROTECTED: {reason}.",
+                      RuntimeWarning, stacklevel=4)
+        return False
     if accelerator not in _WARNED:
         _WARNED.add(accelerator)
         warnings.warn(
             f"accelerate-txn: this Accelerator's FSDP checkpoints run native Accelerate save_state/load_state, "
             f"UNPROTECTED (no manifest, no atomic publish, no verification before restore): {reason}",
             RuntimeWarning, stacklevel=4)
-    _note_native(accelerator, reason)
     return False
 
 

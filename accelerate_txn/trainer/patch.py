@@ -27,13 +27,14 @@ import inspect
 import logging
 import os
 from typing import Any
-from weakref import WeakSet
 
 import wrapt
 
 from ..compat.evidence import warn_once
 from ..core import faults
 from ..core.ranks import agree, run_phase
+from ..runtime.protection import REQUIRE, Protection, refuse_native, say_native
+from ..runtime.versions import OVERRIDE_ENV
 from .adapters import save_model, saving
 from .internals import LOAD_MODEL, LOAD_OPTIMIZER, LOAD_RNG, SAVE_CHECKPOINT, SAVE_MODEL, finalize_target, missing_points
 from .layout import backend
@@ -53,7 +54,6 @@ from .versions import (
 logger = logging.getLogger(__name__)
 MODULE = "transformers.trainer"
 ORIGINALS: dict[str, Any] = {}
-_NOTED: WeakSet = WeakSet()
 _WARNED: set[str] = set()  # the reasons said by a warning (no INFO line besides)
 
 
@@ -85,8 +85,39 @@ def native_reason(trainer: Any) -> str | None:
 def _read_switches() -> None:
     automatic_dispatch_requested()
     override_requested()
+    REQUIRE.read()
     for variable in faults.SWITCHES:
         variable.read()
+
+
+def _trainer_fix(reason: str) -> str | None:
+    """The one change that would protect a Trainer's checkpoints, for its native ``reason``."""
+    if reason.startswith("automatic dispatch is off"):
+        return f"unset {DISPATCH.source()} (or set it to 1)"
+    if reason.startswith("push_to_hub"):
+        return "push to the Hub after training (trainer.push_to_hub()) instead of push_to_hub=True during it"
+    if "NOT protected" in reason:
+        return f"install a validated set of releases (accelerate-txn doctor) or set {OVERRIDE_ENV}=1 at your own risk"
+    return None
+
+
+def protection(trainer: Any) -> Protection:
+    """Whether ``trainer``'s checkpoints take the protected path now (``accelerate_txn.protection``); local, no
+    collective, no warning."""
+    path = path_of_trainer(trainer)
+    if not automatic_dispatch_requested():
+        reason: str | None = (f"automatic dispatch is off ({DISPATCH.source()}="
+                              f"{os.environ.get(DISPATCH.source())!r})")
+    elif not protected(type(trainer), path):
+        reason = unsupported_message(type(trainer), path)
+    elif missing_points(type(trainer), transformers_series()):
+        reason = (f"this transformers Trainer lacks {', '.join(missing_points(type(trainer), transformers_series()))}"
+                  " (or has another signature)")
+    else:
+        reason = native_reason(trainer)
+    if reason is None:
+        return Protection(True, "trainer", path)
+    return Protection(False, "trainer", path, reason, _trainer_fix(reason))
 
 
 def _protected(trainer: Any) -> bool:
@@ -95,11 +126,18 @@ def _protected(trainer: Any) -> bool:
     # wait in the agreement below.
     run_phase(_read_switches, "Reading the environment's switches")
     reason = native_reason(trainer)
-    agree(reason, "whether Trainer checkpoints are protected")  # every rank takes the same path
-    if reason is not None and reason not in _WARNED and trainer not in _NOTED:
-        _NOTED.add(trainer)
-        logger.info("Trainer checkpoints are not protected by accelerate-txn: %s", reason)
-    return reason is None
+    strict = REQUIRE.read()
+    agree([reason, strict], "whether Trainer checkpoints are protected")  # every rank takes the same path
+    if reason is None:
+        return True
+    if strict:
+        refuse_native("this Trainer's checkpoints", reason, _trainer_fix(reason))
+    # One WARNING per process and reason (none besides a changed piece's own warning): a Trainer on FSDP is told;
+    # DeepSpeed's own checkpoints are its own business.
+    if reason not in _WARNED and backend(trainer) != "DeepSpeed":
+        say_native("this Trainer's checkpoints", reason, _trainer_fix(reason),
+                   main=bool(getattr(trainer.args, "process_index", 0) == 0))
+    return False
 
 
 def _save_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

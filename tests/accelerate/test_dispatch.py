@@ -14,7 +14,8 @@ from accelerate_txn.testing import launch
 pytestmark = pytest.mark.distributed
 TIMEOUT = 300
 UNPROTECTED = "accelerate-txn: this Accelerator's FSDP checkpoints run native Accelerate save_state/load_state, UNPROTECTED"
-NOT_PROTECTED = "accelerate-txn: FSDP checkpoints of this Accelerator are NOT protected (native save_state/load_state): "
+NOT_PROTECTED = ("accelerate-txn: FSDP checkpoints of this Accelerator run native, NOT protected (no staging, no "
+                 "manifest, no verification before restore): ")
 
 
 @pytest.fixture(scope="module")
@@ -24,12 +25,13 @@ def fallbacks(tmp_path_factory: Any) -> list[dict[str, Any]]:
 
 
 def _notices(seen: dict[str, list[str]]) -> list[str]:
-    return [line for line in seen["info"] if line.startswith(NOT_PROTECTED)]
+    """The native-fallback lines logged at WARNING (seen at Python's default logging level)."""
+    return [line for line in seen["logged_warnings"] if line.startswith(NOT_PROTECTED)]
 
 
-def test_optimizer_state_that_is_not_parameter_shaped_runs_native_with_one_warning_and_one_info_line(
+def test_optimizer_state_that_is_not_parameter_shaped_runs_native_with_one_warning(
         fallbacks: list[dict[str, Any]]) -> None:
-    for rank, obs in enumerate(fallbacks):
+    for obs in fallbacks:
         # Before the first step the state is empty: protected. After it, native (no manifest) on every rank.
         assert obs["counting_manifests"] == [True, False, False]
         (warning,) = obs["counting_seen"]["warnings"]  # three calls, one warning
@@ -37,9 +39,7 @@ def test_optimizer_state_that_is_not_parameter_shaped_runs_native_with_one_warni
         assert "Unsupported optimizer: tests.scenarios.dispatch_scenarios.Counting state 'stats' (parameter group 0) is a " \
                "builtins.dict" in warning
         assert obs["counting_reloaded"] == []  # native saved and loaded it exactly
-        notices = _notices(obs["counting_seen"])
-        assert len(notices) == (1 if rank == 0 else 0)  # INFO on the main process only
-        assert all("Unsupported optimizer: tests.scenarios.dispatch_scenarios.Counting state 'stats'" in n for n in notices)
+        assert _notices(obs["counting_seen"]) == []  # the warning says it: no second line
 
 
 def test_native_checkpoint_of_such_an_optimizer_loads_native_decided_from_the_checkpoint(
@@ -77,21 +77,41 @@ def test_explicit_opt_in_refuses_an_unsupported_optimizer_with_the_reason(
     assert fallbacks[0]["counting_explicit_nothing_written"]
 
 
-@pytest.mark.parametrize("case, condition", [
-    ("full_state_dict", "state_dict_type is FULL_STATE_DICT (protected: SHARDED_STATE_DICT only)"),
-    ("opted_out", "opted out with unpatch_accelerate_fsdp()"),
-    ("env_off", "automatic dispatch is off (ACCELERATE_TXN_PATCHES='0')"),
+@pytest.mark.parametrize("case, condition, fix", [
+    ("full_state_dict", "state_dict_type is FULL_STATE_DICT (protected: SHARDED_STATE_DICT only)",
+     "set the FSDP state dict type to SHARDED_STATE_DICT"),
+    ("opted_out", "opted out with unpatch_accelerate_fsdp()", "opt it back in with patch_accelerate_fsdp(accelerator)"),
+    ("env_off", "automatic dispatch is off (ACCELERATE_TXN_PATCHES='0')", "unset ACCELERATE_TXN_PATCHES (or set it to 1)"),
 ])
-def test_each_native_fsdp_setup_logs_one_info_line_naming_the_condition(
-        fallbacks: list[dict[str, Any]], case: str, condition: str) -> None:
+def test_each_native_fsdp_setup_logs_one_warning_naming_the_condition_and_the_fix(
+        fallbacks: list[dict[str, Any]], case: str, condition: str, fix: str) -> None:
     rank0, rank1 = fallbacks
-    assert _notices(rank0[f"{case}_seen"]) == [NOT_PROTECTED + condition]  # two calls, one line, on rank 0
+    (notice,) = _notices(rank0[f"{case}_seen"])  # two calls, one WARNING line, on rank 0
+    assert notice.startswith(NOT_PROTECTED + condition + ". To protect them: " + fix), notice
     assert _notices(rank1[f"{case}_seen"]) == []
     for obs in fallbacks:
         assert obs[f"{case}_seen"]["warnings"] == []  # a configuration choice, not a surprise
         if case != "full_state_dict":
             assert obs[f"{case}_error"] is None and obs[f"{case}_manifest"] is False
     assert rank0["full_state_dict_protected"] == [False, False]
+
+
+def test_strict_mode_refuses_a_native_fsdp_save_and_load_on_every_rank_before_anything_is_written(
+        fallbacks: list[dict[str, Any]]) -> None:
+    for obs in fallbacks:
+        assert obs["local_protection"] == {
+            "protected": False, "path": "fsdp1",
+            "reason": "state_dict_type is LOCAL_STATE_DICT (protected: SHARDED_STATE_DICT only)",
+            "fix": obs["local_protection"]["fix"]}
+        assert obs["local_protection"]["fix"].startswith("set the FSDP state dict type to SHARDED_STATE_DICT")
+        for key in ("strict_error", "strict_load_error"):
+            error = obs[key]
+            assert error["type"] == "CheckpointUnprotectedError", error
+            assert error["message"].startswith(
+                "accelerate-txn: this Accelerator's checkpoints would run native, NOT protected, and protection is "
+                "required (configure_checkpointing(require_protection=True)): state_dict_type is LOCAL_STATE_DICT")
+        assert obs["strict_nothing_written"]
+    assert fallbacks[0]["strict_error"] == fallbacks[1]["strict_error"]  # the same error on every rank
 
 
 @pytest.mark.parametrize("case", ["protected", "fsdp2"])

@@ -304,6 +304,7 @@ BOTH_FRONT_ENDS = {
     "install", "uninstall", "installed", "_protected",  # each front end's wrapt patch of its own targets
     "install_on_import", "_install_patch",  # each its own import hook target (``compat.hooks`` is the shared hook)
     "transaction", "_publish",  # each front end's Terms and manifest fields of the one core transaction
+    "protection",  # each front end's answer to ``accelerate_txn.protection()`` (``runtime.protection.Protection``)
     "backend", "describe",  # the distributed type, the configuration descriptor: of an Accelerator, of a Trainer
     "_verify",  # the verification of a load (Accelerate's component rules) and of a resume (Trainer's layout)
     "order_record", "_length",  # the data order of prepared loaders, of the Trainer's sampler

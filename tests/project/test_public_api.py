@@ -34,6 +34,7 @@ _ORIGINS: dict[str, str | None] = {
     "latest_training_checkpoint": "accelerate.selection",
     "load_training_checkpoint": "accelerate.load",
     "patch_accelerate_fsdp": "accelerate.patch",
+    "protection": None,
     "register_checkpoint_state": "accelerate.rng",
     "save_training_checkpoint": "accelerate.save",
     "unpatch_accelerate_fsdp": "accelerate.patch",

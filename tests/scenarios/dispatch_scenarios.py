@@ -64,12 +64,15 @@ class Counting(torch.optim.SGD):
 
 @contextmanager
 def _observed() -> Iterator[dict[str, list[str]]]:
-    """RuntimeWarnings and accelerate_txn log records (INFO and above) raised inside the block."""
-    seen: dict[str, list[str]] = {"warnings": [], "info": []}
+    """RuntimeWarnings and accelerate_txn log records raised inside the block: ``info`` every record (INFO and above),
+    ``logged_warnings`` those at WARNING and above (what Python's default logging level shows)."""
+    seen: dict[str, list[str]] = {"warnings": [], "info": [], "logged_warnings": []}
 
     class Collect(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             seen["info"].append(record.getMessage())
+            if record.levelno >= logging.WARNING:
+                seen["logged_warnings"].append(record.getMessage())
 
     logger = logging.getLogger("accelerate_txn")
     handler, level = Collect(level=logging.INFO), logger.level
@@ -187,6 +190,17 @@ def fallbacks(root: str) -> dict[str, Any]:
     native_by_configuration("fsdp2", fsdp2, *fsdp2.prepare(raw, _adamw(raw.parameters())))
     # A supported setup says nothing.
     native_by_configuration("protected", *_setup(_adamw))
+    # Strict mode: a setup that would run native (LOCAL_STATE_DICT) is refused on every rank, nothing written; the
+    # public answer says the same without saving.
+    local, local_model, local_opt = _setup(_adamw, state_dict_type="LOCAL_STATE_DICT")
+    found = accelerate_txn.protection(local)
+    obs["local_protection"] = {"protected": found.protected, "path": found.path, "reason": found.reason,
+                               "fix": found.fix}
+    accelerate_txn.configure_checkpointing(local, require_protection=True)
+    _train(local, local_model, local_opt, None, 1, seed=4)
+    obs["strict_error"] = _error(lambda: local.save_state(str(base / "strict")))
+    obs["strict_load_error"] = _error(lambda: local.load_state(str(base / "protected_0")))
+    obs["strict_nothing_written"] = not (base / "strict").exists()
     return obs
 
 
