@@ -49,6 +49,8 @@ _LAZY = {
     "on_main": "core.ranks",
     "save_training_checkpoint": "accelerate.save",
     "latest_training_checkpoint": "accelerate.selection",
+    "quarantine_checkpoint": "runtime.quarantine",
+    "release_checkpoint": "runtime.quarantine",
     "wait_for_checkpoint": "runtime.async_save",
 }
 
@@ -67,6 +69,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .core.ranks import agree as agree  # rank helpers: importable, not in __all__
     from .core.ranks import on_main as on_main
     from .runtime.async_save import wait_for_checkpoint
+    from .runtime.quarantine import quarantine_checkpoint, release_checkpoint
 
 
 def __getattr__(name: str) -> Any:
@@ -143,7 +146,9 @@ __all__ = [
     "load_training_checkpoint",
     "patch_accelerate_fsdp",
     "protection",
+    "quarantine_checkpoint",
     "register_checkpoint_state",
+    "release_checkpoint",
     "save_training_checkpoint",
     "unpatch_accelerate_fsdp",
     "uninstall",

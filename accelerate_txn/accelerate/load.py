@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import faults as _faults
+from ..core import quarantine
 from ..core.manifest import (
     MANIFEST,
     check_dcp_inventory,
@@ -50,7 +51,7 @@ from ..runtime.accelerate_internals import (
     save_state_pre_hooks,
 )
 from ..runtime.versions import checkpoint_compatibility, require_supported_versions
-from ..store import local_store
+from ..store import local_store, object_store
 from ..store.base import Hold, new_id
 from . import remote as _remote
 from .arrival import check_arrival
@@ -73,12 +74,17 @@ logger = logging.getLogger(__name__)
 def _candidates(primary: Any, group: dict[str, Any], input_dir: Any) -> tuple[list[str], bool]:
     """Rank 0: the checkpoints to try, best first, and whether they were chosen automatically."""
     if is_url(input_dir):
-        return [str(input_dir).rstrip("/")], False
+        url = str(input_dir).rstrip("/")
+        mark = quarantine.remote_mark(object_store(url), url)  # an explicit path still loads: said, not refused
+        if mark is not None:
+            quarantine.explicit_load_warning(url, mark)
+        return [url], False
     if input_dir is not None:
         path = Path(input_dir).expanduser().absolute()
         if not path.is_dir():
             raise NoCheckpointError(f"Checkpoint directory {path} does not exist")
         refuse_transient(path)
+        quarantine.warn_if_set_aside(path)
         return [str(path)], False
     if not primary.project_configuration.automatic_checkpoint_naming:
         raise CheckpointConfigurationError(
@@ -87,8 +93,9 @@ def _candidates(primary: Any, group: dict[str, Any], input_dir: Any) -> tuple[li
     root = Path(primary.project_dir) / "checkpoints"
     found, reasons = checkpoint_candidates(root, group)
     mirror = checkpoint_config(primary).mirror
-    if mirror is not None:
-        return _across_tiers(found, reasons, _remote.remote_candidates(mirror), root, mirror), True
+    if mirror is not None:  # a checkpoint quarantined in either tier is skipped in both (core.quarantine)
+        found, remote, aside = quarantine.across_tiers(found, _remote.remote_candidates(mirror), object_store(mirror), root)
+        return _across_tiers(found, reasons + aside, remote, root, mirror), True
     if not found:
         skipped = f"; skipped {'; '.join(reasons)}" if reasons else ""
         raise NoCheckpointError(f"No complete checkpoint to resume from in {root}{skipped}. Start training from "

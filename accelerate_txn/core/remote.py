@@ -46,6 +46,7 @@ from .manifest import (
     parse_manifest,
     relative_inside,
 )
+from .quarantine import remote_mark
 from .select import CHECKPOINT_NAME
 from .signing import Keyring, check_authenticator
 
@@ -252,6 +253,8 @@ def _still_a_victim(store: ObjectStore, parent: str, run_id: str, number: int, u
     current = _complete(store, url)
     if current is None or current.get("transaction_id") != txid or current.get("run_id") != run_id:
         return False
+    if remote_mark(store, url, current) is not None:  # quarantined since the decision: kept (core.quarantine)
+        return False
     return any(other > number and (_complete(store, where) or {}).get("run_id") == run_id
                for other, where in reversed(checkpoints(store, parent)))
 
@@ -267,8 +270,20 @@ def prune(store: ObjectStore, parent: str, run_id: str, limit: int, newest: str 
     show (a checkpoint committed after it is never a victim). Before each deletion the store is listed again: a
     victim is deleted only if it still holds the transaction the decision saw (a name re-committed since is
     another checkpoint) and a newer complete checkpoint of the run still exists (so the newest complete checkpoint
-    of a run is never deleted, whatever else deleted meanwhile). Another run's checkpoints are never touched."""
-    ours = _ours(store, parent, run_id)
+    of a run is never deleted, whatever else deleted meanwhile). Another run's checkpoints are never touched.
+
+    A quarantined checkpoint (``core.quarantine``: its mark beside the prefix) is neither counted nor deleted (an INFO
+    line says so), and the mark is read again just before each deletion. With no lock on an object store, a mark
+    written in the moment between that read and the deletion is not seen: the quarantine then finds the checkpoint
+    gone and says so."""
+    ours = []
+    for number, url, manifest in _ours(store, parent, run_id):
+        mark = remote_mark(store, url, manifest)
+        if mark is None:
+            ours.append((number, url, manifest))
+        else:
+            logger.info("Retention under %s (limit %d): keeping %s out of the count and never deleting it: %s", parent,
+                        limit, url, mark.describe())
     if not ours:
         return []
     spared = {ours[-1][1].rstrip("/")} | ({newest.rstrip("/")} if newest else set())

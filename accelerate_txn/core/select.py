@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from ..errors import CheckpointIntegrityError, CheckpointLockedError, NoCheckpointError
 from ..store.base import Store
-from . import faults
+from . import faults, quarantine
 from .carry import find_user_files, shown
 from .manifest import MANIFEST, READABLE_PROTOCOLS, list_tree, loader_may_read, read_manifest, verify_manifest
 from .signing import Keyring, check_legacy
@@ -245,12 +245,18 @@ def checkpoint_candidates(output_dir: str | Path, rules: CandidateRules | None =
 
     Published checkpoints with a manifest come first (newest first); manifest-less (legacy) directories follow,
     only when ``rules`` (or, without rules, ``legacy``: see :func:`check_candidate`) allow them, so a legacy
-    directory is never preferred over a complete checkpoint (:func:`legacy_resume` says so in words).
+    directory is never preferred over a complete checkpoint (:func:`legacy_resume` says so in words). A checkpoint
+    an operator set aside (``core.quarantine``: its mark beside it) is skipped with the mark as its reason.
     """
     complete: list[Path] = []
     manifest_less: list[Path] = []
     reasons: list[str] = []
     for _number, path in reversed(numbered_checkpoints(Path(output_dir))):
+        mark = None if path.is_symlink() else quarantine.local_mark(path)
+        if mark is not None:
+            reasons.append(f"{path.name}: {quarantine.skip_reason(mark, str(path))}")
+            logger.warning("Skipping checkpoint %s: %s", path, quarantine.skip_reason(mark, str(path)))
+            continue
         try:
             manifest = check_candidate(path, rules, legacy=legacy)
         except CheckpointIntegrityError as exc:  # configuration errors are not a reason to pick an older one
@@ -295,6 +301,16 @@ def latest_checkpoint(output_dir: str | Path, rules: CandidateRules | None = Non
     return None
 
 
+def _set_aside(path: Path, limit: int) -> bool:
+    """Whether retention leaves ``path`` out (quarantined), saying so."""
+    mark = quarantine.local_mark(path)
+    if mark is not None:
+        logger.info("Retention (total_limit=%d): keeping %s out of the count and never deleting it: %s. Release it "
+                    "('accelerate-txn release %s') to count it again, or delete it by hand", limit, path,
+                    mark.describe(), path)
+    return mark is not None
+
+
 def retention_victims(checkpoints: list[Path], limit: int, newest: Path | None = None,
                       keep: Iterable[Path] = (), keep_newest: bool = True) -> list[Path]:
     """The checkpoints retention deletes: ``checkpoints`` are the complete, intact checkpoints of one run, oldest
@@ -332,18 +348,24 @@ def prune(root: Path, run_id: str, limit: int, newest: Path | None = None, *, st
     manifest-less ``checkpoint_N`` that selection would skip and retention never prune. A checkpoint a restore holds
     in use (the store's ``retire`` refuses it) is kept this time and deleted by a later retention. ``keys``: the
     verification keys (default: the environment's): a checkpoint whose authenticator fails is not intact.
+
+    A quarantined checkpoint (``core.quarantine``) is neither counted nor deleted: ``limit`` selectable checkpoints
+    stay besides it, and each retention says so (INFO). The mark is checked again while the store claims a victim,
+    so a quarantine written after this listing still keeps it.
     """
     ours = [path for _number, path in numbered_checkpoints(root)
-            if not path.is_symlink() and complete_run_id(path) == run_id and _intact(path, keys)]
+            if not path.is_symlink() and complete_run_id(path) == run_id and not _set_aside(path, limit)
+            and _intact(path, keys)]
     deleted = []
     for path in retention_victims(ours, limit, newest, keep, keep_newest):
         try:
-            aside = store.retire(path, run_id)
+            aside = store.retire(path, run_id, keep_if=quarantine.set_aside_reason)
         except CheckpointLockedError as exc:  # a restore reads it now: it goes at the next retention
             logger.info("Retention (total_limit=%d): keeping %s this time: %s", limit, path, exc)
             continue
         logger.info("Retention (total_limit=%d): deleting %s", limit, path)
         faults.point("save:during-retention")
         store.remove_tree(aside)
+        store.remove_tree(quarantine.mark_path(path))  # a released (or stale) mark goes with its checkpoint
         deleted.append(path)
     return deleted

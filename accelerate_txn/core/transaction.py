@@ -40,7 +40,7 @@ from typing import Any
 
 from ..errors import CheckpointError, CheckpointExistsError
 from ..store.base import HASH, LocalStore
-from . import faults
+from . import faults, quarantine
 from .carry import carry_note, carry_user_files, find_user_files, shown, user_file_rows
 from .manifest import (
     MANIFEST,
@@ -104,12 +104,14 @@ _WARNED_BESIDE: set[tuple[Path, str]] = set()  # (directory, run id) told that i
 
 
 def what_is_replaced(path: Path, run_id: str, native: str) -> str:
-    """The directory a save replaces, in words: whose checkpoint it is."""
+    """The directory a save replaces, in words: whose checkpoint it is (and that it was quarantined)."""
     owner = complete_run_id(path)
+    mark = quarantine.local_mark(path) if owner is not None else None
+    aside = f"; it was {mark.describe()}, and that mark does not apply to the new checkpoint" if mark else ""
     if owner == run_id:
-        return "a checkpoint of this run"
+        return "a checkpoint of this run" + aside
     if owner is not None:
-        return f"a checkpoint of another run, {owner}"
+        return f"a checkpoint of another run, {owner}" + aside
     if (path / MANIFEST).exists():
         return "a directory whose manifest is not readable"
     return f"a checkpoint without a manifest ({native})" if any(path.iterdir()) else "an empty directory"

@@ -113,10 +113,12 @@ class Store(Protocol):
         (``FileExistsError``) while another write of ``path`` is in progress (POSIX: its temporary exists)."""
         ...
 
-    def retire(self, path: Path, run_id: str) -> Path:
+    def retire(self, path: Path, run_id: str, *, keep_if: Callable[[Path], str | None] | None = None) -> Path:
         """Take the published directory ``path`` of run ``run_id`` out of service (durably); returns where its
         content now is, for :meth:`remove_tree`. Refuses with ``CheckpointLockedError``, changing nothing, while a
-        restore uses it (POSIX: ``store.posix.InUse``): retention keeps it for the next time."""
+        restore uses it (POSIX: ``store.posix.InUse``): retention keeps it for the next time. ``keep_if(path)`` is
+        asked while nothing can start using it (a reason returned refuses the same way: a quarantine mark written
+        after retention listed the directory, ``core.quarantine``)."""
         ...
 
     def remove_tree(self, path: Path) -> None:
@@ -232,6 +234,13 @@ class LocalStore(Store, Protocol):
 
     def carry_files(self, source: Path, target: Path, names: Iterable[str]) -> None:
         """Put the files ``names`` of ``source`` at the same paths under ``target``, durably."""
+        ...
+
+    def write_replacing(self, path: Path, data: bytes) -> None:
+        """Make ``path`` hold exactly ``data``, durably, replacing what it held: a temporary name of this writer's
+        own, fsynced, renamed onto ``path``, the parent fsynced. Writers racing each other never share a temporary
+        (the last rename wins; each leaves a whole file); a killed writer never leaves a partial ``path`` (a
+        quarantine mark, ``core.quarantine``)."""
         ...
 
     def hold(self, path: Path) -> Hold:

@@ -796,13 +796,16 @@ def recover_replaced(parent: Path, name: str | None = None) -> list[Path]:
     return restored
 
 
-def retire(path: Path, run_id: str) -> Path:
+def retire(path: Path, run_id: str, *, keep_if: Callable[[Path], str | None] | None = None) -> Path:
     """Take a published directory out of service before deleting it: rename it to the hidden
     ``.NAME.deleting-<run>-<txid>`` in the same parent and fsync the parent; returns the new path.
 
     After this returns, ``NAME`` no longer exists (durably), so a crash while the caller deletes the returned
     directory leaves only a leftover that :func:`remove_leftovers` removes, never a half-deleted ``NAME``.
-    A directory a restore holds in use (:class:`InUse`) is refused with :class:`CheckpointLockedError`, unchanged.
+    A directory a restore holds in use (:class:`InUse`) is refused with :class:`CheckpointLockedError`, unchanged;
+    so is one for which ``keep_if(path)``, asked while it is claimed (no one can start holding it), gives a reason.
+    A quarantine writes its mark while holding the directory in use, so either retire finds it held, or it finds
+    the mark here, or the quarantine finds the directory gone.
     """
     aside = path.parent / f".{path.name}.deleting-{run_id}-{new_id()}"
     if not RETIRED_NAME.fullmatch(aside.name):
@@ -811,6 +814,9 @@ def retire(path: Path, run_id: str) -> Path:
         if not free:
             raise CheckpointLockedError(f"{path} is in use: a restore in another process holds "
                                         f"{in_use_file(path)}. It was not retired; the next retention retires it.")
+        why = keep_if(path) if keep_if is not None else None
+        if why is not None:
+            raise CheckpointLockedError(f"{path} is kept: {why}. It was not retired.")
         os.rename(path, aside)
         fsync_path(path.parent)
     return aside
@@ -863,6 +869,24 @@ def remove_leftovers(parent: Path, removable_runs: Iterable[str] | None) -> list
     return removed
 
 
+def write_replacing(path: Path, data: bytes) -> None:
+    """Make ``path`` hold exactly ``data``, durably, replacing what it held (``base.LocalStore.write_replacing``):
+    written to ``NAME.<id>.tmp`` beside it (create-only, this writer's own), fsynced, renamed onto ``path`` (a link
+    there is replaced, never followed), the parent fsynced. A failed write removes its temporary."""
+    path = Path(path)
+    temporary = path.with_name(f"{path.name}.{new_id()}.tmp")
+    try:
+        with temporary.open("xb") as stream:
+            stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.rename(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    fsync_path(path.parent)
+
+
 class PosixStore:
     """The :class:`~.base.Store` of a local or shared POSIX filesystem: rename is atomic, fsync makes data and
     names durable, ``flock`` serialises writers of one parent directory (:class:`DirectoryLock`)."""
@@ -881,8 +905,8 @@ class PosixStore:
         os.rename(temporary, path)
         fsync_path(path.parent)
 
-    def retire(self, path: Path, run_id: str) -> Path:
-        return retire(path, run_id)
+    def retire(self, path: Path, run_id: str, *, keep_if: Callable[[Path], str | None] | None = None) -> Path:
+        return retire(path, run_id, keep_if=keep_if)
 
     def remove_tree(self, path: Path) -> None:
         remove_tree(path)
@@ -912,6 +936,9 @@ class PosixStore:
 
     def carry_files(self, source: Path, target: Path, names: Iterable[str]) -> None:
         carry_files(source, target, names)
+
+    def write_replacing(self, path: Path, data: bytes) -> None:
+        write_replacing(path, data)
 
     def hold(self, path: Path) -> InUse:
         return InUse(path)

@@ -34,6 +34,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from ..core import quarantine
 from ..core.manifest import check_hashes, hashed_names, writer_rank
 from ..core.ranks import on_main, rank, run_phase, world_size
 from ..core.select import check_candidate, checkpoint_candidates, numbered_checkpoints, refuse_transient
@@ -113,6 +114,8 @@ def resolve_resume(trainer: Any, resume: Any) -> tuple[Any, str | None, Hold | N
         if not path.is_dir():
             raise NoCheckpointError(f"Checkpoint directory {path} does not exist")
         refuse_transient(path)
+        if rank() == 0:  # an explicit path still loads a quarantined checkpoint: said, not refused
+            quarantine.warn_if_set_aside(path)
 
     run_phase(exists, f"Checking {path}")
     return (str(resume), *_held_and_verified(trainer, path, rules))
