@@ -23,6 +23,7 @@ from ..errors import CheckpointError, CheckpointIntegrityError, NoCheckpointErro
 from . import _output as out
 from . import _remote as remote
 from ._doctor import doctor_command
+from ._export_config import carried_config, given_config
 from ._scan import (
     COMPLETE,
     CORRUPT,
@@ -68,15 +69,21 @@ KEY_HELP = ("A verification key file (HMAC secret, or Ed25519 PEM key); repeat f
 
 def _key_option(function: Callable[..., Any]) -> Callable[..., Any]:
     """``--key FILE`` (repeatable): the command's checks verify manifests' authenticators with these keys instead of
-    the environment's (``core.signing``)."""
+    the environment's (``core.signing``). A file that holds no key (missing, unreadable, too short) is a bad option
+    value: a usage error (exit 2) naming the file and the fix, before the command does anything."""
 
     @functools.wraps(function)
     def run(*args: Any, keys: tuple[str, ...] = (), **kwargs: Any) -> Any:
         if not keys:
             return function(*args, **kwargs)
         from ..core.signing import keyring, using
+        from ..errors import CheckpointConfigurationError
 
-        with using(keyring(None, keys)):
+        try:
+            keys_given = keyring(None, keys)
+        except CheckpointConfigurationError as exc:
+            raise click.BadParameter(str(exc), param_hint="'--key'") from None
+        with using(keys_given):
             return function(*args, **kwargs)
 
     return click.option("--key", "keys", multiple=True, metavar="FILE", type=click.Path(dir_okay=False),
@@ -609,6 +616,7 @@ def _local_prune_decision(root: Path, run_id: str | None, keep: int) -> tuple[li
 @click.option("--dry-run", is_flag=True,
               help="Only say what would be deleted now (takes no lock: a save publishing meanwhile changes the answer).")
 @_json_option
+@_key_option
 def prune_command(directory: Path | str, keep: int, run_id: str | None, dry_run: bool, as_json: bool) -> int:
     """Delete the oldest complete checkpoints of one run, keeping the newest --keep.
 
@@ -617,7 +625,8 @@ def prune_command(directory: Path | str, keep: int, run_id: str | None, dry_run:
     and decides from what it lists while holding it, so it never races a save (it fails at once if a save is in
     progress). Under an s3:// prefix (no lock there) it decides again from its own listing when it deletes, never
     deletes the newest complete checkpoint of the run nor one committed meanwhile, and lists again before each
-    deletion (each manifest first).
+    deletion (each manifest first). With verification keys (--key, or the environment's), a checkpoint without a
+    valid authenticator of one of them is not complete: never counted, never deleted.
     """
     from ..core.select import prune
     from ..store.posix import POSIX, DirectoryLock
@@ -722,36 +731,6 @@ def _dtype_name(_ctx: click.Context, _param: click.Parameter, value: str | None)
 FORMATS = ("auto", "transformers", "diffusers", "peft")
 
 
-def _config_name(layout: str, directory: Path) -> str:
-    """Which config file ``directory`` offers for ``layout``: a PEFT adapter's for ``peft`` (and for ``auto`` when it
-    has one), else the model's ``config.json``."""
-    if layout == "peft" or (layout == "auto" and (directory / remote.ADAPTER_CONFIG).is_file()):
-        return remote.ADAPTER_CONFIG
-    return remote.CONFIG
-
-
-def _export_config(checkpoint: Path | str, source: Path | str, config: Path | None, layout: str) -> Path:
-    """The config to ship with an export: ``config`` (a file, or a directory holding one), else the one the
-    checkpoint carries (a Trainer checkpoint does: ``config.json`` with a full model save, ``adapter_config.json`` for a
-    PEFT model under accelerate_txn; ``source`` is the local checkpoint or its downloaded copy); a usage error saying
-    what to pass when there is none."""
-    if config is not None:
-        found = config / _config_name(layout, config) if config.is_dir() else config
-        if not found.is_file():
-            raise click.UsageError(f"{config} holds no {found.name}: pass the model's config.json (the adapter's "
-                                   "adapter_config.json for --format peft) or its directory")
-        return found
-    name = _config_name(layout, Path(source))
-    carried = Path(source) / name
-    if carried.is_file():
-        return carried
-    raise click.UsageError(
-        f"{checkpoint} carries no {name} (an Accelerate save_state() checkpoint does not; a Trainer checkpoint "
-        f"does): pass the model's config as CONFIG, 'accelerate-txn export {checkpoint} CONFIG OUTPUT', written by "
-        "model.config.save_pretrained(DIR) (transformers), model.save_config(DIR) (Diffusers) or, for a PEFT "
-        "adapter, model.peft_config['default'].save_pretrained(DIR)")
-
-
 def _export_layout(chosen: str, config: Path) -> str:
     """The export's file names: the --format given, or (auto) the one ``config`` asks for; an adapter config with a
     model layout is refused (its adapter is exported with --format peft)."""
@@ -790,6 +769,12 @@ def _export_layout(chosen: str, config: Path) -> str:
 @click.option("--adapter-name", default="default", show_default=True,
               help="peft: the adapter to export from a checkpoint holding the whole PEFT model (its live names, "
               "e.g. lora_A.default.weight).")
+@click.option("--config", "config_option", metavar="PATH|MODEL_ID",
+              help="The model's config, shipped with the weights: a config.json, the directory holding it (the model "
+              "directory the training loaded), or a model id in the local Hugging Face cache (never downloaded); for "
+              "--format peft the adapter's adapter_config.json or its directory. Needed unless the checkpoint carries "
+              "one (a Trainer checkpoint saved under FSDP with SHARDED_STATE_DICT, or by save_state(), does not). The "
+              "same as CONFIG.")
 @click.option("--sign-key", metavar="FILE", type=click.Path(dir_okay=False, path_type=Path),
               help="Sign the export with this private key (PEM, ECDSA P-256/384/521): OUTPUT/model.sig, published with "
               "the export, which OpenSSF's model_signing verifies (model_signing verify key OUTPUT --signature "
@@ -797,16 +782,17 @@ def _export_layout(chosen: str, config: Path) -> str:
 @_json_option
 @click.pass_context
 def export_command(ctx: click.Context, checkpoint: Path | str, paths: tuple[Path | str, ...], layout: str,
-                   max_shard_size: str, dtype: str | None, adapter_name: str, sign_key: Path | None,
-                   as_json: bool) -> int:
+                   max_shard_size: str, dtype: str | None, adapter_name: str, config_option: str | None,
+                   sign_key: Path | None, as_json: bool) -> int:
     """Export a checkpoint's model to sharded safetensors that from_pretrained loads (transformers or Diffusers), or
     a PEFT model's LoRA adapter to the files PeftModel.from_pretrained loads.
 
     CHECKPOINT is a checkpoint directory (with pytorch_model_fsdp_0/), a DCP directory, or an s3:// checkpoint (its
-    model state is downloaded into a temporary directory first, each file verified); CONFIG the model's config.json
-    (or its directory), or the adapter's adapter_config.json, shipped with the weights: without it, the one the
-    checkpoint carries (a Trainer checkpoint does); OUTPUT the export directory (replaced atomically). CONFIG and
-    OUTPUT are local.
+    model state is downloaded into a temporary directory first, each file verified); CONFIG (or --config) the model's
+    config.json (or its directory), or the adapter's adapter_config.json, shipped with the weights: without it, the
+    one the checkpoint carries (a Trainer checkpoint of a full model save; not one saved under FSDP with
+    SHARDED_STATE_DICT, nor an Accelerate save_state() checkpoint); OUTPUT the export directory (replaced atomically).
+    CONFIG and OUTPUT are local.
     """
     import torch
 
@@ -823,8 +809,12 @@ def export_command(ctx: click.Context, checkpoint: Path | str, paths: tuple[Path
     if len(paths) > 2:
         raise click.UsageError(f"export takes CHECKPOINT [CONFIG] OUTPUT: got {len(paths) + 1} paths")
     config, output = (None, paths[0]) if len(paths) == 1 else paths
+    if config is not None and config_option is not None:
+        raise click.UsageError(f"the config is given twice (CONFIG {config} and --config {config_option}): pass one")
     if config is not None and not Path(config).exists():
         raise click.UsageError(f"CONFIG {config} does not exist")
+    given_file = (None if config is None and config_option is None else  # checked before anything is downloaded
+                  given_config(config or config_option, layout, "CONFIG" if config is not None else "--config"))  # type: ignore[arg-type]
     try:
         size = resolve_shard_size(int(max_shard_size) if max_shard_size.strip().isdigit() else max_shard_size)
     except CheckpointConfigurationError as exc:
@@ -833,7 +823,7 @@ def export_command(ctx: click.Context, checkpoint: Path | str, paths: tuple[Path
     given = ctx.get_parameter_source("max_shard_size") != click.core.ParameterSource.DEFAULT
     export_signer(sign_key)  # a key that cannot sign fails now, before an object-store checkpoint is downloaded
     with remote.model_copy(str(checkpoint)) if remote.is_url(checkpoint) else contextlib.nullcontext(checkpoint) as source:
-        config_file = _export_config(checkpoint, source, config, layout)  # type: ignore[arg-type]
+        config_file = given_file or carried_config(checkpoint, Path(source), output, layout)
         chosen = _export_layout(layout, config_file)
         if chosen == "peft":
             if given:
@@ -845,7 +835,7 @@ def export_command(ctx: click.Context, checkpoint: Path | str, paths: tuple[Path
             exporter = export_dcp_to_transformers if chosen == "transformers" else export_dcp_to_diffusers
             result = exporter(source, config_file, output, size, dtype=cast, sign_key=sign_key)
     files = sorted(p.name for p in Path(result).iterdir())
-    shown_config = str(config) if config is not None else f"{checkpoint}/{config_file.name}"
+    shown_config = str(config_file) if given_file is not None else f"{checkpoint}/{config_file.name}"
     signature = Path(output) / SIGNATURE_NAME if sign_key is not None else None
     if as_json:
         out.emit_json({"checkpoint": str(checkpoint), "output": str(result), "format": chosen, "config": shown_config,

@@ -73,6 +73,29 @@ def summarize(descriptor: Any) -> dict[str, Any]:
     }
 
 
+def _front_end(manifest: dict[str, Any]) -> str:
+    """Which front end saved a checkpoint: ``trainer`` (transformers.Trainer) or ``accelerate``."""
+    from ..trainer.layout import is_trainer_manifest
+
+    return "trainer" if is_trainer_manifest(manifest) else "accelerate"
+
+
+def _components_text(manifest: dict[str, Any]) -> str:
+    """The components of a checkpoint, as a person reads them: a Trainer checkpoint has none (its configuration is
+    Trainer's record); an Accelerate one the default component (one Accelerator, at the checkpoint's root) or named
+    ones (one Accelerator each, in a subdirectory)."""
+    names = sorted(_dict(manifest.get("components")))
+    if _front_end(manifest) == "trainer":
+        return "a Trainer checkpoint (no named components)" if not names else \
+            f"a Trainer checkpoint with components {', '.join(map(repr, names))}"
+    if not names:
+        return "a checkpoint that records no components"
+    if names == [""]:
+        return "an Accelerate checkpoint (the default component: one Accelerator)"
+    shown = ", ".join("the default component" if name == "" else repr(name) for name in names)
+    return f"an Accelerate checkpoint with components {shown}"
+
+
 def resume_blockers(saved: dict[str, Any], other: dict[str, Any], *, allow_reshard: bool = False
                     ) -> list[dict[str, Any]]:
     """Why a run configured as ``other`` was saved would be refused when resuming ``saved``, per component, in the
@@ -84,9 +107,12 @@ def resume_blockers(saved: dict[str, Any], other: dict[str, Any], *, allow_resha
     saved_parts, other_parts = _dict(saved.get("components")), _dict(other.get("components"))
     found = []
     if set(saved_parts) != set(other_parts):
-        found.append({"component": None, "message": f"components differ: {sorted(saved_parts)} (A) vs "
-                      f"{sorted(other_parts)} (B); load_state() needs the same components",
-                      "differences": [f"components: {sorted(saved_parts)} (saved) vs {sorted(other_parts)} (live)"]})
+        kinds = [_components_text(saved), _components_text(other)]
+        fronts = {_front_end(saved), _front_end(other)}
+        why = ("a checkpoint is resumed by the front end that saved it: Trainer's train(resume_from_checkpoint=...) "
+               "or Accelerate's load_state()" if len(fronts) > 1 else "load_state() needs the same components")
+        found.append({"component": None, "message": f"A is {kinds[0]}, B is {kinds[1]}: {why}",
+                      "differences": [f"components: {kinds[0]} (saved) vs {kinds[1]} (live)"]})
     for name in sorted(set(saved_parts) & set(other_parts)):
         where = f"component {name!r}" if name else "the checkpoint"
         try:

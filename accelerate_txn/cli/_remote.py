@@ -29,7 +29,16 @@ from ..core.select import CHECKPOINT_NAME
 from ..errors import CheckpointConfigurationError, CheckpointError, CheckpointIntegrityError, NoCheckpointError
 from ..store import object_store
 from ..store.base import ObjectStore
-from ._scan import COMPLETE, CORRUPT, Entry, PathKindError, Verification, private_patterns, verify_checkpoint
+from ._scan import (
+    COMPLETE,
+    CORRUPT,
+    Entry,
+    PathKindError,
+    Verification,
+    not_a_checkpoint,
+    private_patterns,
+    verify_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +143,8 @@ def _parent_hint(url: str, command: str = "list") -> str:
 
 def checkpoint_manifest(url: str, command: str) -> dict[str, Any]:
     """The manifest of the checkpoint at ``url``. :class:`PathKindError` (usage) for a prefix of checkpoints or a
-    URL with nothing under it; :class:`CheckpointIntegrityError` (invalid) for an unfinished upload or objects no
-    manifest commits."""
+    URL with nothing under it, or one holding model weights alone (an uploaded export); :class:`CheckpointIntegrityError`
+    (invalid) for an unfinished upload or other objects no manifest commits."""
     where = store(url)
     manifest = objects.read_manifest(where, url)
     if manifest is not None:
@@ -153,6 +162,9 @@ def checkpoint_manifest(url: str, command: str) -> dict[str, Any]:
         raise CheckpointIntegrityError(
             f"{url} has no {MANIFEST}: an unfinished upload (a save in progress, or one whose writer died; the next "
             f"save of its run removes what it left). It is not a checkpoint{_parent_hint(url)}")
+    weights = None if CHECKPOINT_NAME.fullmatch(name_of(url)) else not_a_checkpoint(url, keys, command)
+    if weights is not None:  # an exported model or adapter uploaded there: not a checkpoint at all
+        raise weights
     if keys:
         raise CheckpointIntegrityError(
             f"{url} has no {MANIFEST}: its {len(keys)} object(s) were not committed by accelerate-txn, so there is "

@@ -141,6 +141,64 @@ def _loader_files(path: Path) -> tuple[list[str], str | None]:
     return sorted(found), error
 
 
+#: Training state that a checkpoint holds beside its model (Accelerate's ``save_state``: optimizer, scheduler,
+#: sampler, scaler, RNG states, custom objects; its FSDP layout's DCP directories; Trainer's ``trainer_state.json``,
+#: ``rng_state*.pth``, ``training_args.bin``; the default file of ``register_checkpoint_state``) and that a directory of
+#: model weights alone never holds.
+_TRAINING_STATE = re.compile(
+    r"(?:optimizer|scheduler|sampler|scaler|random_states|custom_checkpoint|dl_state_dict|dataloader_states|rng_state"
+    r"|training_state)"
+    r"(?:_\d+)?\.(?:bin|safetensors|pt|pth|pkl)\Z|\.metadata\Z|.*\.distcp\Z|trainer_state\.json\Z|training_args\.bin\Z"
+)
+#: The signature ``export --sign-key`` (OpenSSF model_signing) adds to an export (``weights.SIGNATURE_NAME``).
+_SIGNATURE = "model.sig"
+
+
+def weights_kind(names: list[str]) -> str | None:
+    """What a manifest-less directory holding the files ``names`` (relative POSIX paths) is, in words, when it holds
+    model weights and none of the training state any checkpoint holds (a PEFT adapter, a model directory for
+    ``from_pretrained``, an export, bare weight files); ``None`` otherwise (a legacy checkpoint, an empty or foreign
+    directory)."""
+    if any(_TRAINING_STATE.fullmatch(name.rsplit("/", 1)[-1]) for name in names):
+        return None
+    weights = sorted(name for name in names if _manifest.loader_may_read(name))
+    if not weights:
+        return None
+    top = set(names)
+    shown = ", ".join(weights[:4]) + (f" and {len(weights) - 4} more" if len(weights) > 4 else "")
+    if "adapter_config.json" in top:
+        return (f"a PEFT adapter (adapter_config.json, {shown}), as PeftModel.save_pretrained and 'accelerate-txn export "
+                "--format peft' write it: load it with PeftModel.from_pretrained(base_model, DIR)")
+    if "model_index.json" in top:
+        return f"a Diffusers pipeline (model_index.json, {shown}): load it with DiffusionPipeline.from_pretrained(DIR)"
+    if "config.json" in top:
+        return (f"a model directory (config.json, {shown}), as save_pretrained and 'accelerate-txn export' write it: "
+                "load it with from_pretrained(DIR)")
+    return f"a directory of model weights only ({shown})"
+
+
+def not_a_checkpoint(where: str, names: list[str], command: str) -> PathKindError | None:
+    """The usage error for ``where`` (a path or a URL) when its files ``names`` are model weights alone
+    (:func:`weights_kind`): what it is and what to run instead; ``None`` when they are not."""
+    kind = weights_kind(names)
+    if kind is None:
+        return None
+    signed = (f"; its signature is checked with 'model_signing verify key {where} --signature {where}/{_SIGNATURE} "
+              "--public_key PUBLIC_KEY'" if _SIGNATURE in names else "")
+    return PathKindError(
+        f"{where} is not a checkpoint: it is {kind}{signed}. It holds none of the training state a checkpoint holds "
+        f"(optimizer, scheduler, RNG states, {MANIFEST}), so there is nothing to {command} and nothing load_state() "
+        "or Trainer would resume. Pass a checkpoint directory (checkpoint_N, or Trainer's checkpoint-N); 'accelerate-txn "
+        "list RUN_DIR' lists a run's")
+
+
+def _file_names(path: Path) -> list[str]:
+    """Every file below ``path`` (relative, POSIX; symbolic links not followed)."""
+    return [Path(directory, entry.name).relative_to(path).as_posix()
+            for directory, entries in walk_tree(path, strict=False) for entry in entries
+            if not entry.is_dir(follow_symlinks=False)]
+
+
 def checkpoint_manifest(path: Path, command: str) -> dict[str, Any]:
     """The manifest of the checkpoint directory ``path``.
 
@@ -174,6 +232,13 @@ def checkpoint_manifest(path: Path, command: str) -> dict[str, Any]:
         raise PathKindError(f"{hint}, or pass one checkpoint_N of it to '{command}'")
     if (path / (MANIFEST + ".tmp")).exists():
         raise CheckpointIntegrityError(f"{path} holds only a partly written manifest ({MANIFEST}.tmp): an interrupted save")
+    if path.parent != path and (path.parent / MANIFEST).is_file():
+        raise PathKindError(f"{path} is inside the checkpoint {path.parent}, not a checkpoint itself: pass the "
+                            f"checkpoint, 'accelerate-txn {command} {path.parent}'")
+    if not _CHECKPOINT_NAME.fullmatch(path.name):  # a checkpoint_N of weights alone: an unfinished native save
+        weights = not_a_checkpoint(str(path), _file_names(path), command)
+        if weights is not None:
+            raise weights
     if (path / trainer_layout.TRAINER_STATE).is_file():
         raise CheckpointIntegrityError(
             f"{path} has no {MANIFEST}: saved by native Trainer (without accelerate-txn), or a save that did not "

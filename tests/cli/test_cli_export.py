@@ -5,14 +5,22 @@ Regression: ``export`` wrote Diffusers names only (``diffusion_pytorch_model-*``
 for a transformers config (``model_type``, no ``_class_name``): ``model.safetensors``, or numbered shards with
 ``model.safetensors.index.json``; Diffusers names stay for a Diffusers config.
 
-The checkpoint is a real protected save of a tiny Llama trained one AdamW step under FSDP1 on two gloo ranks
-(``accelerate_txn.testing.launch``); the export is loaded with the real ``from_pretrained``, offline.
+Regression (issue 46, item 1): without a config, ``export`` said "a Trainer checkpoint does [carry config.json]"; a
+Trainer checkpoint saved under FSDP with ``SHARDED_STATE_DICT`` carries none. The message now says so and names
+``--config`` (a config.json, a model directory, or a model id of the local Hugging Face cache).
+
+The checkpoints are real protected saves of a tiny Llama: one AdamW step under FSDP1 on two gloo ranks
+(``accelerate_txn.testing.launch``), and a real transformers Trainer's ``checkpoint-2`` under FSDP2; the exports are
+loaded with the real ``from_pretrained``, offline.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +30,7 @@ import torch
 from accelerate_txn import MANIFEST
 from accelerate_txn.testing import launch
 
+REPO = Path(__file__).resolve().parents[2]
 TINY = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 32}
 
@@ -69,14 +78,19 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _assert_loads_the_trained_weights(export: Path, root: Path) -> None:
+def _assert_loads(export: Path, trained: dict[str, torch.Tensor]) -> None:
+    """``export`` loads with the real ``from_pretrained`` (offline) and holds exactly ``trained``."""
     from transformers import AutoModelForCausalLM
 
     loaded = AutoModelForCausalLM.from_pretrained(export, local_files_only=True).state_dict()
-    trained = torch.load(root / "trained.pt", weights_only=True)
     assert set(loaded) == set(trained)
     different = [key for key in trained if not torch.equal(loaded[key], trained[key])]
     assert different == []
+
+
+def _assert_loads_the_trained_weights(export: Path, root: Path) -> None:
+    trained = torch.load(root / "trained.pt", weights_only=True)
+    _assert_loads(export, trained)
     initial = _tiny_llama().state_dict()  # the step changed the weights: the export is of the trained model
     assert any(not torch.equal(initial[key], trained[key]) for key in trained)
 
@@ -114,8 +128,25 @@ def test_export_without_config_takes_the_one_the_checkpoint_carries_or_says_what
     checkpoint = tmp_path / "checkpoint_0"
     shutil.copytree(trained / "checkpoints" / "checkpoint_0", checkpoint)
     missing = cli("export", checkpoint, tmp_path / "out")
-    assert missing.code == 2 and "carries no config.json" in missing.err
-    assert f"accelerate-txn export {checkpoint} CONFIG OUTPUT" in missing.err and not (tmp_path / "out").exists()
+    assert missing.code == 2 and f"{checkpoint} carries no config.json: an Accelerate save_state() checkpoint" in missing.err
+    assert f"'accelerate-txn export {checkpoint} {tmp_path / 'out'} --config MODEL'" in missing.err
+    assert not (tmp_path / "out").exists()
+    # --config: a config.json, or the directory holding it (the same as CONFIG); both at once, or neither a path nor a
+    # cached model id, is a usage error before anything is read.
+    option = cli("export", checkpoint, tmp_path / "option", "--config", trained / "config", "--json")
+    assert option.code == 0, option.err
+    assert option.json()["config"] == str(trained / "config" / "config.json") and option.json()["format"] == "transformers"
+    _assert_loads_the_trained_weights(tmp_path / "option", trained)
+    twice = cli("export", checkpoint, trained / "config", tmp_path / "twice", "--config", trained / "config")
+    assert twice.code == 2 and "the config is given twice" in twice.err
+    absent = cli("export", checkpoint, tmp_path / "absent", "--config", "no-such/model")
+    assert absent.code == 2 and "--config no-such/model: no such file or directory, and no model 'no-such/model'" in \
+        absent.err and "'hf download no-such/model config.json'" in absent.err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    nothing = cli("export", checkpoint, tmp_path / "nothing", "--config", empty)
+    assert nothing.code == 2 and f"--config {empty}: the directory holds no config.json" in nothing.err
+    assert not any((tmp_path / name).exists() for name in ("twice", "absent", "nothing"))
     # A Trainer checkpoint carries config.json beside its model state: export takes it (an unlisted file no loader
     # reads, which verification accepts).
     shutil.copy(trained / "config" / "config.json", checkpoint / "config.json")
@@ -123,3 +154,85 @@ def test_export_without_config_takes_the_one_the_checkpoint_carries_or_says_what
     assert carried.code == 0, carried.err
     assert carried.json()["config"] == f"{checkpoint}/config.json" and carried.json()["format"] == "transformers"
     _assert_loads_the_trained_weights(tmp_path / "out", trained)
+
+
+# --------------------------------------------------------------------------------------------- a Trainer checkpoint
+
+
+def train_with_trainer_and_save(root: str) -> dict[str, Any]:
+    """In each of 2 ranks: a real transformers Trainer on FSDP2 (SHARDED_STATE_DICT) trains 2 steps and saves
+    checkpoint-2 (protected); rank 0 also keeps the trained full weights (gathered by DCP's get_model_state_dict)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from tests.scenarios.trainer_scenarios import build
+
+    trainer = build(f"{root}/run", 2, fsdp_version=2)
+    trainer.train()
+    full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if trainer.accelerator.is_main_process:
+        torch.save(full, f"{root}/trained.pt")
+    return {"rank": trainer.accelerator.process_index}
+
+
+@pytest.fixture(scope="module")
+def trainer_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """checkpoint-2 of a real Trainer run under FSDP2 (no config.json in it), the trained weights, and ``base/``: the
+    model directory the training started from (save_pretrained of the same tiny Llama), as a user has one."""
+    from tests.scenarios.trainer_scenarios import tiny_llama
+
+    root = tmp_path_factory.mktemp("trainer_fsdp2")
+    launch(train_with_trainer_and_save, 2, args=(str(root),), timeout=300)
+    tiny_llama(1)[0].save_pretrained(root / "base")
+    return root
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_export_of_a_trainer_fsdp_checkpoint_says_to_pass_config_and_loads_with_it(cli: Any, trainer_run: Path,
+                                                                                    tmp_path: Path) -> None:
+    # Regression (issue 46, item 1): the message said a Trainer checkpoint carries config.json; under FSDP with
+    # SHARDED_STATE_DICT it does not (Trainer writes it only with a full-model save).
+    checkpoint = trainer_run / "run" / "checkpoint-2"
+    assert (checkpoint / MANIFEST).is_file() and (checkpoint / "pytorch_model_fsdp_0" / ".metadata").is_file()
+    assert not (checkpoint / "config.json").exists()
+    missing = cli("export", checkpoint, tmp_path / "out", "--json")
+    assert missing.code == 2 and missing.out == ""
+    assert f"{checkpoint} carries no config.json" in missing.err
+    assert "nor does a Trainer checkpoint saved under FSDP with SHARDED_STATE_DICT" in missing.err
+    assert f"'accelerate-txn export {checkpoint} {tmp_path / 'out'} --config MODEL'" in missing.err
+    assert not (tmp_path / "out").exists()
+
+    exported = cli("export", checkpoint, tmp_path / "out", "--config", trainer_run / "base", "--json")
+    assert exported.code == 0, exported.err
+    assert exported.json()["format"] == "transformers" and exported.json()["files"] == ["config.json",
+                                                                                      "model.safetensors"]
+    assert exported.json()["config"] == str(trainer_run / "base" / "config.json")
+    _assert_loads(tmp_path / "out", torch.load(trainer_run / "trained.pt", weights_only=True))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_export_config_may_be_a_model_id_of_the_local_hugging_face_cache(trainer_run: Path, tmp_path: Path) -> None:
+    """``--config ORG/NAME`` finds the config where from_pretrained finds it offline (``HF_HUB_CACHE``), as a real
+    ``python -m accelerate_txn`` reads it from its environment; nothing is downloaded."""
+    revision = "0" * 40
+    snapshot = tmp_path / "hub" / "models--tiny--llama" / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    shutil.copy(trainer_run / "base" / "config.json", snapshot / "config.json")
+    (tmp_path / "hub" / "models--tiny--llama" / "refs").mkdir()
+    (tmp_path / "hub" / "models--tiny--llama" / "refs" / "main").write_text(revision)
+    environment = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    checkpoint = trainer_run / "run" / "checkpoint-2"
+
+    def export(model_id: str, output: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "accelerate_txn", "export", str(checkpoint), str(output),
+                               "--config", model_id, "--json"], capture_output=True, text=True, timeout=300,
+                              env=environment, cwd=REPO)
+
+    done = export("tiny/llama", tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["config"] == str(snapshot / "config.json")
+    _assert_loads(tmp_path / "out", torch.load(trainer_run / "trained.pt", weights_only=True))
+    absent = export("tiny/other", tmp_path / "other")
+    assert absent.returncode == 2 and "no model 'tiny/other' with a config.json in the local Hugging Face cache" in \
+        absent.stderr and "Traceback" not in absent.stderr and not (tmp_path / "other").exists()
