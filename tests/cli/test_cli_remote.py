@@ -317,6 +317,20 @@ def test_export_from_a_url_equals_the_export_of_the_local_copy(cli: Any, saved: 
     assert list(scratch.iterdir()) == []
     refused = cli("export", url, config, f"s3://{BUCKET}/out")
     assert refused.code == 2 and "local path" in refused.err
+    # Without a config: the checkpoint carries none, and the usage error names --config (issue 46, item 1), which
+    # works as CONFIG does.
+    missing = cli("export", url, tmp_path / "none")
+    assert missing.code == 2 and f"{url} carries no config.json" in missing.err
+    assert f"'accelerate-txn export {url} {tmp_path / 'none'} --config MODEL'" in missing.err
+    assert not (tmp_path / "none").exists() and list(scratch.iterdir()) == []
+    option = cli("export", url, tmp_path / "option", "--config", config, "--json")
+    assert option.code == 0 and option.json()["files"] == local.json()["files"], option.err
+    # The export uploaded to the store is no checkpoint: a usage error saying what it is (issue 46, item 2).
+    uploaded = f"s3://{BUCKET}/export-{uuid.uuid4().hex[:8]}"
+    _fs().put(str(tmp_path / "local") + "/", uploaded, recursive=True)
+    verify = cli("verify", uploaded, "--json")
+    assert verify.code == 2 and verify.out == "", verify.err
+    assert f"{uploaded} is not a checkpoint: it is a model directory (config.json, diffusion_pytorch_model" in verify.err
 
 
 # --------------------------------------------------------------------------------------------- process
