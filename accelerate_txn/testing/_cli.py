@@ -3,6 +3,10 @@
 Exit status: the job's (:class:`~accelerate_txn.testing.ScriptResult` ``returncode``: 0, the first failing rank's
 status, 124 after the timeout, 137 when killed by a kill trigger), 2 for a usage error, 130 on Ctrl-C and 143 on
 ``SIGTERM`` (the whole job killed first in both cases).
+
+A usage error is one line on stderr, ``python -m accelerate_txn.testing run: error: WHAT. FIX``, whether it is found
+before any process starts (a bad option) or by the workers (a setting of the script's own the harness refuses,
+such as its plugin's ``FULL_STATE_DICT``): once for the job, no traceback, no per-rank copies.
 """
 
 from __future__ import annotations
@@ -100,8 +104,8 @@ STOPS = {signal.SIGINT, signal.SIGTERM}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` (default ``sys.argv[1:]``), run the job with its output echoed as ``[rankN] line``, return
-    the exit status."""
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the job with its output echoed as ``[rankN] line`` (one
+    prefix per line), return the exit status."""
     parser = _parser()
     options = parser.parse_args(argv)
     import threading
@@ -150,6 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _report(result: ScriptResult) -> int:
+    if result.refusal is not None and result.returncode == USAGE_ERROR:  # not when a timeout or a kill ended it
+        sys.stderr.write(f"{PROG} run: error: {result.refusal}\n")  # as a refusal before the start reads
+        return USAGE_ERROR
     if result.returncode != 0:
         sys.stderr.write(f"{PROG} run: {result.summary()}\n")
     return result.returncode

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,6 +55,19 @@ def configuration_error(message: str) -> Exception:
     from accelerate_txn.errors import CheckpointConfigurationError
 
     return CheckpointConfigurationError(message)
+
+
+REFUSAL_FILE_ENV = "ACCELERATE_TXN_LAUNCHER_REFUSAL_FILE"
+"""The environment variable naming the file where a launcher's worker writes a refusal of the harness (one line: what
+is refused and the fix) before it exits with status 2; the launcher reports it once for the whole job."""
+
+
+def is_refusal(error: BaseException) -> bool:
+    """Whether ``error``, raised by one of this module's functions, is a refusal of the harness: a
+    ``CheckpointConfigurationError``, imported by :func:`configuration_error` when it refuses (this module's other
+    errors are Accelerate's and torch's own)."""
+    errors = sys.modules.get("accelerate_txn.errors")
+    return errors is not None and isinstance(error, errors.CheckpointConfigurationError)
 
 
 def refuse_unsupported(state_dict_type: Any, what: str, fix: str) -> None:

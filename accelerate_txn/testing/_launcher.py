@@ -9,7 +9,10 @@ script's own ``import accelerate_txn`` does).
 Supervision, by the processes' exit statuses polled within deadlines (no step is timed):
 
 * every line a worker prints (stdout and stderr merged) is kept per rank, and optionally echoed as
-  ``[rankN] line`` and written to ``rankN.log``;
+  ``[rankN] line`` and written to ``rankN.log``; the echo carries one rank prefix per line: PyTorch's own
+  ``[rankN]:`` (its ``sys.excepthook`` after ``init_process_group``, its logging) is replaced by the launcher's;
+* a setting the harness refuses inside a worker (the script's own plugin with ``FULL_STATE_DICT``, say) ends that
+  worker with status 2 and a one-line message in a file of its own; the result carries it once (``refusal``);
 * the first worker that fails decides the exit status; the others get ``grace`` seconds to end on their own (they
   usually fail at their next collective), then are killed: nothing waits forever on a dead peer;
 * after ``timeout`` seconds the workers' stacks are dumped into their output (``SIGUSR1``) and the job is killed;
@@ -25,9 +28,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,7 +41,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..errors import CheckpointConfigurationError
-from ._cpu_fsdp import RANKS_PER_NODE_ENV, STATE_DICT_TYPES, refuse_unsupported, state_dict_kind
+from ._cpu_fsdp import (
+    RANKS_PER_NODE_ENV,
+    REFUSAL_FILE_ENV,
+    STATE_DICT_TYPES,
+    refuse_unsupported,
+    state_dict_kind,
+)
 from ._lifeline import LIFELINE_FD_ENV, lifeline
 from ._processes import LaunchError, free_port, rank_environment
 
@@ -45,6 +57,7 @@ KILL_WAIT = 60.0  # a hang guard only: a SIGKILLed process ends once the kernel 
 STACK_DUMP_WAIT = 2.0  # a moment for the stack dumps of a timed-out job before it is killed
 TIMED_OUT = 124  # the exit status of timeout(1)
 KILLED = 128 + signal.SIGKILL
+REFUSED = 2  # a usage error's exit status, as argparse's: a setting the harness refuses
 
 
 def shell_status(returncode: int) -> int:
@@ -57,8 +70,10 @@ class ScriptResult:
     """How a script run ended. Exit statuses are as a shell reports them (a death by signal ``N`` is ``128 + N``).
 
     ``returncode``: 0 when every rank exited 0; else the status of the first rank that failed; :data:`TIMED_OUT`
-    (124) after the timeout; 137 (``SIGKILL``) when the job was killed on request (``kill_reason`` says why).
-    ``output``: each rank's stdout and stderr, merged, in rank order.
+    (124) after the timeout; 137 (``SIGKILL``) when the job was killed on request (``kill_reason`` says why);
+    :data:`REFUSED` (2) when a worker refused a setting the harness cannot run (``refusal``: what, and the fix, in
+    one line; the workers print no traceback for it).
+    ``output``: each rank's stdout and stderr, merged, in rank order, as the rank wrote it.
     """
 
     returncode: int
@@ -69,6 +84,7 @@ class ScriptResult:
     first_failure: int | None = None
     killed_after_grace: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    refusal: str | None = None
 
     def summary(self) -> str:
         """One line: how the job ended."""
@@ -76,6 +92,8 @@ class ScriptResult:
             what = f"timed out after {self.seconds:.0f}s: every worker was killed"
         elif self.kill_reason is not None:
             what = f"killed (SIGKILL, the whole job): {self.kill_reason}"
+        elif self.refusal is not None:
+            what = f"refused: {self.refusal}"
         elif self.first_failure is not None:
             what = f"rank {self.first_failure} failed first, exit status {self.returncodes[self.first_failure]}"
             if self.killed_after_grace:
@@ -159,6 +177,8 @@ class ScriptJob:
             self._logs = [(log_dir / f"rank{rank}.log").open("w", encoding="utf-8") for rank in range(num_processes)]
         self._readers: list[threading.Thread] = []
         self._lifeline: int | None = None
+        self._refusals: Path | None = Path(tempfile.mkdtemp(prefix="accelerate_txn_refusals_"))
+        self._refusal: str | None = None
         self.started = time.monotonic()
         port = free_port()
         read_end, self._lifeline = lifeline()
@@ -166,7 +186,8 @@ class ScriptJob:
             for rank in range(num_processes):
                 process = subprocess.Popen(
                     command, cwd=cwd, env={**env, **rank_environment(rank, num_processes, port),
-                                           LIFELINE_FD_ENV: str(read_end)},
+                                           LIFELINE_FD_ENV: str(read_end),
+                                           REFUSAL_FILE_ENV: str(self._refusals / f"rank{rank}")},
                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=(read_end,),
                     start_new_session=True)  # a group of its own: killing it kills what the script started
                 self.processes.append(process)
@@ -249,13 +270,16 @@ class ScriptJob:
             returncode = TIMED_OUT
         elif self._kill_reason is not None:
             returncode = KILLED
+        elif self._refusal is not None:
+            returncode = REFUSED
         elif first_failure is not None:
             returncode = returncodes[first_failure]
         else:
             returncode = 0
         self._result = ScriptResult(returncode, returncodes, [self.output(rank) for rank in range(self.num_processes)],
                                     timed_out=timed_out, kill_reason=self._kill_reason, first_failure=first_failure,
-                                    killed_after_grace=killed_after_grace, seconds=time.monotonic() - self.started)
+                                    killed_after_grace=killed_after_grace, seconds=time.monotonic() - self.started,
+                                    refusal=self._refusal)
         return self._result
 
     def __enter__(self) -> ScriptJob:
@@ -269,6 +293,7 @@ class ScriptJob:
     # --- internals ------------------------------------------------------------------------------------------------
 
     def _read(self, rank: int, pipe: Any) -> None:
+        torch_prefix = re.compile(rf"\[rank{rank}\]: ?")  # PyTorch's own prefix of this rank's lines
         for raw in iter(pipe.readline, b""):
             line = raw.decode("utf-8", errors="replace")
             with self._lock:
@@ -278,8 +303,12 @@ class ScriptJob:
                     self._logs[rank].write(shown)
                     self._logs[rank].flush()
                 if self._stream is not None:
+                    # One prefix per line: torch's excepthook (installed by init_process_group) and its logging
+                    # start this rank's lines with "[rankN]:", which would read "[rankN] [rankN]: ...".
+                    torchs = torch_prefix.match(shown)
+                    echoed = shown[torchs.end():] if torchs else shown
                     try:
-                        self._stream.write(f"[rank{rank}] {shown}")
+                        self._stream.write(f"[rank{rank}] {echoed}")
                         self._stream.flush()
                     except (BrokenPipeError, ValueError):  # the reader of the echo went away: keep collecting
                         self._stream = None
@@ -317,6 +346,13 @@ class ScriptJob:
         if self._lifeline is not None:  # every worker has ended: nothing watches it any more
             os.close(self._lifeline)
             self._lifeline = None
+        if self._refusals is not None:  # every worker has ended: its refusal, if any, is complete
+            found = [path.read_text(encoding="utf-8").strip()
+                     for path in (self._refusals / f"rank{rank}" for rank in range(self.num_processes))
+                     if path.is_file()]
+            self._refusal = next((text for text in found if text), None)  # the same on every rank that refused
+            shutil.rmtree(self._refusals, ignore_errors=True)
+            self._refusals = None
 
 
 def fsdp_environment(settings: dict[str, Any]) -> dict[str, str]:
@@ -436,7 +472,9 @@ def start_script(
     ``kill_on_path`` (a file that appears; relative to ``cwd``) sends ``SIGKILL`` to the whole job at once.
 
     Raises ``CheckpointConfigurationError`` for FSDP settings the harness cannot run, ``ValueError`` for bad process
-    options and ``FileNotFoundError`` for a missing script, before any process starts.
+    options and ``FileNotFoundError`` for a missing script, before any process starts. A setting found only in the
+    workers (the script's own plugin) is refused there: the result's ``returncode`` is 2 and its ``refusal`` the
+    message.
     """
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise ValueError(f"num_processes={num_processes!r}: give the number of worker processes, 1 or more.")

@@ -15,7 +15,14 @@ ARGS...``), with torchrun's environment. It
    Trainer's ``Accelerator`` is wrapped like any other;
 3. runs the script as ``__main__``: a fresh module with the script's ``__file__`` and loader, ``sys.argv`` =
    ``[script, *args]``, compiled without this file's ``__future__`` flags; ``-m`` goes through ``runpy`` as
-   ``python -m`` does. Its exit status, exceptions and tracebacks are the script's.
+   ``python -m`` does. Its exit status, exceptions and tracebacks are the script's: an exception nothing caught is
+   printed by ``sys.excepthook`` from the script's first frame on, without this file's and ``runpy``'s frames
+   (:func:`report_uncaught`), and the worker exits 1, as ``python`` does.
+
+A setting the harness refuses (``_cpu_fsdp``'s ``CheckpointConfigurationError``: a ``FULL_STATE_DICT`` plugin of the
+script, a contradicting ``--fsdp-version``, an ``--auto-wrap`` class that does not import) is not a failure of the
+script: :func:`refuse` writes the message to the file the launcher names (``_cpu_fsdp.REFUSAL_FILE_ENV``) and exits
+with status 2; the launcher reports it once, as one line, for the whole job.
 
 What it must not do: import the ``accelerate_txn`` package. Its ``__init__`` installs the checkpoint patch, and only
 the script's own ``import accelerate_txn`` may do that (so a script runs native without the import, protected with
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import contextlib
 import faulthandler
 import importlib
 import importlib.machinery
@@ -44,8 +52,9 @@ import runpy
 import signal
 import sys
 import types
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 HERE = Path(__file__).resolve().parent
 PACKAGE_PARENT = str(HERE.parents[1])  # the directory that holds this copy of accelerate_txn
@@ -79,6 +88,38 @@ def watch_lifeline() -> None:
         lifeline.watch(int(fd))
 
 
+#: The file the launcher reads a refusal from (``_cpu_fsdp.REFUSAL_FILE_ENV``, taken out of the environment by
+#: :func:`main` so that the script and what it starts do not see it); empty when started without one.
+_REFUSAL_FILE: list[str] = []
+
+
+def refuse(message: str) -> NoReturn:
+    """End this worker with exit status 2 for a setting the harness cannot run: the launcher reports ``message`` once
+    for the whole job, as one line (it is what is refused and the fix, not a failure of the script, so no traceback).
+    Raised as ``SystemExit`` where the refusal is found (inside the script's ``Accelerator(...)``), so the script's
+    ``finally`` blocks and exit handlers run as at any exit."""
+    line = " ".join(message.split())
+    if _REFUSAL_FILE:
+        staged = Path(_REFUSAL_FILE[0] + ".tmp")
+        staged.write_text(line + "\n", encoding="utf-8")
+        staged.replace(_REFUSAL_FILE[0])  # whole or absent, however this process ends
+    else:  # started by hand, without a launcher to report it
+        sys.stderr.write(f"accelerate_txn.testing run: error: {line}\n")
+    raise SystemExit(USAGE_ERROR)
+
+
+@contextlib.contextmanager
+def refusals(cpu_fsdp: types.ModuleType) -> Iterator[None]:
+    """Around the harness's own code (``_cpu_fsdp``'s functions): its refusals end the worker by :func:`refuse`;
+    any other error (Accelerate's, torch's) propagates into the script's traceback."""
+    try:
+        yield
+    except Exception as error:
+        if cpu_fsdp.is_refusal(error):
+            refuse(str(error))
+        raise
+
+
 def resolve_auto_wrap(setting: str, cpu_fsdp: types.ModuleType) -> Any:
     """The module class named by the launcher's ``auto_wrap`` (imported from the script's ``sys.path``)."""
     if setting == "keep":
@@ -89,12 +130,11 @@ def resolve_auto_wrap(setting: str, cpu_fsdp: types.ModuleType) -> Any:
     try:
         kind = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
-        sys.stderr.write(f"accelerate_txn.testing run: --auto-wrap {setting}: cannot import it ({exc}). Give the "
-                         "import path of a module class, e.g. torch.nn.Linear or mymodel.Block.\n")
-        raise SystemExit(USAGE_ERROR) from None
+        refuse(f"auto_wrap={setting!r} (--auto-wrap {setting}): cannot import it ({exc}). Give the import path of a "
+               "module class, e.g. torch.nn.Linear or mymodel.Block, importable from the script's directory.")
     if not isinstance(kind, type):
-        sys.stderr.write(f"accelerate_txn.testing run: --auto-wrap {setting}: {kind!r} is not a class.\n")
-        raise SystemExit(USAGE_ERROR)
+        refuse(f"auto_wrap={setting!r} (--auto-wrap {setting}): {kind!r} is not a class. Give the import path of a "
+               "module class, e.g. torch.nn.Linear or mymodel.Block.")
     return kind
 
 
@@ -108,17 +148,19 @@ def force_fsdp_on_every_accelerator(settings: dict[str, Any], cpu_fsdp: types.Mo
 
     def accelerator_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         bound = inspect.signature(wrapped).bind(*args, **kwargs)
-        plugin = cpu_fsdp.plugin_for_script(
-            bound.arguments.pop("fsdp_plugin", None), fsdp_version=settings["fsdp_version"],
-            state_dict_type=settings["state_dict_type"], auto_wrap=auto_wrap)
+        with refusals(cpu_fsdp):
+            plugin = cpu_fsdp.plugin_for_script(
+                bound.arguments.pop("fsdp_plugin", None), fsdp_version=settings["fsdp_version"],
+                state_dict_type=settings["state_dict_type"], auto_wrap=auto_wrap)
+            # Accelerate refuses a ParallelismConfig (given, or from accelerate launch's environment) on MULTI_CPU:
+            # the Accelerator is built without one, and force_fsdp builds its mesh on CPU.
+            parallelism = cpu_fsdp.parallelism_for_cpu(bound.arguments.pop("parallelism_config", None))
         bound.arguments["cpu"] = True
-        # Accelerate refuses a ParallelismConfig (given, or from accelerate launch's environment) on MULTI_CPU:
-        # the Accelerator is built without one, and force_fsdp builds its mesh on CPU.
-        parallelism = cpu_fsdp.parallelism_for_cpu(bound.arguments.pop("parallelism_config", None))
         with cpu_fsdp.no_parallelism_environment():
             result = wrapped(*bound.args, **bound.kwargs)
-        cpu_fsdp.force_fsdp(instance, plugin, parallelism)
-        cpu_fsdp.hybrid_nodes(instance, plugin)  # FSDP1 HYBRID_SHARD: nodes of ACCELERATE_TXN_CPU_RANKS_PER_NODE ranks
+        with refusals(cpu_fsdp):
+            cpu_fsdp.force_fsdp(instance, plugin, parallelism)
+            cpu_fsdp.hybrid_nodes(instance, plugin)  # FSDP1 HYBRID_SHARD: emulated nodes (RANKS_PER_NODE_ENV)
         return result
 
     def plugin_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
@@ -195,15 +237,52 @@ def main() -> None:
     if PACKAGE_PARENT not in sys.path:
         sys.path.append(PACKAGE_PARENT)
     cpu_fsdp = load_cpu_fsdp()
+    _REFUSAL_FILE[:] = filter(None, [os.environ.pop(cpu_fsdp.REFUSAL_FILE_ENV, "")])
     auto_wrap = resolve_auto_wrap(settings["auto_wrap"], cpu_fsdp)
     force_fsdp_on_every_accelerator(settings, cpu_fsdp, auto_wrap)
     run_training_arguments_on_cpu()
     if module:
         sys.argv[:] = [target[1], *target[2:]]  # runpy replaces argv[0] with the module's file, as python -m does
         # python -m runs in the existing __main__, whose __builtins__ is the module (a fresh dict would get the dict)
-        runpy.run_module(target[1], init_globals={"__builtins__": builtins}, run_name="__main__", alter_sys=True)
+        try:
+            runpy.run_module(target[1], init_globals={"__builtins__": builtins}, run_name="__main__", alter_sys=True)
+        except ImportError as error:
+            if script_frames(error.__traceback__) is not None:  # raised by the module's own code: the script's error
+                raise
+            refuse(f"-m {target[1]}: {error}. Give a module importable from the working directory {os.getcwd()} "
+                   "(as for python -m), or a script's path without -m.")
     else:
         run_file(target[0], target[1:])
+
+
+def script_frames(traceback: types.TracebackType | None) -> types.TracebackType | None:
+    """``traceback`` from its first frame that is neither this file's nor ``runpy``'s (how the worker reached the
+    script) on: where the script's own frames start; None if it has none."""
+    launcher = (globals(), vars(runpy))
+    first = traceback
+    while first is not None and any(first.tb_frame.f_globals is namespace for namespace in launcher):
+        first = first.tb_next
+    return first
+
+
+def from_the_script_on(traceback: types.TracebackType | None) -> types.TracebackType | None:
+    """``traceback`` without its leading frames of this file and of ``runpy`` (:func:`script_frames`), so that it
+    starts at the script's first frame, as under ``python script.py``. Unchanged if nothing else is in it (an error
+    of the worker itself)."""
+    return script_frames(traceback) or traceback
+
+
+def report_uncaught(error: BaseException) -> None:
+    """What ``python`` does with an exception nothing caught: ``sys.excepthook`` (the script's own, if it set one)
+    prints it, from the script's first frame on (:func:`from_the_script_on`)."""
+    error.__traceback__ = from_the_script_on(error.__traceback__)
+    try:
+        sys.excepthook(type(error), error, error.__traceback__)
+    except BaseException as hook_error:  # as python does when its hook fails: both, by the default hook
+        sys.stderr.write("Error in sys.excepthook:\n")
+        sys.__excepthook__(type(hook_error), hook_error, hook_error.__traceback__)
+        sys.stderr.write("\nOriginal exception was:\n")
+        sys.__excepthook__(type(error), error, error.__traceback__)
 
 
 if __name__ == "__main__":
@@ -213,4 +292,9 @@ if __name__ == "__main__":
     except SystemExit as exit_request:
         if exit_request.code not in (None, 0):
             raise
+    except KeyboardInterrupt:  # python's own ending: the traceback, then death by SIGINT after the exit handlers
+        raise
+    except BaseException as uncaught:
+        report_uncaught(uncaught)
+        raise SystemExit(1) from None  # python's exit status for an uncaught exception
     _SUCCEEDED.append(True)

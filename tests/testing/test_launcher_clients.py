@@ -163,10 +163,11 @@ def test_sft_with_the_trainers_default_full_state_dict_is_refused_naming_the_fix
         "--model_name_or_path", str(assets / "model"), "--dataset_name", str(assets / "data"),
         "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--report_to", "none", "--fsdp", "full_shard"],
         num_processes=2, fsdp_version=2, timeout=TIMEOUT, cwd=tmp_path, env=_environment(assets, tmp_path))
-    assert result.returncode != 0, result.describe()
-    for output in result.output:  # every rank refuses, before training
-        assert "CheckpointConfigurationError: The script's FullyShardedDataParallelPlugin with state_dict_type " \
-               "FULL_STATE_DICT" in output, result.describe()
-        assert "--state-dict-type SHARDED_STATE_DICT" in output and \
-               "--fsdp_config's \"state_dict_type\": \"SHARDED_STATE_DICT\"" in output
+    # Every rank refuses, before training: exit status 2 and one message for the job, no traceback.
+    assert result.returncode == 2 and result.returncodes == [2, 2] and result.refusal, result.describe()
+    assert result.refusal.startswith("The script's FullyShardedDataParallelPlugin with state_dict_type "
+                                     "FULL_STATE_DICT"), result.refusal
+    assert "--state-dict-type SHARDED_STATE_DICT" in result.refusal and \
+           "--fsdp_config's \"state_dict_type\": \"SHARDED_STATE_DICT\"" in result.refusal
+    assert not [output for output in result.output if "Traceback" in output], result.describe()
     assert not (tmp_path / "out").exists() or not _published(tmp_path)
