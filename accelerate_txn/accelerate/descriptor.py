@@ -29,8 +29,8 @@ from ..runtime.accelerate_internals import (
     prepared_optimizers,
     prepared_schedulers,
 )
+from ..runtime.versions import fsdp_state_dict_type, full_fsdp_version, sharded_fsdp_version
 from ..runtime.versions import path_of as path_of  # the gate decides which path an Accelerator takes
-from ..runtime.versions import sharded_fsdp_version
 from .config import checkpoint_config, plain
 from .data_order import order_settings
 from .layouts import mesh_text, unit_text
@@ -66,8 +66,27 @@ def is_fsdp2_sharded(accelerator: Any) -> bool:
 
 
 def is_fsdp_sharded(accelerator: Any) -> bool:
-    """FSDP1 or FSDP2 with ``SHARDED_STATE_DICT``: the FSDP configurations the protected path handles."""
+    """FSDP1 or FSDP2 with ``SHARDED_STATE_DICT``: the configurations the library's own FSDP writers and readers
+    handle (the FSDP1 direct writer, the sharded optimizer restores, elastic resharding)."""
     return sharded_fsdp_version(accelerator) in (1, 2)
+
+
+def is_fsdp_full(accelerator: Any) -> bool:
+    """FSDP1 or FSDP2 with ``FULL_STATE_DICT`` (Accelerate's and the Trainer's default): native Accelerate writes and
+    reads the full model and optimizer files (rank 0 writes them) inside the protected transaction."""
+    return full_fsdp_version(accelerator) in (1, 2)
+
+
+def is_fsdp_protected(accelerator: Any) -> bool:
+    """An FSDP configuration the protected path takes: FSDP1 or FSDP2 with ``SHARDED_STATE_DICT`` or
+    ``FULL_STATE_DICT``."""
+    return is_fsdp_sharded(accelerator) or is_fsdp_full(accelerator)
+
+
+def state_dict_kind(accelerator: Any) -> str | None:
+    """The FSDP state dict type's name (``"FULL_STATE_DICT"``), ``None`` without FSDP."""
+    found = fsdp_state_dict_type(accelerator)
+    return None if found is None else found[1]
 
 
 PROTECTED_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
@@ -88,11 +107,16 @@ def unsupported_reason(accelerator: Any) -> str | None:
                 "ProjectConfiguration(save_on_each_node=False).")
     if mode != "FSDP":
         return None
-    if not is_fsdp_sharded(accelerator):
-        return "Protected FSDP checkpoints require FSDP1 or FSDP2 with state_dict_type=SHARDED_STATE_DICT."
+    if not is_fsdp_protected(accelerator):
+        return ("Protected FSDP checkpoints require FSDP1 or FSDP2 with state_dict_type=SHARDED_STATE_DICT or "
+                "FULL_STATE_DICT.")
     if len(prepared_models(accelerator)) != len(prepared_optimizers(accelerator)):
         return (f"Protected FSDP checkpoints need one optimizer per prepared model; this Accelerator has "
                 f"{len(prepared_models(accelerator))} models and {len(prepared_optimizers(accelerator))} optimizers.")
+    if is_fsdp_full(accelerator):
+        # Native Accelerate writes and reads the full files (any optimizer state, any sharding it saves): the
+        # transaction around it needs nothing of the library's sharded readers.
+        return None
     for optimizer in prepared_optimizers(accelerator):
         reason = unsupported_state(raw_optimizer(optimizer))
         if reason:
@@ -247,7 +271,7 @@ def describe(accelerator: Any, *, require_model_ids: bool = True) -> dict[str, A
                      if index < len(prepared_optimizers(accelerator)) else None)
         units: list[dict[str, Any]] = []
         placements: dict[str, Any] = {}
-        if fsdp and is_fsdp2_sharded(accelerator):
+        if fsdp and path_of(accelerator) == "fsdp2":
             from ..fsdp.fsdp2 import layout, mesh_record
 
             groups, layouts = layout(model, optimizer)
@@ -313,7 +337,7 @@ def describe(accelerator: Any, *, require_model_ids: bool = True) -> dict[str, A
         if settings is not None:  # what load_state_dict restores from the checkpoint, overriding the live value
             row["settings"] = _safe_plain(settings)
         schedulers.append(row)
-    return {
+    descriptor = {
         "world_size": accelerator.num_processes,
         "backend": backend(accelerator),
         "mixed_precision": str(accelerator.mixed_precision),
@@ -333,6 +357,11 @@ def describe(accelerator: Any, *, require_model_ids: bool = True) -> dict[str, A
             **order_settings(loader, accelerator.num_processes),  # compared by resume_changes (absent: unknown)
         } for loader in prepared_dataloaders(accelerator)],
     }
+    if is_fsdp_full(accelerator):
+        # Recorded for FULL_STATE_DICT only (sharded descriptors keep their shape): a full checkpoint is resumed by a
+        # FULL_STATE_DICT run, never read as a sharded one (the comparison refuses the difference).
+        descriptor["state_dict_type"] = "FULL_STATE_DICT"
+    return descriptor
 
 
 def _safe_plain(value: dict[str, Any]) -> dict[str, Any]:

@@ -56,7 +56,7 @@ from ..store.base import Hold, new_id
 from . import remote as _remote
 from .arrival import check_arrival
 from .config import checkpoint_config, group_keys, mark_failed, read_configs
-from .descriptor import backend, check_resume, describe, is_fsdp2_sharded, participants, path_of
+from .descriptor import check_resume, describe, is_fsdp_sharded, participants, path_of
 from .elastic import plan_ranks
 from .finite import check_finite_state
 from .gradients import pending_gradient
@@ -234,7 +234,7 @@ def _check_live(path: Path, manifest: dict[str, Any] | None, group: dict[str, An
         for name, state in states.items():
             check_inventory_covers(path, manifest, {f"{name}/{file}" if name else file for file in state.names})
     for name, owner in group.items():
-        if backend(owner) == "FSDP":
+        if is_fsdp_sharded(owner):  # FULL_STATE_DICT: native reads the full files
             validate_optimizer_checkpoint(owner, path / name)
     return states
 
@@ -270,7 +270,7 @@ def _restore(path: Path, group: dict[str, Any], found: dict[str, Preflight], kwa
         def native_load(owner: Any = owner, directory: Path = directory, load: Any = load,
                         custom: dict[int, Any] = found[name].custom) -> None:
             with fsdp_routing(owner), synchronized_hooks(owner), _custom_objects_from(custom, owner):
-                if owner.scaler is not None and is_fsdp2_sharded(owner):
+                if owner.scaler is not None and path_of(owner) == "fsdp2":
                     # Accelerate's FSDP2 load re-initialises the scaler from scaler.pt and asserts it was not
                     # initialised: after any fp16 step, or an earlier load in this process, it would fail part way.
                     uninitialise_grad_scaler(owner.scaler)
@@ -288,7 +288,7 @@ def _restore(path: Path, group: dict[str, Any], found: dict[str, Preflight], kwa
                 "change, or a DataLoader generator= added or removed). They continue as native Accelerate would.",
                 RuntimeWarning, stacklevel=2)
         owner.step = found[name].rng[found[name].plan.source(owner.process_index)]["step"]  # shared by every rank
-        if backend(owner) == "FSDP":
+        if is_fsdp_sharded(owner):
             run_phase(lambda owner=owner, directory=directory: [
                 verify_restored(model, optimizer, directory / f"optimizer_{index}")
                 for index, (model, optimizer) in enumerate(zip(prepared_models(owner), prepared_optimizers(owner)))

@@ -55,7 +55,7 @@ from ..runtime.versions import (
 from . import data_order, gradients
 from .arrival import arrived, check_arrival, install_leaving_notice
 from .config import checkpoint_config, existing_config, protect_mode, read_configs
-from .descriptor import is_fsdp2_sharded, is_fsdp_sharded, path_of, unsupported_reason
+from .descriptor import is_fsdp2_sharded, is_fsdp_protected, is_fsdp_sharded, path_of, unsupported_reason
 from .native import OPTED_IN, OPTED_OUT, ORIGINALS, fsdp_routing, routed
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def _native_condition(accelerator: Any, enabled: bool) -> str:
     if plugin is not None and getattr(plugin, "fsdp_version", 1) not in (1, 2):
         return f"FSDP{plugin.fsdp_version} is not protected (FSDP1 and FSDP2 only)"
     kind = getattr(getattr(plugin, "state_dict_type", None), "name", None)
-    return f"state_dict_type is {kind} (protected: SHARDED_STATE_DICT only)"
+    return f"state_dict_type is {kind} (protected: SHARDED_STATE_DICT and FULL_STATE_DICT)"
 
 
 def _fix(accelerator: Any, condition: str) -> str | None:
@@ -136,7 +136,7 @@ def protection(accelerator: Any) -> Protection:
     if not protected(path):
         return native(unsupported_message(path), f"install a validated pair (accelerate-txn doctor) or set "
                                                  f"{OVERRIDE_ENV}=1 at your own risk")
-    if kind == "FSDP" and not is_fsdp_sharded(accelerator):
+    if kind == "FSDP" and not is_fsdp_protected(accelerator):
         return native(_native_condition(accelerator, enabled))
     reason = unsupported_reason(accelerator)
     if reason is not None:
@@ -153,7 +153,7 @@ def _checkpoint_reason(accelerator: Any, input_dir: Any) -> str | None:
     from ..core.manifest import read_dcp_metadata
     from ..fsdp.optimizer_state import unsupported_checkpoint
 
-    if input_dir is None:
+    if input_dir is None or not is_fsdp_sharded(accelerator):
         return None  # automatic selection: only published (protected, hence supported) checkpoints or legacy
     for index in range(len(prepared_optimizers(accelerator))):
         directory = Path(input_dir) / f"optimizer_{index}"
@@ -233,7 +233,7 @@ def _broader(accelerator: Any, kind: str) -> bool:
 def _eligibility(accelerator: Any) -> tuple[bool, bool, bool]:
     """(eligible, validated, strict) on this rank, with the settings the protected path will use read now (inside the
     caller's rank phase: a setting invalid on one rank raises the same error on every rank)."""
-    eligible = is_fsdp_sharded(accelerator) or accelerator.distributed_type.name in BROADER_BACKENDS
+    eligible = is_fsdp_protected(accelerator) or accelerator.distributed_type.name in BROADER_BACKENDS
     validated = protected(path_of(accelerator))
     strict, _source = require_protection(accelerator)
     if eligible and validated:

@@ -25,7 +25,7 @@ from ..runtime.accelerate_internals import (
     prepared_schedulers,
 )
 from .config import checkpoint_config
-from .descriptor import backend
+from .descriptor import backend, is_fsdp_full
 from .loader_state import SavedLoaders, read_loader_states
 from .rng import RNG_FILE, load_weights_only, read_rng_file
 
@@ -101,7 +101,14 @@ def check_required_files(accelerator: Any, directory: Path, ranks: range | tuple
 def _check_shared_files(accelerator: Any, directory: Path, found: Preflight, read_custom: bool) -> None:
     """Model and optimizer payloads, scheduler, sampler, data-loader, scaler and custom-object files."""
     config = checkpoint_config(accelerator)
-    if backend(accelerator) == "FSDP":
+    if is_fsdp_full(accelerator):
+        # Accelerate's FULL_STATE_DICT layout (rank 0 writes both): the hashes in the manifest prove their content;
+        # they are not unpickled here (each is the whole model or optimizer: native reads them in the restore).
+        for index in range(len(prepared_models(accelerator))):
+            _need(directory, _indexed("pytorch_model_fsdp", ".bin", index), "full model state (FULL_STATE_DICT)", found)
+        for index in range(len(prepared_optimizers(accelerator))):
+            _need(directory, _indexed("optimizer", ".bin", index), "full optimizer state (FULL_STATE_DICT)", found)
+    elif backend(accelerator) == "FSDP":
         for index in range(len(prepared_models(accelerator))):
             for folder in (f"pytorch_model_fsdp_{index}", f"optimizer_{index}"):
                 if (directory / folder).is_symlink():

@@ -111,22 +111,38 @@ PATHS: dict[str, tuple[Piece, ...]] = {
 PATH_NAMES = {"fsdp1": "FSDP1", "fsdp2": "FSDP2", "common": "one-process and DDP"}
 
 
-def sharded_fsdp_version(accelerator: Any) -> int | None:
-    """The FSDP version (1 or 2) when ``accelerator`` uses FSDP with ``SHARDED_STATE_DICT``, else ``None``."""
+def fsdp_state_dict_type(accelerator: Any) -> tuple[int, str] | None:
+    """``(FSDP version, state dict type name)`` of an FSDP ``accelerator`` (``(2, "FULL_STATE_DICT")``), else
+    ``None``."""
     if accelerator.distributed_type.name != "FSDP":
         return None
     plugin = accelerator.state.fsdp_plugin
-    if plugin is None or getattr(plugin.state_dict_type, "name", None) != "SHARDED_STATE_DICT":
+    if plugin is None:
         return None
-    return getattr(plugin, "fsdp_version", 1)
+    kind = getattr(plugin.state_dict_type, "name", None) or str(plugin.state_dict_type).rsplit(".", 1)[-1]
+    return getattr(plugin, "fsdp_version", 1), kind
+
+
+def sharded_fsdp_version(accelerator: Any) -> int | None:
+    """The FSDP version (1 or 2) when ``accelerator`` uses FSDP with ``SHARDED_STATE_DICT``, else ``None``."""
+    found = fsdp_state_dict_type(accelerator)
+    return found[0] if found is not None and found[1] == "SHARDED_STATE_DICT" else None
+
+
+def full_fsdp_version(accelerator: Any) -> int | None:
+    """The FSDP version (1 or 2) when ``accelerator`` uses FSDP with ``FULL_STATE_DICT`` (Accelerate's and the
+    Trainer's default), else ``None``."""
+    found = fsdp_state_dict_type(accelerator)
+    return found[0] if found is not None and found[1] == "FULL_STATE_DICT" else None
 
 
 def path_of(accelerator: Any) -> str:
     """The protected path an Accelerator's checkpoints take (``runtime.versions.PATHS``): "fsdp2" for FSDP2,
     "fsdp1" for other FSDP setups, "common" for one process and DDP (``protect="all"``)."""
-    if accelerator.distributed_type.name != "FSDP":
-        return "common"
-    return "fsdp2" if sharded_fsdp_version(accelerator) == 2 else "fsdp1"
+    found = fsdp_state_dict_type(accelerator)
+    if found is None:
+        return "common" if accelerator.distributed_type.name != "FSDP" else "fsdp1"
+    return "fsdp2" if found[0] == 2 else "fsdp1"
 
 
 def differing(path: str = "fsdp1") -> list[Difference]:

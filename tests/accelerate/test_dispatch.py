@@ -78,7 +78,7 @@ def test_explicit_opt_in_refuses_an_unsupported_optimizer_with_the_reason(
 
 
 @pytest.mark.parametrize("case, condition, fix", [
-    ("full_state_dict", "state_dict_type is FULL_STATE_DICT (protected: SHARDED_STATE_DICT only)",
+    ("local_state_dict", "state_dict_type is LOCAL_STATE_DICT (protected: SHARDED_STATE_DICT and FULL_STATE_DICT)",
      "set the FSDP state dict type to SHARDED_STATE_DICT"),
     ("opted_out", "opted out with unpatch_accelerate_fsdp()", "opt it back in with patch_accelerate_fsdp(accelerator)"),
     ("env_off", "automatic dispatch is off (ACCELERATE_TXN_PATCHES='0')", "unset ACCELERATE_TXN_PATCHES (or set it to 1)"),
@@ -91,9 +91,9 @@ def test_each_native_fsdp_setup_logs_one_warning_naming_the_condition_and_the_fi
     assert _notices(rank1[f"{case}_seen"]) == []
     for obs in fallbacks:
         assert obs[f"{case}_seen"]["warnings"] == []  # a configuration choice, not a surprise
-        if case != "full_state_dict":
+        if case != "local_state_dict":
             assert obs[f"{case}_error"] is None and obs[f"{case}_manifest"] is False
-    assert rank0["full_state_dict_protected"] == [False, False]
+    assert rank0["local_state_dict_protected"] == [False, False]
 
 
 def test_strict_mode_refuses_a_native_fsdp_save_and_load_on_every_rank_before_anything_is_written(
@@ -101,7 +101,7 @@ def test_strict_mode_refuses_a_native_fsdp_save_and_load_on_every_rank_before_an
     for obs in fallbacks:
         assert obs["local_protection"] == {
             "protected": False, "path": "fsdp1",
-            "reason": "state_dict_type is LOCAL_STATE_DICT (protected: SHARDED_STATE_DICT only)",
+            "reason": "state_dict_type is LOCAL_STATE_DICT (protected: SHARDED_STATE_DICT and FULL_STATE_DICT)",
             "fix": obs["local_protection"]["fix"]}
         assert obs["local_protection"]["fix"].startswith("set the FSDP state dict type to SHARDED_STATE_DICT")
         for key in ("strict_error", "strict_load_error"):

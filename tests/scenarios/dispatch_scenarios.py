@@ -164,17 +164,13 @@ def fallbacks(root: str) -> dict[str, Any]:
         obs[f"{name}_seen"] = seen
         obs[f"{name}_manifest"] = _has_manifest(base / f"{name}_0")
 
-    # FULL_STATE_DICT: native FULL_STATE_DICT saves crash rank 0 on CPU/gloo (see testing.fsdp_accelerator), so
-    # only the dispatch decision the wrappers take runs here.
-    from torch.distributed.fsdp import StateDictType
-
+    # LOCAL_STATE_DICT (FSDP1): not protected; only the dispatch decision the wrappers take runs here.
     from accelerate_txn.accelerate import patch as _patch
 
-    full = _setup(_adamw)[0]
-    full.state.fsdp_plugin.state_dict_type = StateDictType.FULL_STATE_DICT
+    local_type = _setup(_adamw, state_dict_type="LOCAL_STATE_DICT")[0]
     with _observed() as seen:
-        obs["full_state_dict_protected"] = [_patch._protected(full), _patch._protected(full)]
-    obs["full_state_dict_seen"] = seen
+        obs["local_state_dict_protected"] = [_patch._protected(local_type), _patch._protected(local_type)]
+    obs["local_state_dict_seen"] = seen
     opted_out = _setup(_adamw)
     accelerate_txn.unpatch_accelerate_fsdp(opted_out[0])
     native_by_configuration("opted_out", *opted_out)

@@ -199,8 +199,8 @@ def loop_roundtrip(root: str, version: int) -> dict[str, Any]:
 
 
 def _full_state_dict_save(accelerator: Any, directory: Path) -> dict[str, Any]:
-    """The final full save LoRA scripts make (``set_state_dict_type("FULL_STATE_DICT")`` after sharded training): a
-    layout the protected path does not take. Returns the library's warnings and notices, the error (``None``) and the
+    """The final full save LoRA scripts make (``set_state_dict_type("FULL_STATE_DICT")`` after sharded training),
+    which the protected path takes. Returns the library's warnings and notices, the error (``None``) and the
     files written."""
     import logging
 

@@ -137,17 +137,17 @@ def test_an_accelerate_loop_with_a_lora_model_saves_and_restores_it_exactly(
     assert any(result["optimizer_saved"] for result in results)
 
 
-def test_a_lora_loop_switched_to_a_full_state_dict_save_runs_native_with_the_notice_and_no_error(
+def test_a_lora_loop_switched_to_a_full_state_dict_save_is_protected(
         loop_runs: Callable[[int], tuple[Path, list[dict[str, Any]]]]) -> None:
     # The final FULL_STATE_DICT save after sharded LoRA training (FSDP2; under FSDP1 torch 2.13's own full gather of
-    # this model segfaults on CPU, natively): a layout the protected path does not take.
+    # this model segfaults on CPU, natively): the protected path takes it, with native's full files.
     root, results = loop_runs(2)
     assert [result["full_error"] for result in results] == [None, None]
     assert [result["full_warnings"] for result in results] == [[], []]  # no RuntimeWarning, ...
-    notice = results[0]["full_notices"]  # ... one "not protected" line, on the main process, naming the reason
-    assert len(notice) == 1 and "state_dict_type is FULL_STATE_DICT" in notice[0] and results[1]["full_notices"] == []
-    # Native Accelerate's full layout, no manifest: nothing claims the save is protected.
-    assert not (root / "full" / "checkpoint_manifest.json").exists() and read_manifest(root / "full") is None
+    assert [result["full_notices"] for result in results] == [[], []]  # ... and no "not protected" line
+    manifest = read_manifest(root / "full")
+    assert manifest is not None and manifest["status"] == "complete"
+    assert {"pytorch_model_fsdp.bin", "optimizer.bin"} <= set(manifest["files"])
     assert {"pytorch_model_fsdp.bin", "optimizer.bin"} <= set(results[0]["full_files"])
 
 
