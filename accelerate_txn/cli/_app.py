@@ -14,6 +14,7 @@ import click
 from ..errors import CheckpointError
 from . import _output as out
 from ._commands import COMMANDS
+from ._quarantine import COMMANDS as QUARANTINE_COMMANDS
 from ._remote import client_error
 
 PROG = "accelerate-txn"
@@ -35,7 +36,7 @@ def app() -> None:
     """
 
 
-for _command in COMMANDS:
+for _command in (*COMMANDS, *QUARANTINE_COMMANDS):
     app.add_command(_command)
 
 

@@ -24,10 +24,12 @@ from . import _output as out
 from . import _remote as remote
 from ._doctor import doctor_command
 from ._export_config import carried_config, given_config
+from ._quarantine import mark_line, mark_of
 from ._scan import (
     COMPLETE,
     CORRUPT,
     LEGACY,
+    QUARANTINED,
     PathKindError,
     checkpoint_manifest,
     checkpoint_number,
@@ -134,7 +136,7 @@ def _status_cell(status: str) -> Any:
     stdout is not a terminal)."""
     from rich.text import Text
 
-    style = {COMPLETE: "green", CORRUPT: "bold red", LEGACY: "yellow"}.get(status, "yellow")
+    style = {COMPLETE: "green", CORRUPT: "bold red", LEGACY: "yellow", QUARANTINED: "magenta"}.get(status, "yellow")
     return Text(status, style=style)
 
 
@@ -310,8 +312,9 @@ def verify_command(checkpoint: Path | str, full: bool, dcp: bool, as_json: bool)
     with _hash_progress(manifest, full, enabled=not as_json) as progress:
         check = remote.verify if url else verify_checkpoint
         result = check(checkpoint, manifest, full=full, dcp=dcp, progress=progress)  # type: ignore[operator]
+    mark = mark_of(checkpoint, manifest)  # verified all the same: a quarantine is an operator's, not a defect
     if as_json:
-        out.emit_json(result.as_json())
+        out.emit_json({**result.as_json(), "quarantine": None if mark is None else mark.as_json()})
     if not result.valid:
         out.say(f"{checkpoint}: NOT a valid checkpoint: {result.error}", err=True)
         return 1
@@ -320,6 +323,8 @@ def verify_command(checkpoint: Path | str, full: bool, dcp: bool, as_json: bool)
     report = result.report
     out.say(f"{checkpoint}: valid (run {manifest.get('run_id')}, protocol {manifest.get('protocol')}, integrity "
             f"{report.get('integrity')}, {progress_text(manifest)})")
+    if mark is not None:
+        out.say(mark_line(checkpoint, mark))
     out.say("checked:")
     files, hashed = report["files"], report["hashed"]
     out.say(f"  {files} {plural(files, 'file')} present with {plural(files, 'its', 'their')} recorded "
@@ -408,6 +413,7 @@ def inspect_command(checkpoint: Path | str, as_json: bool) -> int:
     manifest = _checkpoint(checkpoint, "inspect")
     components = manifest.get("components") if isinstance(manifest.get("components"), dict) else {}
     summaries = {name: summarize(descriptor) for name, descriptor in sorted(components.items())}
+    mark = mark_of(checkpoint, manifest)
     if as_json:
         out.emit_json({"path": str(checkpoint), "run_id": manifest.get("run_id"), "protocol": manifest.get("protocol"),
                        "integrity": manifest.get("integrity"), "versions": manifest.get("versions"),
@@ -415,13 +421,15 @@ def inspect_command(checkpoint: Path | str, as_json: bool) -> int:
                        "frontend": manifest.get("frontend"), "trainer": manifest.get("trainer"),
                        "components": summaries,
                        "rank_state": manifest.get("rank_state"), "resharded_from": manifest.get("resharded_from"),
-                       "user_files": _user_files(manifest)})
+                       "user_files": _user_files(manifest), "quarantine": None if mark is None else mark.as_json()})
         return 0
     versions = manifest.get("versions") if isinstance(manifest.get("versions"), dict) else {}
     out.say(f"{checkpoint} (run {manifest.get('run_id')}, protocol {manifest.get('protocol')}, integrity "
             f"{manifest.get('integrity')}; not verified here: see 'accelerate-txn verify')")
     out.say("saved with " + (", ".join(f"{k} {v}" for k, v in sorted(versions.items())) or "unknown versions")
             + f"; {progress_text(manifest)}")
+    if mark is not None:
+        out.say(mark_line(checkpoint, mark))
     trainer = manifest.get("trainer") if isinstance(manifest.get("trainer"), dict) else None
     if trainer is not None:
         for line in _trainer_lines(trainer):
@@ -572,7 +580,7 @@ def _prune_run(root: Path | str, entries: list[Any], run_id: str | None,
     if run_id is not None and run_id not in runs:
         raise click.UsageError(f"{root} holds no complete checkpoint of run {run_id!r} (runs: {', '.join(runs) or 'none'})")
     run = run_id or (runs[0] if runs else None)
-    suspect = [entry.name for entry in entries if entry.status != COMPLETE and entry.run_id == run
+    suspect = [entry.name for entry in entries if entry.status not in (COMPLETE, QUARANTINED) and entry.run_id == run
                and entry.manifest is not None and published_run(entry) == run]
     if run and suspect:
         # Retention counts every published checkpoint of the run, verified or not: a corrupt one would count
@@ -664,7 +672,10 @@ def prune_command(directory: Path | str, keep: int, run_id: str | None, dry_run:
     verb = "would delete" if dry_run else "deleted"
     out.say(f"{verb}: {', '.join(map(remote.name_of, deleted)) or 'nothing'}")
     out.say(f"kept: {', '.join(map(remote.name_of, kept_paths)) or 'nothing'}" + (f" (run {run})" if run else ""))
-    others = [e.name for e in entries if not (e.status == COMPLETE and e.run_id == run)]
+    aside = [e.name for e in entries if e.status == QUARANTINED]
+    if aside:
+        out.say(f"quarantined (never counted nor deleted): {', '.join(aside)}")
+    others = [e.name for e in entries if not (e.status == COMPLETE and e.run_id == run) and e.status != QUARANTINED]
     if others:
         out.say(f"left alone (not complete checkpoints of this run): {', '.join(others)}")
     return 0

@@ -25,6 +25,7 @@ import click
 
 from ..core import remote as objects
 from ..core.manifest import MANIFEST, hashed_names, write_manifest
+from ..core.quarantine import remote_mark, skip_reason
 from ..core.select import CHECKPOINT_NAME
 from ..errors import CheckpointConfigurationError, CheckpointError, CheckpointIntegrityError, NoCheckpointError
 from ..store import object_store
@@ -32,12 +33,14 @@ from ..store.base import ObjectStore
 from ._scan import (
     COMPLETE,
     CORRUPT,
+    QUARANTINED,
     Entry,
     PathKindError,
     Verification,
     not_a_checkpoint,
     private_patterns,
     verify_checkpoint,
+    with_mark,
 )
 
 logger = logging.getLogger(__name__)
@@ -315,9 +318,10 @@ def scan(url: str) -> list[RemoteEntry]:
             continue
         result = verify(where, manifest or {}, full=False)
         run_id = (manifest or {}).get("run_id")
-        entries.append(RemoteEntry(where, number, COMPLETE if result.valid else CORRUPT, result.error, manifest,
-                                   run_id if isinstance(run_id, str) else None, stored=found["bytes"]))
-    order = {COMPLETE: 0, CORRUPT: 1, UNFINISHED: 2}
+        entries.append(with_mark(RemoteEntry(where, number, COMPLETE if result.valid else CORRUPT, result.error, manifest,
+                                             run_id if isinstance(run_id, str) else None, stored=found["bytes"]),
+                                 remote_mark(store(url), where, manifest)))
+    order = {COMPLETE: 0, QUARANTINED: 0, CORRUPT: 1, UNFINISHED: 2}
     return sorted(entries, key=lambda entry: (-entry.number, order[entry.status], entry.name))
 
 
@@ -329,7 +333,9 @@ def latest(url: str) -> str | None:
     for _number, where in reversed(objects.checkpoints(store(url), url)):
         try:
             manifest = objects.read_manifest(store(url), where)
-            error = verify(where, manifest or {}, full=True).error
+            mark = remote_mark(store(url), where, manifest)
+            error = (skip_reason(mark, where) if mark is not None
+                     else verify(where, manifest or {}, full=True).error)
         except CheckpointIntegrityError as exc:
             error = str(exc)
         if error is None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..core import manifest as _manifest
 from ..core.manifest import MANIFEST, read_manifest, verify_manifest
+from ..core.quarantine import local_mark
 from ..errors import CheckpointError, CheckpointIntegrityError
 from ..store.posix import (
     REPLACED_NAME,
@@ -27,6 +28,8 @@ from ..trainer import layout as trainer_layout
 
 COMPLETE, STAGING, RETIRED, LEGACY, CORRUPT = "complete", "staging leftover", "retired leftover", "legacy", "corrupt"
 REPLACED = "replaced leftover"
+#: A complete checkpoint an operator set aside (``core.quarantine``): never selected, never pruned.
+QUARANTINED = "quarantined"
 _PAYLOAD_SUFFIXES = (".distcp", ".safetensors", ".bin")
 _SMALL = 16 * 1024 * 1024  # payloads above this are size-checked only by a quick verification
 _CHECKPOINT_NAME = re.compile(r"checkpoint[-_](\d+)\Z")  # as accelerate_txn._select (imported lazily: torch)
@@ -478,6 +481,8 @@ class Entry:
     selected: bool = False
     #: An explanation every entry of its kind shares (a native checkpoint's): ``list`` says it once per listing.
     note: str | None = None
+    #: The quarantine mark that sets it aside (``core.quarantine.Mark.as_json``), ``None`` if none does.
+    quarantine: dict[str, Any] | None = None
 
     def full_reason(self) -> str | None:
         """The reason and the note in one sentence (``--json``, where each entry stands alone)."""
@@ -538,7 +543,22 @@ class Entry:
             "modified": None if modified is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(modified)),
             "age_seconds": None if modified is None else round(max(0.0, now - modified), 1),
             "would_load": self.selected,
+            "quarantine": self.quarantine,
         }
+
+
+def with_mark(entry: Entry, mark: Any) -> Entry:
+    """``entry`` set aside by ``mark`` (``core.quarantine.Mark``, or ``None``: unchanged): a complete checkpoint becomes
+    :data:`QUARANTINED` with the mark as its reason; a corrupt one stays corrupt, the mark said after its reason."""
+    if mark is None:
+        return entry
+    entry.quarantine = mark.as_json()
+    if entry.status == COMPLETE:
+        entry.status = QUARANTINED
+        entry.reason = f"{mark.describe()} (never selected nor pruned; 'accelerate-txn release' undoes it)"
+    else:
+        entry.reason = "; ".join(part for part in (entry.reason, mark.describe()) if part)
+    return entry
 
 
 def _trainer_legacy_entry(number: int, path: Path) -> Entry:
@@ -580,7 +600,7 @@ def _checkpoint_entry(number: int, path: Path, trainer: bool = False) -> Entry:
     run_id = manifest.get("run_id") if isinstance(manifest.get("run_id"), str) else None
     result = verify_checkpoint(path, manifest, full=False)
     status = COMPLETE if result.valid else CORRUPT
-    return Entry(path, number, status, result.error, manifest, run_id)
+    return with_mark(Entry(path, number, status, result.error, manifest, run_id), local_mark(path, manifest))
 
 
 def _leftover_number(name: str) -> int:
@@ -613,5 +633,5 @@ def scan_run_directory(root: Path, trainer: bool | None = None) -> list[Entry]:
                              f"the tree a replacement of {target} set aside: "
                              + ("the replacement committed (the next save removes it)" if present else
                                 f"killed between its two renames, {target} is missing (the next save puts it back)")))
-    order = {COMPLETE: 0, LEGACY: 1, CORRUPT: 1, STAGING: 2, RETIRED: 3, REPLACED: 3}
+    order = {COMPLETE: 0, QUARANTINED: 0, LEGACY: 1, CORRUPT: 1, STAGING: 2, RETIRED: 3, REPLACED: 3}
     return sorted(entries, key=lambda entry: (-entry.number, order[entry.status], entry.name))
