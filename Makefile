@@ -10,9 +10,11 @@ PYTEST_ARGS ?=
 ## One environment, .venv, built in two layers, each with its marker file:
 ## - $(VENV)/.base-installed: the CPU build of torch and the package with its base dependencies only (about 35
 ##   packages): all that `make demo` and the accelerate-txn command need;
-## - $(VENV)/.installed (make venv): the same environment plus the test extra and the real clients (about 280
+## - $(VENV)/.installed (make venv): the same environment plus the test extra and the real clients (about 100
 ##   packages more) that the suite needs.
 ## `make demo` then `make test` adds the extras to the same .venv; after `make venv`, `make demo` installs nothing.
+## The base layer is an order-only prerequisite (after |): it must exist, but rebuilding it alone (say a .venv from
+## before the layers, with .installed only) does not reinstall the extras.
 venv: $(VENV)/.installed
 
 $(VENV)/.base-installed: pyproject.toml constraints.txt
@@ -20,7 +22,7 @@ $(VENV)/.base-installed: pyproject.toml constraints.txt
 	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt torch==2.13.0 -e .
 	touch $@
 
-$(VENV)/.installed: $(VENV)/.base-installed pyproject.toml constraints.txt
+$(VENV)/.installed: pyproject.toml constraints.txt | $(VENV)/.base-installed
 	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt -e '.[test,clients]'
 	touch $@
 

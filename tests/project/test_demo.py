@@ -78,3 +78,11 @@ def test_make_venv_after_make_demo_adds_the_extras_to_the_same_environment(tmp_p
     installs = _pip_installs(commands)
     assert len(installs) == 1 and installs[0].endswith("-e '.[test,clients]'"), commands
     assert not any("-m venv" in command for command in commands), f"make venv recreates the environment: {commands}"
+
+
+def test_building_the_base_layer_alone_does_not_reinstall_the_extras(tmp_path: Path) -> None:
+    """A .venv from before the layers (.installed only): the base layer is built, the extras are not installed again."""
+    venv = tmp_path / "venv"
+    _marked(venv, ".installed")
+    installs = _pip_installs(_make_dry_run("venv", venv))
+    assert installs and not any(".[" in command for command in installs), installs
