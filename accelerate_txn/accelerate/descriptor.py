@@ -534,6 +534,13 @@ def _accept_hint(refused: list[Change], others: bool) -> str:
 _MESH_KEYS = ("mesh", "mesh_dims")
 
 
+def full_on_both(saved: Any, current: dict[str, Any]) -> bool:
+    """Whether a checkpoint saved with ``FULL_STATE_DICT`` is resumed by a ``FULL_STATE_DICT`` run: its model and
+    optimizer files hold whole tensors, so the world size and the sharding may change (as natively)."""
+    return (isinstance(saved, dict) and saved.get("state_dict_type") == "FULL_STATE_DICT"
+            and current.get("state_dict_type") == "FULL_STATE_DICT")
+
+
 def _without_world_size(saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Elastic resume: drop what only records how the state is spread over the ranks (both sides normalised in
     place). The world size itself; an FSDP2 device mesh (its shape and dimension names: 1-D, HSDP, with TP) and

@@ -56,7 +56,7 @@ from ..store.base import Hold, new_id
 from . import remote as _remote
 from .arrival import check_arrival
 from .config import checkpoint_config, group_keys, mark_failed, read_configs
-from .descriptor import check_resume, describe, is_fsdp_sharded, participants, path_of
+from .descriptor import check_resume, describe, full_on_both, is_fsdp_sharded, participants, path_of
 from .elastic import plan_ranks
 from .finite import check_finite_state
 from .gradients import pending_gradient
@@ -203,7 +203,10 @@ def _check_live(path: Path, manifest: dict[str, Any] | None, group: dict[str, An
                 legacy_metadata_keys=config.legacy_metadata_keys if config.allow_legacy else (),
                 legacy_metadata_groups=config.legacy_metadata_groups if config.allow_legacy else (),
                 accept_changes=config.accept_changes,
-                where=str(path / name), warn=rank() == 0, allow_reshard=config.allow_reshard,
+                where=str(path / name), warn=rank() == 0,
+                # A full checkpoint (FULL_STATE_DICT saved and resumed) holds whole tensors: another world size
+                # resumes as natively, per-rank state following the elastic policy, without the opt-in.
+                allow_reshard=config.allow_reshard or full_on_both(manifest["components"][name], current),
             ).accepted
     states = {}
     for name, owner in group.items():

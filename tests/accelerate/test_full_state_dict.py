@@ -59,3 +59,17 @@ def test_an_asynchronous_full_state_dict_save_is_the_state_when_save_state_retur
                       timeout=TIMEOUT):
         assert obs["wait_error"] is None and obs["published"] is True
         assert obs["load_error"] is None and obs["restored"] == []
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_a_full_state_dict_checkpoint_resumes_on_another_world_size_without_the_opt_in(tmp_path: Any,
+                                                                                      world: int) -> None:
+    # Whole tensors in the files: as natively, another world size resumes; the per-rank RNG files follow the elastic
+    # policy (a new rank derives its state), instead of native's missing random_states_N.pkl on a larger world.
+    (saved, _), = [launch("tests.scenarios.full_state_dict_scenarios:elastic_save", 2, args=(str(tmp_path), 2),
+                          timeout=TIMEOUT)]
+    loaded = launch("tests.scenarios.full_state_dict_scenarios:elastic_load", world, args=(str(tmp_path), 2),
+                    timeout=TIMEOUT)
+    for obs in loaded:
+        assert obs["error"] is None and obs["world"] == world
+        assert obs["restored"] == saved["saved"]

@@ -100,3 +100,35 @@ def asynchronous(root: str, fsdp_version: int) -> dict[str, Any]:
     obs["load_error"] = _error(lambda: accelerator.load_state(str(base / "checkpoint_0")))
     obs["restored"] = _same(saved, _local_state(model, optimizer))
     return obs
+
+
+def _full_tensors(model: Any, optimizer: Any) -> dict[str, list[float]]:
+    """Every parameter and optimizer tensor, whole (FSDP2's DTensors gathered), as lists: comparable across worlds."""
+    def whole(value: Any) -> torch.Tensor:
+        return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+    found = {f"param {name}": whole(p.detach()).flatten().tolist() for name, p in model.named_parameters()}
+    names = {id(p): name for name, p in model.named_parameters()}
+    raw = getattr(optimizer, "optimizer", optimizer)
+    for parameter, state in raw.state.items():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                found[f"optim {names[id(parameter)]}.{key}"] = whole(value).flatten().tolist()
+    return found
+
+
+def elastic_save(root: str, fsdp_version: int) -> dict[str, Any]:
+    """Save a full checkpoint on this world; returns the whole state saved."""
+    accelerator, model, optimizer = build(fsdp_version, 0)
+    _train(accelerator, model, optimizer, None, 2, seed=1)
+    saved = _full_tensors(model, optimizer)
+    accelerator.save_state(str(Path(root) / "checkpoint_0"))
+    return {"saved": saved, "world": accelerator.num_processes}
+
+
+def elastic_load(root: str, fsdp_version: int) -> dict[str, Any]:
+    """Resume that checkpoint on this world, without allow_reshard; returns the whole state restored."""
+    accelerator, model, optimizer = build(fsdp_version, 5)
+    error = _error(lambda: accelerator.load_state(str(Path(root) / "checkpoint_0")))
+    return {"error": error, "restored": _full_tensors(model, optimizer) if error is None else None,
+            "world": accelerator.num_processes}
