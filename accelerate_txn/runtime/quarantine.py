@@ -10,8 +10,9 @@ No collective: call it on rank 0, or on every rank (each finds the mark the firs
 the ``load_state()`` that falls back; selection runs on rank 0, after its own call returned. On local storage the
 checkpoint is held in use while the mark is written (``store.base.Hold``), so retention either leaves it alone or is
 finished with it first (then the quarantine raises :class:`~accelerate_txn.errors.NoCheckpointError`); an object store
-has no such hold (``core.remote.prune`` reads the mark again just before each deletion, and the quarantine checks the
-checkpoint is still there after writing the mark).
+has no such hold (``core.remote.prune`` reads the mark again one request before each deletion, and the quarantine
+checks the checkpoint is still there after writing the mark: a mark landing between those two requests of a retention
+comes too late for that checkpoint).
 """
 
 from __future__ import annotations

@@ -93,6 +93,22 @@ def test_a_script_sets_the_newest_aside_and_load_state_falls_back_then_release_b
     assert accelerate_txn.release_checkpoint(bad) is None  # nothing left to release: no change
 
 
+def test_the_usage_page_loop_falls_back_with_the_path_load_training_checkpoint_returns(tmp_path: Path) -> None:
+    # docs/usage.md "Setting a checkpoint aside": the path the resume returns is the one set aside, and the next
+    # load_training_checkpoint returns the previous complete checkpoint.
+    accelerator, model, optimizer = _run(tmp_path)
+    accelerator.save_state()
+    older = _weights(model)
+    _step(accelerator, model, optimizer)
+    accelerator.save_state()
+    resumed = accelerate_txn.load_training_checkpoint(accelerator)
+    assert Path(resumed) == tmp_path / "checkpoints" / "checkpoint_1"
+    _step(accelerator, model, optimizer)
+    accelerate_txn.quarantine_checkpoint(resumed, reason="loss nan at step 3 after resume")
+    resumed = accelerate_txn.load_training_checkpoint(accelerator)
+    assert Path(resumed) == tmp_path / "checkpoints" / "checkpoint_0" and _same(model, older)
+
+
 def test_an_explicit_path_still_loads_a_quarantined_checkpoint_with_a_warning(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     accelerator, model, optimizer = _run(tmp_path)
@@ -220,7 +236,7 @@ def test_what_is_not_a_complete_checkpoint_is_refused(tmp_path: Path) -> None:
     other.mkdir()
     link = tmp_path / "checkpoint_3"
     link.symlink_to(tmp_path / "checkpoint_0")
-    with pytest.raises(CheckpointConfigurationError, match="has no checkpoint manifest.*legacy"):
+    with pytest.raises(CheckpointConfigurationError, match=r"has no checkpoint manifest.*legacy"):
         accelerate_txn.quarantine_checkpoint(legacy, reason=REASON)
     with pytest.raises(CheckpointConfigurationError, match="staging"):
         accelerate_txn.quarantine_checkpoint(staging, reason=REASON)
