@@ -268,3 +268,18 @@ def test_every_checkpoint_set_aside_is_no_checkpoint_at_all_and_says_why(tmp_pat
     accelerate_txn.quarantine_checkpoint(tmp_path / "checkpoint_0", reason=REASON)
     with pytest.raises(NoCheckpointError, match=rf"checkpoint_0: quarantined by .*{REASON}"):
         latest_training_checkpoint(tmp_path)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_every_rank_of_an_fsdp_job_sets_the_checkpoint_aside_and_load_state_falls_back(tmp_path: Path) -> None:
+    from accelerate_txn.testing import launch
+
+    ranks = launch("tests.scenarios.quarantine_scenarios:fall_back_on_every_rank", 2, args=(str(tmp_path),),
+                   timeout=400)
+    for obs in ranks:
+        assert obs["mark"]["reason"] == REASON and obs["mark"]["checkpoint"] == "checkpoint_1"
+        assert obs["fell_back"] == [] and obs["back"] == []  # each rank's own shards, bitwise
+        assert obs["names"] == ["checkpoint_1", "checkpoint_2"]  # total_limit=1 besides the quarantined one
+    assert [obs["released"] for obs in ranks] == [True, False]
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir() if ".tmp" in p.name] == []
