@@ -397,8 +397,9 @@ def _judge_jobs(inputs: Any, found: list[Finding], require: tuple[str, ...], *, 
         evidence = finding.status(override=override, dispatch=True)
         job_module.judge(job, evidence, finding.differences, finding.blocking, dispatch=dispatch, protect=protect)
         if paths[front_end] and job.target not in paths[front_end] and job.status != ABSENT:
-            job.reasons.append((f"this job takes the {job.target} path, not {', '.join(sorted(paths[front_end]))} "
-                                "(--require)", "require the job's path, or change the job's settings"))
+            asked = ", ".join(sorted(paths[front_end]))
+            job.reasons.append((f"this job takes the {job.target} path, not {asked} (--require)",
+                                f"ask for it (--require {job.target}), or change the job's settings to take {asked}"))
             job.status = UNPROTECTED
         jobs.append(job)
     return jobs

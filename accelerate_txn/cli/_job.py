@@ -129,9 +129,15 @@ class FrontEndJob:
 
 
 def default_config_file(environ: Mapping[str, str]) -> Path:
-    """Accelerate's default config file for ``environ`` (``accelerate.commands.config.config_args``)."""
+    """Accelerate's default config file for ``environ`` (``accelerate.commands.config.config_args``), ``~`` read as
+    ``os.path.expanduser`` does in a process with that environment."""
     cache = environ.get("XDG_CACHE_HOME", "~/.cache")
-    home = os.path.expanduser(environ.get("HF_HOME", os.path.join(cache, "huggingface")))
+    home = environ.get("HF_HOME", os.path.join(cache, "huggingface"))
+    if home == "~" or home.startswith("~/"):
+        user = environ["HOME"].rstrip("/") if "HOME" in environ else os.path.expanduser("~")
+        home = (user + home[1:]) or "/"
+    else:
+        home = os.path.expanduser(home)  # ~user
     return Path(home) / "accelerate" / "default_config.yaml"
 
 

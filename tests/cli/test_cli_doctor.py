@@ -52,9 +52,17 @@ print(json.dumps(results))
 """
 
 
+# The settings of a job the doctor reads (tests/cli/test_cli_doctor_job.py): left out here, with Accelerate's default
+# config file in an empty directory, so that these tests judge the installed releases alone wherever they run.
+JOB_VARIABLES = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "FSDP_VERSION", "FSDP_STATE_DICT_TYPE",
+                 "ACCELERATE_TXN_PROTECT", "ACCELERATE_TXN_REQUIRE_PROTECTION")
+
+
 def _environment(overlay: Path) -> dict[str, str]:
-    environment = {key: value for key, value in os.environ.items() if key not in (PATCH_ENV, OVERRIDE_ENV)}
+    environment = {key: value for key, value in os.environ.items()
+                   if key not in (PATCH_ENV, OVERRIDE_ENV, *JOB_VARIABLES)}
     environment["PYTHONPATH"] = os.pathsep.join([str(overlay), str(REPO)])
+    environment["HF_HOME"] = str(overlay / "no-hf-home")
     return environment
 
 
@@ -108,9 +116,11 @@ def _statuses(report: dict[str, Any]) -> dict[str, str]:
 
 
 @pytest.fixture
-def plain_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in (PATCH_ENV, OVERRIDE_ENV, "VIDEOX_ACCELERATE_PATCHES", "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED"):
+def plain_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name in (PATCH_ENV, OVERRIDE_ENV, "VIDEOX_ACCELERATE_PATCHES", "VIDEOX_ACCELERATE_ALLOW_UNVALIDATED",
+                 *JOB_VARIABLES):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no Accelerate config file at the default location
 
 
 # --- The installed releases (in this process) ------------------------------------------------------------------------
@@ -133,6 +143,7 @@ def test_the_installed_releases_are_protected_on_every_path(capsys: pytest.Captu
         assert (path["status"], path["protected"], path["evidence"], path["differences"]) == \
             ("protected", True, "matches", []), path
     assert report["automatic_dispatch"] is True and report["override"] is False
+    assert report["job"]["found"] is False and report["job"]["front_ends"] == {}  # no job settings: releases only
     assert report["stores"]["local"]["available"] and report["signing"]["hmac"]["available"]
     assert report["stores"]["gs"]["available"] is True  # the test extra installs every store's client
 
@@ -145,6 +156,8 @@ def test_the_installed_releases_are_protected_on_every_path(capsys: pytest.Captu
                   "Trainer FSDP1", "Trainer FSDP2", "Trainer one-process and DDP"):
         assert any(line.startswith(label) and line.split()[-1] == "protected" for line in lines), (label, stdout)
     assert lines[-1] == "protected: every path of every installed front end (exit 0)"
+    assert any(line.startswith("this job: no settings found (no Accelerate config file given or at ") and
+               "the installed releases only are judged" in line for line in lines), stdout
 
     code, stdout = _doctor(capsys, "--json", "--require", "trainer")
     assert code == 0 and json.loads(stdout)["required"] == TRAINER
@@ -172,7 +185,8 @@ def test_the_older_dispatch_switch_is_read_and_named_as_it_was_set(capsys: pytes
     code, stdout = _doctor(capsys, "--json", "--require", "fsdp1")
     report = json.loads(stdout)
     assert code == 1 and report["automatic_dispatch"] is False and report["paths"]["fsdp1"]["status"] == "off"
-    assert report["environment"] == {OVERRIDE_ENV: None, PATCH_ENV: None, "VIDEOX_ACCELERATE_PATCHES": "0"}
+    assert report["environment"] == {OVERRIDE_ENV: None, PATCH_ENV: None, "VIDEOX_ACCELERATE_PATCHES": "0",
+                                     "ACCELERATE_TXN_PROTECT": None, "ACCELERATE_TXN_REQUIRE_PROTECTION": None}
     code, stdout = _doctor(capsys)
     assert code == 1 and "automatic dispatch (VIDEOX_ACCELERATE_PATCHES=0): off: exactly native" in stdout
     assert stdout.splitlines()[-1] == ("  automatic dispatch is off (VIDEOX_ACCELERATE_PATCHES=0): unset "
