@@ -51,8 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--fsdp-version", type=int, choices=(1, 2), default=None,
                      help="FSDP1 or FSDP2 (default: the script's plugin's, else 1)")
     run.add_argument("--state-dict-type", default=None, metavar="TYPE",
-                     help="SHARDED_STATE_DICT or LOCAL_STATE_DICT (default: the script's plugin's, else "
-                          "SHARDED_STATE_DICT); FULL_STATE_DICT is refused: its native save crashes on CPU")
+                     help="SHARDED_STATE_DICT or FULL_STATE_DICT (default: the script's plugin's, else "
+                          "SHARDED_STATE_DICT); LOCAL_STATE_DICT is refused: accelerate-txn does not protect it")
     run.add_argument("--auto-wrap", default=None, metavar="CLASS",
                      help="import path of the module class FSDP wraps, e.g. torch.nn.Linear or mymodel.Block; "
                           "'none' for no policy (default: the script's plugin's, else torch.nn.Linear)")

@@ -25,14 +25,17 @@ from collections.abc import Iterator
 from typing import Any
 
 UNSUPPORTED_STATE_DICT_TYPES = {
-    "FULL_STATE_DICT": "Accelerate's native FULL_STATE_DICT save kills rank 0 with a segmentation fault on CPU "
-                       "with gloo (a crash, not an exception: the job would hang or die without a message).",
+    "LOCAL_STATE_DICT": "accelerate-txn does not protect LOCAL_STATE_DICT checkpoints (each rank's flat shard in a "
+                        "file of its own, readable only by the same world and wrapping): its saves run native, "
+                        "unprotected, with a WARNING, and a launcher run is a test of the protected path.",
 }
-"""``state_dict_type`` values the CPU harness refuses (:func:`~accelerate_txn.testing.fsdp_accelerator` and
-:func:`~accelerate_txn.testing.run_script`), with the reason."""
+"""``state_dict_type`` values the launcher refuses (:func:`~accelerate_txn.testing.run_script` and ``python -m
+accelerate_txn.testing run``), with the reason. :func:`~accelerate_txn.testing.fsdp_accelerator` builds them (a test
+of the native fallback)."""
 
-STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "LOCAL_STATE_DICT")
-"""The ``state_dict_type`` values the CPU harness runs (FSDP2 has no ``LOCAL_STATE_DICT``)."""
+STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT", "LOCAL_STATE_DICT")
+"""The ``state_dict_type`` values the CPU harness runs (FSDP2 has no ``LOCAL_STATE_DICT``). FSDP1's
+``FULL_STATE_DICT`` runs with the fix of pytorch#188990 (:func:`full_state_dict_on_cpu`)."""
 
 
 class _KeepScriptPolicy:
@@ -75,6 +78,71 @@ def refuse_unsupported(state_dict_type: Any, what: str, fix: str) -> None:
     kind = state_dict_kind(state_dict_type)
     if kind in UNSUPPORTED_STATE_DICT_TYPES:
         raise configuration_error(f"{what} cannot run on this CPU harness: {UNSUPPORTED_STATE_DICT_TYPES[kind]} {fix}")
+
+
+def full_state_dict_on_cpu() -> None:
+    """Let FSDP1 gather a ``FULL_STATE_DICT`` on CPU as it does on GPUs, in this process: two places where torch
+    (2.13 measured) takes "copy to the CPU" for granted, and a copy that is a no-op on CPU leaves live memory shared.
+
+    * The model: Accelerate saves a ``FULL_STATE_DICT`` with ``offload_to_cpu=True`` on more than one process, and
+      FSDP1's ``FlatParamHandle.to_cpu`` then "moves" the unsharded flat parameter to the CPU (a no-op there) and
+      frees the unsharded storage the parameter views still use: rank 0 reads freed memory (SIGSEGV, or a
+      ``setStorage ... out of bounds`` error). pytorch#188989; the fix here is upstream's (pull request #188990):
+      ``to_cpu`` does nothing for a flat parameter already on the CPU.
+    * The optimizer: ``FSDP.optim_state_dict`` all-gathers each state (``exp_avg``, then ``exp_avg_sq``, ...) into
+      one reused buffer and, with ``offload_to_cpu=True`` (Accelerate's full optimizer config), keeps
+      ``value.cpu()`` of its views, a copy on a GPU and the buffer itself on CPU: every state of a unit ends as the
+      last one gathered (a saved ``exp_avg`` equal to ``exp_avg_sq``). Here the gathered values are cloned on CPU,
+      as torch does without the offload (``_optim_utils._unflatten_orig_param_states``).
+
+    The files Accelerate then writes are those of the GPU path. Idempotent; a torch without these functions is left
+    alone (the harness then runs what torch does)."""
+    try:
+        from torch.distributed.fsdp import _flat_param, _optim_utils
+    except ImportError:  # pragma: no cover - a torch without FSDP1's flat parameters
+        return
+    handle = getattr(_flat_param, "FlatParamHandle", None)
+    original = getattr(handle, "to_cpu", None)
+    if original is not None and not getattr(original, "cpu_harness_fix", False):
+        @contextlib.contextmanager
+        def to_cpu(self: Any) -> Iterator[None]:
+            if self.flat_param.device.type == "cpu":
+                yield  # already on the CPU: nothing to move, nothing to free
+                return
+            with original(self):
+                yield
+
+        to_cpu.cpu_harness_fix = True  # type: ignore[attr-defined]
+        handle.to_cpu = to_cpu
+    unflatten = getattr(_optim_utils, "_unflatten_orig_param_states", None)
+    if unflatten is not None and not getattr(unflatten, "cpu_harness_fix", False):
+        import functools
+        import inspect
+
+        names = list(inspect.signature(unflatten).parameters)
+
+        @functools.wraps(unflatten)
+        def unflatten_with_copies(*args: Any, **kwargs: Any) -> Any:
+            bound = dict(zip(names, args), **kwargs)
+            info = bound.get("fsdp_param_info")
+            if bound.get("cpu_offload") and getattr(getattr(info, "state", None), "compute_device",
+                                                     None) is not None and info.state.compute_device.type == "cpu":
+                bound["cpu_offload"] = False  # the values are cloned: no view of the reused buffer survives
+            return unflatten(**bound)
+
+        unflatten_with_copies.cpu_harness_fix = True  # type: ignore[attr-defined]
+        _optim_utils._unflatten_orig_param_states = unflatten_with_copies
+
+
+def check_state_dict_type(state_dict_type: Any, fsdp_version: int, what: str) -> None:
+    """Raise ``CheckpointConfigurationError`` naming ``what`` unless the harness builds this type for this FSDP
+    version (:data:`STATE_DICT_TYPES`; FSDP2 has no ``LOCAL_STATE_DICT``)."""
+    kind = state_dict_kind(state_dict_type)
+    if kind not in STATE_DICT_TYPES:
+        raise configuration_error(f"{what}: use one of {', '.join(STATE_DICT_TYPES)}.")
+    if kind == "LOCAL_STATE_DICT" and fsdp_version == 2:
+        raise configuration_error(f"{what}: LOCAL_STATE_DICT does not exist on FSDP2; use SHARDED_STATE_DICT or "
+                                  "FULL_STATE_DICT.")
 
 
 def auto_wrap_fields(auto_wrap: type | None, fsdp_version: int) -> dict[str, Any]:
@@ -214,7 +282,7 @@ def plugin_for_script(plugin: Any, *, fsdp_version: int | None = None, state_dic
     """
     if plugin is None:
         kind = state_dict_type or "SHARDED_STATE_DICT"
-        refuse_unsupported(kind, f"state_dict_type {kind}", "Use SHARDED_STATE_DICT (the default).")
+        refuse_unsupported(kind, f"state_dict_type {kind}", "Use SHARDED_STATE_DICT (the default) or FULL_STATE_DICT.")
         if auto_wrap is KEEP_SCRIPT_POLICY:
             import torch
 
@@ -235,10 +303,10 @@ def plugin_for_script(plugin: Any, *, fsdp_version: int | None = None, state_dic
     refuse_unsupported(
         plugin.state_dict_type,
         f"The script's FullyShardedDataParallelPlugin with state_dict_type {state_dict_kind(plugin.state_dict_type)} "
-        "(given, or the default of Accelerate's FSDP1 plugin or of the Trainer's --fsdp when none is)",
-        "Override it with the launcher's state_dict_type='SHARDED_STATE_DICT' (--state-dict-type "
-        "SHARDED_STATE_DICT), the configuration accelerate-txn protects (a transformers Trainer or TRL script: or "
-        "its --fsdp_config's \"state_dict_type\": \"SHARDED_STATE_DICT\"), or test FULL_STATE_DICT on GPUs.")
+        "(given, or set by the script's configuration)",
+        "Override it with the launcher's state_dict_type='SHARDED_STATE_DICT' or 'FULL_STATE_DICT' (--state-dict-type "
+        "SHARDED_STATE_DICT), the configurations accelerate-txn protects (a transformers Trainer or TRL script: or "
+        "its --fsdp_config's \"state_dict_type\": \"SHARDED_STATE_DICT\").")
     if auto_wrap is not KEEP_SCRIPT_POLICY:
         for name, value in auto_wrap_fields(auto_wrap, plugin.fsdp_version).items():
             setattr(plugin, name, value)
@@ -333,6 +401,8 @@ def force_fsdp(accelerator: Any, plugin: Any, parallelism_config: Any = None) ->
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
     accelerator.state.device = torch.device("cpu")
+    if plugin.fsdp_version == 1:
+        full_state_dict_on_cpu()  # a FULL_STATE_DICT gather on CPU, as on GPUs (also after set_state_dict_type)
     if parallelism_config is not None:
         if plugin.fsdp_version != 2:
             raise configuration_error(

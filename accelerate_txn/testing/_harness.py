@@ -14,12 +14,12 @@ import torch
 
 from ..errors import CheckpointConfigurationError
 from ._cpu_fsdp import (
+    check_state_dict_type,
     force_fsdp,
     hybrid_nodes,
     make_plugin,
     no_parallelism_environment,
     parallelism_for_cpu,
-    refuse_unsupported,
 )
 
 
@@ -61,10 +61,7 @@ def fsdp_accelerator(
     ``torch.cpu.device_count()`` reporting ``ranks_per_node`` while it does (``_cpu_fsdp.emulate_nodes``).
     To run a whole training script this way without changing it, see :func:`run_script`.
     """
-    refuse_unsupported(
-        state_dict_type, f"fsdp_accelerator(state_dict_type={state_dict_type!r})",
-        "Use state_dict_type='SHARDED_STATE_DICT' (the default, the configuration accelerate-txn protects), or "
-        "test FULL_STATE_DICT on GPUs with a real launcher.")
+    check_state_dict_type(state_dict_type, fsdp_version, f"fsdp_accelerator(state_dict_type={state_dict_type!r})")
     shortcuts = {"project_dir": project_dir, "automatic_checkpoint_naming": automatic_checkpoint_naming,
                  "total_limit": total_limit}
     given = sorted(name for name, value in shortcuts.items() if value not in (None, False))

@@ -45,6 +45,7 @@ from ._cpu_fsdp import (
     RANKS_PER_NODE_ENV,
     REFUSAL_FILE_ENV,
     STATE_DICT_TYPES,
+    UNSUPPORTED_STATE_DICT_TYPES,
     refuse_unsupported,
     state_dict_kind,
 )
@@ -125,14 +126,10 @@ def _settings(fsdp_version: int | None, state_dict_type: str | None, auto_wrap: 
     if state_dict_type is not None:
         kind = state_dict_kind(state_dict_type)
         refuse_unsupported(kind, f"state_dict_type={state_dict_type!r} (--state-dict-type {kind})",
-                           "Use SHARDED_STATE_DICT, the configuration accelerate-txn protects, or test "
-                           "FULL_STATE_DICT on GPUs with a real launcher.")
-        if kind not in STATE_DICT_TYPES:
-            raise CheckpointConfigurationError(f"state_dict_type={state_dict_type!r}: use one of "
-                                               f"{', '.join(STATE_DICT_TYPES)}.")
-        if kind == "LOCAL_STATE_DICT" and fsdp_version == 2:
-            raise CheckpointConfigurationError("state_dict_type='LOCAL_STATE_DICT' does not exist on FSDP2: use "
-                                               "SHARDED_STATE_DICT.")
+                           "Use SHARDED_STATE_DICT or FULL_STATE_DICT, the configurations accelerate-txn protects.")
+        if kind not in STATE_DICT_TYPES or kind in UNSUPPORTED_STATE_DICT_TYPES:
+            runs = [name for name in STATE_DICT_TYPES if name not in UNSUPPORTED_STATE_DICT_TYPES]
+            raise CheckpointConfigurationError(f"state_dict_type={state_dict_type!r}: use one of {', '.join(runs)}.")
     if auto_wrap is None:
         wrap = "keep"
     elif auto_wrap is False or (isinstance(auto_wrap, str) and auto_wrap.lower() == "none"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._cpu_fsdp import force_fsdp, make_plugin, refuse_unsupported
+from ._cpu_fsdp import check_state_dict_type, force_fsdp, make_plugin
 
 
 def force_fsdp_trainer(trainer: Any, *, fsdp_version: int = 1, auto_wrap: type | None = None,
@@ -19,8 +19,7 @@ def force_fsdp_trainer(trainer: Any, *, fsdp_version: int = 1, auto_wrap: type |
     """Make ``trainer`` (built with ``TrainingArguments(use_cpu=True)`` in a gloo process group) train, save and
     resume with FSDP1 or FSDP2 on CPU; returns it. ``auto_wrap``: the module class FSDP wraps in units of its own
     (e.g. ``LlamaDecoderLayer``; ``None``: the model is one unit). Every rank calls it."""
-    refuse_unsupported(state_dict_type, f"force_fsdp_trainer(state_dict_type={state_dict_type!r})",
-                       "Use state_dict_type='SHARDED_STATE_DICT' (the default).")
+    check_state_dict_type(state_dict_type, fsdp_version, f"force_fsdp_trainer(state_dict_type={state_dict_type!r})")
     plugin = make_plugin(fsdp_version=fsdp_version, state_dict_type=state_dict_type, auto_wrap=auto_wrap)
     force_fsdp(trainer.accelerator, plugin)
     trainer.is_fsdp_enabled = True

@@ -42,9 +42,11 @@ def test_fsdp_accelerator_accepts_project_config(tmp_path: Path) -> None:
 def test_fsdp_accelerator_refuses_what_it_cannot_run_before_touching_accelerate() -> None:
     from accelerate.utils import ProjectConfiguration
 
-    # Regression: FULL_STATE_DICT was offered and its native save killed rank 0 with SIGSEGV.
-    with pytest.raises(CheckpointConfigurationError, match=r"FULL_STATE_DICT.*segmentation fault.*SHARDED_STATE_DICT"):
-        fsdp_accelerator(state_dict_type="FULL_STATE_DICT")
+    # FULL_STATE_DICT runs (FSDP1's full gather with the harness's CPU fix); FSDP2 has no LOCAL_STATE_DICT.
+    with pytest.raises(CheckpointConfigurationError, match=r"LOCAL_STATE_DICT does not exist on FSDP2"):
+        fsdp_accelerator(state_dict_type="LOCAL_STATE_DICT", fsdp_version=2)
+    with pytest.raises(CheckpointConfigurationError, match=r"use one of SHARDED_STATE_DICT, FULL_STATE_DICT"):
+        fsdp_accelerator(state_dict_type="HALF_STATE_DICT")
     with pytest.raises(CheckpointConfigurationError, match=r"project_config or project_dir, total_limit, not both"):
         fsdp_accelerator(project_config=ProjectConfiguration(), project_dir="x", total_limit=2)
 

@@ -56,7 +56,10 @@ PENDING: dict[str, set[str]] = {
     # import accelerate_txn (that installs the patch), so it cannot call an accessor in an internals layer.
     # And it builds a ParallelismConfig's mesh on CPU through Accelerate's own validation of it
     # (ParallelismConfig._validate_accelerator, which Accelerator.__init__ calls; Accelerate refuses the config on CPU).
-    "testing/_cpu_fsdp.py": {"tensor_parallel.ReplicateParallel = ...", "._validate_accelerator"},
+    # And FSDP1's FULL_STATE_DICT gather runs on CPU with the fix of two torch bugs only CPU meets (freed storage in
+    # FlatParamHandle.to_cpu, pytorch#188989; optimizer states aliasing one reused buffer): _cpu_fsdp.full_state_dict_on_cpu.
+    "testing/_cpu_fsdp.py": {"tensor_parallel.ReplicateParallel = ...", "._validate_accelerator",
+                             "from torch.distributed.fsdp import _flat_param, _optim_utils"},
 }
 
 

@@ -102,33 +102,36 @@ def asynchronous(root: str, fsdp_version: int) -> dict[str, Any]:
     return obs
 
 
-def _full_tensors(model: Any, optimizer: Any) -> dict[str, list[float]]:
-    """Every parameter and optimizer tensor, whole (FSDP2's DTensors gathered), as lists: comparable across worlds."""
-    def whole(value: Any) -> torch.Tensor:
-        return value.full_tensor() if hasattr(value, "full_tensor") else value
-
-    found = {f"param {name}": whole(p.detach()).flatten().tolist() for name, p in model.named_parameters()}
-    names = {id(p): name for name, p in model.named_parameters()}
-    raw = getattr(optimizer, "optimizer", optimizer)
-    for parameter, state in raw.state.items():
-        for key, value in state.items():
-            if torch.is_tensor(value):
-                found[f"optim {names[id(parameter)]}.{key}"] = whole(value).flatten().tolist()
-    return found
-
-
 def elastic_save(root: str, fsdp_version: int) -> dict[str, Any]:
-    """Save a full checkpoint on this world; returns the whole state saved."""
+    """Save a full checkpoint on this world."""
     accelerator, model, optimizer = build(fsdp_version, 0)
     _train(accelerator, model, optimizer, None, 2, seed=1)
-    saved = _full_tensors(model, optimizer)
     accelerator.save_state(str(Path(root) / "checkpoint_0"))
-    return {"saved": saved, "world": accelerator.num_processes}
+    return {"world": accelerator.num_processes}
 
 
 def elastic_load(root: str, fsdp_version: int) -> dict[str, Any]:
-    """Resume that checkpoint on this world, without allow_reshard; returns the whole state restored."""
-    accelerator, model, optimizer = build(fsdp_version, 5)
+    """Resume that checkpoint on this world, without allow_reshard, and save it again (``checkpoint_1``): the full
+    files of both saves hold the whole state, comparable across worlds."""
+    accelerator = build(fsdp_version, 5)[0]
     error = _error(lambda: accelerator.load_state(str(Path(root) / "checkpoint_0")))
-    return {"error": error, "restored": _full_tensors(model, optimizer) if error is None else None,
-            "world": accelerator.num_processes}
+    if error is None:
+        accelerator.save_state(str(Path(root) / "checkpoint_1"))
+    return {"error": error, "world": accelerator.num_processes}
+
+
+def full_files_differences(first: str, second: str) -> list[str]:
+    """The tensors that differ between two full checkpoints' model and optimizer files (bitwise)."""
+    found = []
+    for name in ("pytorch_model_fsdp.bin", "optimizer.bin"):
+        one = torch.load(Path(first) / name, weights_only=True)
+        other = torch.load(Path(second) / name, weights_only=True)
+        if name == "optimizer.bin":
+            one, other = one["state"], other["state"]
+            one = {f"{key}.{k}": v for key, state in one.items() for k, v in state.items()}
+            other = {f"{key}.{k}": v for key, state in other.items() for k, v in state.items()}
+        if set(one) != set(other):
+            found.append(f"{name}: keys {sorted(set(one) ^ set(other))}")
+        found += [f"{name}: {key}" for key in sorted(set(one) & set(other))
+                  if not (torch.equal(one[key], other[key]) if torch.is_tensor(one[key]) else one[key] == other[key])]
+    return found

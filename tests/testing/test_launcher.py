@@ -429,10 +429,12 @@ def test_the_command_line_echoes_each_rank_and_ctrl_c_or_sigterm_kills_the_whole
 def test_bad_options_are_refused_before_any_process_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     script = tmp_path / "never_run.py"
     script.write_text("raise SystemExit('must not run')\n")
-    with pytest.raises(CheckpointConfigurationError, match=r"FULL_STATE_DICT.*segmentation fault.*SHARDED_STATE_DICT"):
-        run_script(script, state_dict_type="FULL_STATE_DICT")
-    with pytest.raises(CheckpointConfigurationError, match=r"LOCAL_STATE_DICT' does not exist on FSDP2"):
-        run_script(script, fsdp_version=2, state_dict_type="local_state_dict")
+    with pytest.raises(CheckpointConfigurationError, match=r"LOCAL_STATE_DICT.*does not protect LOCAL_STATE_DICT.*"
+                       r"SHARDED_STATE_DICT or FULL_STATE_DICT"):
+        run_script(script, state_dict_type="LOCAL_STATE_DICT")
+    with pytest.raises(CheckpointConfigurationError, match=r"state_dict_type='half': use one of SHARDED_STATE_DICT, "
+                       r"FULL_STATE_DICT\."):
+        run_script(script, fsdp_version=2, state_dict_type="half")
     with pytest.raises(CheckpointConfigurationError, match=r"fsdp_version=3: use 1 \(FSDP1\) or 2"):
         run_script(script, fsdp_version=3)
     with pytest.raises(CheckpointConfigurationError, match=r"auto_wrap='Linear': give the module class"):
@@ -454,9 +456,9 @@ def test_bad_options_are_refused_before_any_process_starts(tmp_path: Path, capsy
         run_script(script, num_processes=4, fsdp_version=1, parallelism={"dp_replicate_size": 2, "dp_shard_size": 2})
 
     with pytest.raises(SystemExit) as exited:
-        cli_main(["run", "--state-dict-type", "FULL_STATE_DICT", str(script)])
+        cli_main(["run", "--state-dict-type", "LOCAL_STATE_DICT", str(script)])
     assert exited.value.code == 2
-    assert "run: error: state_dict_type='FULL_STATE_DICT'" in capsys.readouterr().err
+    assert "run: error: state_dict_type='LOCAL_STATE_DICT'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exited:
         cli_main(["run", "--fsdp-version", "3", str(script)])
     assert exited.value.code == 2 and "invalid choice: 3" in capsys.readouterr().err
@@ -468,10 +470,12 @@ def test_the_plugin_a_script_passes_is_kept_where_it_can_run_on_cpu_and_overridd
 
     from accelerate_txn.testing._cpu_fsdp import plugin_for_script
 
-    own = FullyShardedDataParallelPlugin(fsdp_version=1)  # Accelerate's FSDP1 default: FULL_STATE_DICT
+    own = FullyShardedDataParallelPlugin(fsdp_version=1)  # Accelerate's FSDP1 default: FULL_STATE_DICT, which runs
+    assert plugin_for_script(own).state_dict_type.name == "FULL_STATE_DICT"
+    local = FullyShardedDataParallelPlugin(fsdp_version=1, state_dict_type="LOCAL_STATE_DICT")
     with pytest.raises(CheckpointConfigurationError, match=r"The script's FullyShardedDataParallelPlugin with "
-                       r"state_dict_type FULL_STATE_DICT .*segmentation fault.*--state-dict-type SHARDED_STATE_DICT"):
-        plugin_for_script(own)
+                       r"state_dict_type LOCAL_STATE_DICT .*does not protect.*--state-dict-type SHARDED_STATE_DICT"):
+        plugin_for_script(local)
     own.sync_module_states = True  # what a GPU script asks for (built on CPU, Accelerate would raise)
     kept = plugin_for_script(own, state_dict_type="SHARDED_STATE_DICT")
     assert kept is own and kept.state_dict_type.name == "SHARDED_STATE_DICT"

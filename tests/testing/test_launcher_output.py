@@ -30,12 +30,12 @@ ONE_PREFIX = re.compile(r"\[rank[01]\] (?!\[rank\d+\])")  # one launcher prefix,
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
-OWN_FULL_STATE_DICT_PLUGIN = """\
+OWN_LOCAL_STATE_DICT_PLUGIN = """\
 from accelerate import Accelerator, FullyShardedDataParallelPlugin
 
 print("before the Accelerator", flush=True)
-# Accelerate's FSDP1 plugin defaults to FULL_STATE_DICT, whose native save crashes on CPU: the harness refuses it.
-accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=1))
+# LOCAL_STATE_DICT is not protected (its saves run native): the launcher, a test of the protected path, refuses it.
+accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=1, state_dict_type="LOCAL_STATE_DICT"))
 print("after the Accelerator: must not run", flush=True)
 """
 
@@ -68,12 +68,12 @@ def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 REFUSALS = {
     "the script's own plugin (found by the workers)": (
         ["own_plugin.py"],
-        "error: The script's FullyShardedDataParallelPlugin with state_dict_type FULL_STATE_DICT ",
+        "error: The script's FullyShardedDataParallelPlugin with state_dict_type LOCAL_STATE_DICT ",
         "--state-dict-type SHARDED_STATE_DICT"),
     "--state-dict-type (found before the start)": (
-        ["--state-dict-type", "FULL_STATE_DICT", "own_plugin.py"],
-        "error: state_dict_type='FULL_STATE_DICT' (--state-dict-type FULL_STATE_DICT) cannot run on this CPU harness",
-        "Use SHARDED_STATE_DICT"),
+        ["--state-dict-type", "LOCAL_STATE_DICT", "own_plugin.py"],
+        "error: state_dict_type='LOCAL_STATE_DICT' (--state-dict-type LOCAL_STATE_DICT) cannot run on this CPU harness",
+        "Use SHARDED_STATE_DICT or FULL_STATE_DICT"),
     "--auto-wrap (found by the workers)": (
         ["--auto-wrap", "nosuch_module.Block", "own_plugin.py"],
         "error: auto_wrap='nosuch_module.Block' (--auto-wrap nosuch_module.Block): cannot import it "
@@ -89,7 +89,7 @@ REFUSALS = {
 @pytest.mark.parametrize("args, what, fix", list(REFUSALS.values()), ids=list(REFUSALS))
 def test_a_refused_setting_is_one_line_with_the_fix_once_and_exit_status_2(
         tmp_path: Path, args: list[str], what: str, fix: str) -> None:
-    (tmp_path / "own_plugin.py").write_text(OWN_FULL_STATE_DICT_PLUGIN)
+    (tmp_path / "own_plugin.py").write_text(OWN_LOCAL_STATE_DICT_PLUGIN)
     completed = _cli(tmp_path, *args)
     report = completed.stdout + completed.stderr
     assert completed.returncode == 2, report
@@ -104,13 +104,13 @@ def test_a_refused_setting_is_one_line_with_the_fix_once_and_exit_status_2(
 
 def test_run_script_reports_a_refusal_in_the_workers_in_its_result(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "own_plugin.py").write_text(OWN_FULL_STATE_DICT_PLUGIN)
+    (tmp_path / "own_plugin.py").write_text(OWN_LOCAL_STATE_DICT_PLUGIN)
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where the job keeps its refusal files
     result = run_script("own_plugin.py", cwd=tmp_path, num_processes=2, timeout=JOB_TIMEOUT)
     assert result.returncode == 2 and result.returncodes == [2, 2], result.describe()
     assert result.refusal is not None and result.refusal.startswith(
-        "The script's FullyShardedDataParallelPlugin with state_dict_type FULL_STATE_DICT"), result.describe()
+        "The script's FullyShardedDataParallelPlugin with state_dict_type LOCAL_STATE_DICT"), result.describe()
     assert "--state-dict-type SHARDED_STATE_DICT" in result.refusal and "\n" not in result.refusal
     assert result.summary().startswith(f"refused: {result.refusal}")
     assert result.output == ["before the Accelerator\n"] * 2, result.describe()  # no traceback on any rank
