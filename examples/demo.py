@@ -16,8 +16,7 @@ Phases (each a real 2-rank gloo job of ``examples/demo_train.py``, started here 
 Where the time goes (about 18 CPU-seconds in all): three jobs of two ranks, each rank a fresh interpreter that
 imports torch, Accelerate and FSDP (about 2 of its 2.5 CPU-seconds), plus this process's own imports and the
 proof; and five saves (two complete and one killed in the crash job, two after the resume), each written and
-fsynced by both ranks. On a quiet 2-core machine that is 10 to 20 seconds; on one shared with other work,
-several times that.
+fsynced by both ranks. On 2 cores with other work running it took 17 s; under heavy load, several times that.
 
 Exit status: 0 if nothing was lost, 1 if anything differs, 2 if a job failed or timed out.
 Usage: ``python examples/demo.py --output demo-output``
