@@ -442,7 +442,7 @@ def _print_job(inputs: Any, jobs: list[Any]) -> None:
         if job.status == ABSENT:
             out.say(f"  {job.label}: not installed")
             continue
-        out.say(f"  {job.label}: {job.describe()} ({job.target} path)")
+        out.say(f"  {job.label}: {job.describe()} ({job.target} path)" + ("" if job.required else "  (not required)"))
         for name, setting in job.settings().items():
             out.say(f"      {name.replace('_', ' ')}: {setting.value} ({setting.source})")
         for note in job.notes:

@@ -352,7 +352,7 @@ def trainer_job(inputs: Inputs) -> FrontEndJob:
             notes.append(f"{release} does not pass {where}'s {key} to Accelerate: the plugin reads the environment")
     kind = distributed_type(inputs, environment, sources)
     if kind.value != "DEEPSPEED" and (plugin or kind.value != "FSDP"):
-        kind = Setting("FSDP", f"{where} (TrainingArguments(fsdp=True, fsdp_config=...))")
+        kind = Setting("FSDP", f"{where}: TrainingArguments(fsdp=True, fsdp_config=...)")
     job = FrontEndJob("trainer", "Trainer", kind, notes=notes)
     if kind.value == "FSDP":
         fsdp_plugin(job, environment, sources, explicit)
@@ -412,6 +412,9 @@ def judge(job: FrontEndJob, evidence: str, differences: list[str], blocking: lis
         elif job.state_dict_type is not None and job.state_dict_type.value not in PROTECTED_STATE_DICT_TYPES:
             reasons.append((f"state_dict_type is {job.state_dict_type.value} (protected: SHARDED_STATE_DICT and "
                             "FULL_STATE_DICT)", STATE_DICT_FIX))
+    if job.front_end == "trainer" and kind not in ("FSDP", "DEEPSPEED", *BROADER_BACKENDS):
+        job.notes.append(f"the Trainer's save transaction wraps what Trainer writes on {kind} as on one process or "
+                         "DDP; accelerate-txn's tests run one process, DDP and FSDP")
     if job.front_end == "trainer" and kind == "DEEPSPEED":
         reasons.append(("DeepSpeed writes its own checkpoint layout (native Trainer)",
                         "none that keeps DeepSpeed: the Trainer's FSDP, one-process and DDP checkpoints are protected"))

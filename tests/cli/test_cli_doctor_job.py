@@ -277,6 +277,7 @@ def test_a_trainer_fsdp_config_with_local_state_dict_is_not_protected(capsys: py
             2, f"transformers {transformers.__version__}'s default (Trainer fsdp_config (--fsdp-config) has no "
                "version)")
     assert text.splitlines()[-2] == "NOT protected: this job's checkpoints on Trainer (exit 1)"
+    assert "  Accelerate save_state(): one process or DDP (ddp path)  (not required)" in text.splitlines()
 
 
 def test_a_trainer_fsdp_config_file_with_sharded_state_dict_is_protected(capsys: pytest.CaptureFixture[str],
