@@ -55,6 +55,8 @@ def _build_assets(root: Path) -> None:
             lines.write(json.dumps({"text": " ".join(WORDS[int(i)] for i in words)}) + "\n")
     (root / "fsdp1.json").write_text(json.dumps({  # the script's own FSDP configuration (FSDP1 runs)
         "version": 1, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "state_dict_type": "SHARDED_STATE_DICT"}))
+    (root / "fsdp1_full.json").write_text(json.dumps({  # the same with the Trainer's default state dict type
+        "version": 1, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}))
 
 
 def _sft_script(root: Path) -> Path:
@@ -157,17 +159,44 @@ def test_sft_killed_mid_save_resumes_and_ends_bitwise_equal(assets: Path, sft_re
     assert _differences(sft_reference[fsdp], tmp_path, tmp_path) == []
 
 
-def test_sft_with_the_trainers_default_full_state_dict_is_refused_naming_the_fix(assets: Path, tmp_path: Path) -> None:
-    # `--fsdp full_shard` alone: the Trainer's plugin has FULL_STATE_DICT, whose native save crashes on CPU.
-    result = run_script(assets / "sft.py", [
-        "--model_name_or_path", str(assets / "model"), "--dataset_name", str(assets / "data"),
-        "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--report_to", "none", "--fsdp", "full_shard"],
-        num_processes=2, fsdp_version=2, timeout=TIMEOUT, cwd=tmp_path, env=_environment(assets, tmp_path))
-    # Every rank refuses, before training: exit status 2 and one message for the job, no traceback.
-    assert result.returncode == 2 and result.returncodes == [2, 2] and result.refusal, result.describe()
-    assert result.refusal.startswith("The script's FullyShardedDataParallelPlugin with state_dict_type "
-                                     "FULL_STATE_DICT"), result.refusal
-    assert "--state-dict-type SHARDED_STATE_DICT" in result.refusal and \
-           "--fsdp_config's \"state_dict_type\": \"SHARDED_STATE_DICT\"" in result.refusal
-    assert not [output for output in result.output if "Traceback" in output], result.describe()
-    assert not (tmp_path / "out").exists() or not _published(tmp_path)
+def _full_differences(expected: Path, got: Path) -> list[str]:
+    """What differs between the last FULL_STATE_DICT checkpoints of two runs: the whole model (``model.safetensors``,
+    ``pytorch_model_fsdp.bin``) and optimizer (``optimizer.bin``), bitwise."""
+    from safetensors.torch import load_file
+
+    def tensors(directory: Path) -> dict[str, Any]:
+        found = {f"model.safetensors: {k}": v for k, v in load_file(directory / "model.safetensors").items()}
+        found.update({f"pytorch_model_fsdp.bin: {k}": v
+                      for k, v in torch.load(directory / "pytorch_model_fsdp.bin", weights_only=True).items()})
+        optimizer = torch.load(directory / "optimizer.bin", weights_only=True)
+        found.update({f"optimizer.bin: {k}": v for k, v in _flat(optimizer["state"]).items()})
+        return found
+
+    reference = tensors(expected / "out" / f"checkpoint-{MAX_STEPS}")
+    final = tensors(got / "out" / f"checkpoint-{MAX_STEPS}")
+    assert reference.keys() == final.keys() and reference, (sorted(reference), sorted(final))
+    return [name for name, value in reference.items()
+            if not (torch.equal(value, final[name]) if isinstance(value, torch.Tensor) else value == final[name])]
+
+
+@pytest.mark.parametrize("fsdp", [1, 2])
+def test_sft_with_the_trainers_default_full_state_dict_is_protected_and_resumes_bitwise_after_a_kill(
+        assets: Path, tmp_path: Path, fsdp: int) -> None:
+    # The Trainer's plugin with its default FULL_STATE_DICT: FSDP2 from `--fsdp full_shard` alone, FSDP1 from an
+    # --fsdp_config that names no state_dict_type (FSDP1's full gather on CPU: the harness's fix of torch's CPU bugs).
+    full = ["--fsdp", "full_shard"] if fsdp == 2 else ["--fsdp_config", str(assets / "fsdp1_full.json")]
+    reference, killed = tmp_path / "uninterrupted", tmp_path / "killed"
+    reference.mkdir()
+    killed.mkdir()
+    _sft(assets, reference, fsdp, *full).check()
+    manifest = json.loads((reference / "out" / "checkpoint-2" / "checkpoint_manifest.json").read_text())
+    assert manifest["trainer"]["state_dict_type"] == "FULL_STATE_DICT"
+    assert {"model.safetensors", "optimizer.bin", "rng_state_0.pth", "rng_state_1.pth"} <= set(manifest["files"])
+    # Every rank kills itself while hashing and flushing checkpoint-4: only checkpoint-2 is published.
+    result = _sft(assets, killed, fsdp, *full, env={"ACCELERATE_TXN_KILL_AT": "save:during-flush#2"})
+    assert result.returncode != 0 and not result.timed_out, result.describe()
+    assert _published(killed) == [2]
+    resumed = _sft(assets, killed, fsdp, *full, "--resume_from_checkpoint", str(killed / "out" / "checkpoint-2")).check()
+    assert _published(killed) == [2, 4, 6], resumed.describe()
+    assert _full_differences(reference, killed) == []
+    assert not [p.name for p in (killed / "out").iterdir() if ".staging-" in p.name]
