@@ -98,6 +98,13 @@ KILLS = [
                  id="fsdp2-whole-job-after-publish"),
     # The launcher kills the whole job the moment checkpoint-4 appears, wherever each rank is then.
     pytest.param(2, {"kill_on_path": "out/checkpoint-4"}, "continue", None, id="fsdp2-killed-from-outside"),
+    # Accelerate's FSDP1 default, FULL_STATE_DICT (rank 0 writes the whole model and optimizer): every rank killed while
+    # hashing and flushing checkpoint-6.
+    pytest.param(1, {"env": {"ACCELERATE_TXN_KILL_AT": "save:during-flush#3"}, "state_dict_type": "FULL_STATE_DICT"},
+                 "skip_first_batches", 4, id="fsdp1-full-state-dict-mid-save"),
+    # FSDP2 with FULL_STATE_DICT: rank 0 dies between the manifest and the rename of checkpoint-10.
+    pytest.param(2, {"env": {"ACCELERATE_TXN_KILL_AT": "save:after-manifest@0#5"}, "state_dict_type": "FULL_STATE_DICT"},
+                 "continue", 8, id="fsdp2-full-state-dict-rank0-after-manifest"),
 ]
 
 
@@ -112,7 +119,8 @@ def test_killed_mid_save_resumes_latest_and_ends_bitwise_equal(tmp_path: Path, r
     assert all((tmp_path / "out" / f"checkpoint-{n}" / "checkpoint_manifest.json").is_file() for n in published)
     if resume_at is not None:
         assert max(published) == resume_at, published
-    resumed = _run(tmp_path, fsdp, "--skip_style", skip_style, "--resume_from_checkpoint", "latest").check()
+    same = {key: value for key, value in kill.items() if key == "state_dict_type"}  # the resumed job's settings
+    resumed = _run(tmp_path, fsdp, "--skip_style", skip_style, "--resume_from_checkpoint", "latest", **same).check()
     assert _resumed_from(resumed) == max(published), resumed.describe()
     assert _differences(reference[fsdp], tmp_path) == []
     assert not [p.name for p in (tmp_path / "out").iterdir() if ".staging-" in p.name]  # cleaned by the next save
