@@ -404,7 +404,7 @@ def judge(job: FrontEndJob, evidence: str, differences: list[str], blocking: lis
                         "install releases the evidence protects (docs/versions.md)" if blocking else
                         f"install releases the evidence protects (docs/versions.md) or set {OVERRIDE_ENV}=1 at your "
                         "own risk"))
-    if job.front_end == "accelerate" and kind == "FSDP" and job.refusal is None:
+    if kind == "FSDP" and job.refusal is None:  # both front ends: LOCAL_STATE_DICT runs native
         version = job.fsdp_version.value if job.fsdp_version is not None else 1
         if version not in (1, 2):
             reasons.append((f"FSDP{version} is not protected (FSDP1 and FSDP2 only)",

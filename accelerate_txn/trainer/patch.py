@@ -33,11 +33,11 @@ import wrapt
 from ..compat.evidence import warn_once
 from ..core import faults
 from ..core.ranks import agree, run_phase
-from ..runtime.protection import REQUIRE, Protection, refuse_native, say_native
+from ..runtime.protection import REQUIRE, STATE_DICT_FIX, Protection, refuse_native, say_native
 from ..runtime.versions import OVERRIDE_ENV
 from .adapters import save_model, saving
 from .internals import LOAD_MODEL, LOAD_OPTIMIZER, LOAD_RNG, SAVE_CHECKPOINT, SAVE_MODEL, finalize_target, missing_points
-from .layout import backend
+from .layout import backend, state_dict_type
 from .restore import check_before_model_load, loaded, restore_optimizer, resuming, rng_loaded
 from .resume import resolve_resume
 from .save import RUN_IDS, protected_finalize, protected_save
@@ -77,6 +77,8 @@ def native_reason(trainer: Any) -> str | None:
         return message
     if backend(trainer) == "DeepSpeed":
         return "DeepSpeed writes its own checkpoint layout (native Trainer)"
+    if state_dict_type(trainer) not in (None, "SHARDED_STATE_DICT", "FULL_STATE_DICT"):
+        return f"state_dict_type is {state_dict_type(trainer)} (protected: SHARDED_STATE_DICT and FULL_STATE_DICT)"
     if getattr(trainer.args, "push_to_hub", False):
         return "push_to_hub uploads the checkpoint directory during the save (native Trainer)"
     return None
@@ -94,6 +96,8 @@ def _trainer_fix(reason: str) -> str | None:
     """The one change that would protect a Trainer's checkpoints, for its native ``reason``."""
     if reason.startswith("automatic dispatch is off"):
         return f"unset {DISPATCH.source()} (or set it to 1)"
+    if reason.startswith("state_dict_type is"):
+        return STATE_DICT_FIX
     if reason.startswith("push_to_hub"):
         return "push to the Hub after training (trainer.push_to_hub()) instead of push_to_hub=True during it"
     if "NOT protected" in reason:

@@ -60,8 +60,10 @@ def tiny_llama(samples: int) -> tuple[Any, list[dict[str, Any]]]:
                    for ids in torch.randint(0, 128, (samples, 16), generator=generator)]
 
 
-def build(output_dir: str, max_steps: int, fsdp_version: int = 2, save_total_limit: int | None = None) -> Any:
-    """This rank's Trainer (FSDP forced on, saving every 2 steps), its model and data the same on every run."""
+def build(output_dir: str, max_steps: int, fsdp_version: int = 2, save_total_limit: int | None = None,
+          state_dict_type: str = "SHARDED_STATE_DICT") -> Any:
+    """This rank's Trainer (FSDP forced on with ``state_dict_type``, saving every 2 steps), its model and data the same
+    on every run."""
     from transformers import TrainingArguments
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -73,12 +75,12 @@ def build(output_dir: str, max_steps: int, fsdp_version: int = 2, save_total_lim
                              save_strategy="steps", save_steps=2, save_total_limit=save_total_limit, logging_steps=1,
                              report_to=[], seed=0, dataloader_num_workers=0, disable_tqdm=True)
     return force_fsdp_trainer(_trainer_class()(model=model, args=args, train_dataset=data), fsdp_version=fsdp_version,
-                              auto_wrap=LlamaDecoderLayer)
+                              auto_wrap=LlamaDecoderLayer, state_dict_type=state_dict_type)
 
 
 def train(output_dir: str, resume: Any, max_steps: int, fsdp_version: int = 2,
           save_total_limit: int | None = None, began_file: str | None = None,
-          saved_file: str | None = None) -> dict[str, Any]:
+          saved_file: str | None = None, state_dict_type: str = "SHARDED_STATE_DICT") -> dict[str, Any]:
     """Train to ``max_steps`` saving every 2 steps (``resume``: ``train(resume_from_checkpoint=...)``); returns this
     rank's local parameter shards, its optimizer state (at the end, when training began and at each save), the global
     step when training began and at the end, the output directory's entries, and the seconds from the start of the
@@ -92,7 +94,7 @@ def train(output_dir: str, resume: Any, max_steps: int, fsdp_version: int = 2,
 
     from accelerate_txn.fsdp import dcp_writer
 
-    trainer = build(output_dir, max_steps, fsdp_version, save_total_limit)
+    trainer = build(output_dir, max_steps, fsdp_version, save_total_limit, state_dict_type)
     began: dict[str, Any] = {}
     saved: dict[int, Any] = {}
 
@@ -237,12 +239,13 @@ def crash_entry(spec_path: str, run: Any) -> None:
 
 def main(spec_path: str) -> None:
     """Entry of one rank (:func:`crash_entry`): ``spec`` = ``{"output_dir", "resume", "max_steps", "fsdp_version",
-    "save_total_limit", "kill", "obs"}``; trains, writing ``obs/rank{R}.began.pt`` when training begins and
-    ``obs/rank{R}.saved.json`` after each save returns."""
+    "save_total_limit", "kill", "obs"}`` and optionally ``"state_dict_type"``; trains, writing
+    ``obs/rank{R}.began.pt`` when training begins and ``obs/rank{R}.saved.json`` after each save returns."""
     crash_entry(spec_path, lambda spec, obs, rank: train(
         spec["output_dir"], spec.get("resume"), spec["max_steps"], spec.get("fsdp_version", 1),
         spec.get("save_total_limit"), began_file=str(obs / f"rank{rank}.began.pt"),
-        saved_file=str(obs / f"rank{rank}.saved.json")))
+        saved_file=str(obs / f"rank{rank}.saved.json"),
+        state_dict_type=spec.get("state_dict_type", "SHARDED_STATE_DICT")))
 
 
 def train_reporting_the_error(output_dir: str, max_steps: int, release: str) -> dict[str, Any]:
@@ -262,3 +265,14 @@ def train_reporting_the_error(output_dir: str, max_steps: int, release: str) -> 
     except Exception as exc:
         error = {"type": type(exc).__name__, "message": str(exc)}
     return {"error": error, "entries": sorted(os.listdir(output_dir)) if os.path.isdir(output_dir) else []}
+
+
+def protection_by_state_dict_type(output_dir: str) -> dict[str, Any]:
+    """``accelerate_txn.protection`` of an FSDP1 Trainer with each state dict type (no training)."""
+    import accelerate_txn
+
+    found = {}
+    for kind in ("SHARDED_STATE_DICT", "FULL_STATE_DICT", "LOCAL_STATE_DICT"):
+        answer = accelerate_txn.protection(build(f"{output_dir}/{kind}", 2, fsdp_version=1, state_dict_type=kind))
+        found[kind] = {"protected": answer.protected, "reason": answer.reason, "fix": answer.fix}
+    return found

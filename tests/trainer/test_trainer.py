@@ -606,3 +606,14 @@ def test_a_transformers_release_whose_save_writes_in_another_order_runs_native_t
     # Native Trainer saved as it does without the library: no manifest, no lock, no staging.
     assert sorted(entry.name for entry in output.iterdir()) == ["checkpoint-2", "checkpoint-4"]
     assert not (output / "checkpoint-4" / MANIFEST).exists()
+
+
+def test_a_trainer_with_local_state_dict_runs_native_and_full_or_sharded_are_protected(tmp_path: Path) -> None:
+    from accelerate_txn.runtime.protection import STATE_DICT_FIX
+
+    for found in launch("tests.scenarios.trainer_scenarios:protection_by_state_dict_type", 2, args=(str(tmp_path),),
+                        timeout=300):
+        assert found["SHARDED_STATE_DICT"]["protected"] and found["FULL_STATE_DICT"]["protected"]
+        assert found["LOCAL_STATE_DICT"] == {
+            "protected": False, "fix": STATE_DICT_FIX,
+            "reason": "state_dict_type is LOCAL_STATE_DICT (protected: SHARDED_STATE_DICT and FULL_STATE_DICT)"}
