@@ -43,9 +43,10 @@ def local_state(model: Any, optimizer: Any) -> dict[str, Any]:
 
 def build(root: Path, seed: int) -> tuple:
     """The crash run's accelerator (automatic naming, retention) with an FSDP2 model, optimizer and scheduler; every
-    save asynchronous when the sweep runs with ``--async``."""
+    save asynchronous when the sweep runs with ``--async``, of the sweep's ``--state-dict-type``."""
     accelerator = fsdp_accelerator(fsdp_version=2, project_dir=str(root), automatic_checkpoint_naming=True,
-                                   total_limit=crash_scenarios.TOTAL_LIMIT)
+                                   total_limit=crash_scenarios.TOTAL_LIMIT,
+                                   state_dict_type=crash_scenarios.state_dict_type())
     torch.manual_seed(seed)
     raw = TinyModel(width=16)
     optimizer = torch.optim.AdamW(raw.parameters(), lr=1e-2)

@@ -178,8 +178,24 @@ def asynchronous() -> bool:
     return os.environ.get(ASYNC_ENV) == "1"
 
 
+#: The FSDP ``state_dict_type`` of every save of the run (unset: ``SHARDED_STATE_DICT``); the sweep's
+#: ``--state-dict-type`` sets it. ``FULL_STATE_DICT`` (Accelerate's FSDP1 default): rank 0 writes native's whole
+#: ``pytorch_model_fsdp.bin`` and ``optimizer.bin`` into staging; the restart still compares each rank's local shards,
+#: which a restore on the same world puts back exactly.
+STATE_DICT_TYPE_ENV = "ACCELERATE_TXN_SWEEP_STATE_DICT_TYPE"
+STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+
+
+def state_dict_type() -> str:
+    kind = os.environ.get(STATE_DICT_TYPE_ENV) or "SHARDED_STATE_DICT"
+    if kind not in STATE_DICT_TYPES:
+        raise ValueError(f"{STATE_DICT_TYPE_ENV}={kind!r}: use one of {', '.join(STATE_DICT_TYPES)}")
+    return kind
+
+
 def _auto(root: Path, seed: int) -> tuple:
-    built = _build(seed, project_dir=str(root), automatic_checkpoint_naming=True, total_limit=TOTAL_LIMIT)
+    built = _build(seed, project_dir=str(root), automatic_checkpoint_naming=True, total_limit=TOTAL_LIMIT,
+                   state_dict_type=state_dict_type())
     if asynchronous():
         import accelerate_txn
 

@@ -5,6 +5,13 @@ A trial runs the FSDP1 Trainer of tests/scenarios/trainer_scenarios.py (``save_t
 :data:`STEPS`), SIGKILLs the whole job at an instant drawn from the seed, uniform over :data:`WINDOW_STEPS` train+save
 steps (the step time measured on the uninterrupted reference run), checks the directory, then restarts with
 ``resume_from_checkpoint=True`` and compares with the reference. It returns the problems it found (none: it passed).
+
+``state_dict_type``: the Trainer's FSDP ``state_dict_type`` of the reference and of every trial (default
+``SHARDED_STATE_DICT``; ``FULL_STATE_DICT`` is the Trainer's own default: ``model.safetensors``,
+``pytorch_model_fsdp.bin``, ``optimizer.bin`` and the RNG files, rank 0 writing the whole tensors). The comparison is
+the same for both (each rank's local shards and optimizer state, which a restore on the same world puts back
+exactly); for ``FULL_STATE_DICT`` the restart's final checkpoint's whole model and optimizer files are also compared
+with the reference's, tensor for tensor (:func:`full_files_differences`).
 """
 
 from __future__ import annotations
@@ -54,10 +61,35 @@ def observed(directory: Path, name: str, kind: str) -> list[dict[str, Any] | Non
     return [torch.load(path, weights_only=False) if path.exists() else None for path in paths]
 
 
-def reference_run(root: Path) -> list[dict[str, Any]]:
+def reference_run(root: Path, state_dict_type: str = "SHARDED_STATE_DICT") -> list[dict[str, Any]]:
     """The uninterrupted FSDP1 run to step :data:`STEPS` with ``save_total_limit=2`` (checkpoint-6 and -8 remain):
-    each rank's result (weights, optimizer state at each save and at the end, loop time)."""
-    return launch("tests.scenarios.trainer_scenarios:train", 2, args=(str(root), None, STEPS, 1, 2), timeout=TIMEOUT)
+    each rank's result (weights, optimizer state at each save and at the end, loop time; ``output_dir``: ``root``)."""
+    results = launch("tests.scenarios.trainer_scenarios:train", 2,
+                     args=(str(root), None, STEPS, 1, 2, None, None, state_dict_type), timeout=TIMEOUT)
+    return [{**result, "output_dir": str(root), "state_dict_type": state_dict_type} for result in results]
+
+
+def _full_tensors(checkpoint: Path) -> dict[str, Any]:
+    """The whole tensors (and other values) of a Trainer ``FULL_STATE_DICT`` checkpoint's model and optimizer files."""
+    from safetensors.torch import load_file
+
+    found: dict[str, Any] = {f"model.safetensors: {k}": v for k, v in load_file(checkpoint / "model.safetensors").items()}
+    found.update({f"pytorch_model_fsdp.bin: {k}": v
+                  for k, v in torch.load(checkpoint / "pytorch_model_fsdp.bin", weights_only=True).items()})
+    optimizer = torch.load(checkpoint / "optimizer.bin", weights_only=True)
+    for key, state in optimizer["state"].items():
+        found.update({f"optimizer.bin: state {key}.{name}": value for name, value in state.items()})
+    found["optimizer.bin: param_groups"] = optimizer["param_groups"]
+    return found
+
+
+def full_files_differences(expected: Path, got: Path) -> list[str]:
+    """What differs, bitwise, between the whole model and optimizer files of two Trainer ``FULL_STATE_DICT``
+    checkpoints (``model.safetensors``, ``pytorch_model_fsdp.bin``, ``optimizer.bin``); empty: the same."""
+    reference, final = _full_tensors(expected), _full_tensors(got)
+    if not reference or reference.keys() != final.keys():
+        return [f"the files hold other entries: {sorted(reference)} vs {sorted(final)}"]
+    return [name for name, value in reference.items() if not equal(value, final[name])]
 
 
 def kill_instant(seed: int, reference: list[dict[str, Any]]) -> tuple[float, float]:
@@ -66,12 +98,17 @@ def kill_instant(seed: int, reference: list[dict[str, Any]]) -> tuple[float, flo
     return random.Random(f"trainer-kill:{seed}").uniform(0.0, window), window
 
 
-def random_kill_trial(directory: Path, reference: list[dict[str, Any]], seed: int) -> tuple[str, list[str]]:
-    """One trial in ``directory``: (where the kill landed, the problems found; none when it passed)."""
+def random_kill_trial(directory: Path, reference: list[dict[str, Any]], seed: int,
+                      state_dict_type: str = "SHARDED_STATE_DICT") -> tuple[str, list[str]]:
+    """One trial in ``directory``: (where the kill landed, the problems found; none when it passed). ``reference``:
+    :func:`reference_run`'s result with the same ``state_dict_type``."""
+    if reference[0].get("state_dict_type", "SHARDED_STATE_DICT") != state_dict_type:
+        raise ValueError(f"the reference run saved {reference[0].get('state_dict_type')}, the trial {state_dict_type}")
     delay, window = kill_instant(seed, reference)
     where = f"seed {seed}: the job was killed {delay:.2f}s into a {window:.2f}s window"
     root = directory / "run"
-    spec = {"output_dir": str(root), "max_steps": STEPS, "fsdp_version": 1, "save_total_limit": 2, "resume": None}
+    spec = {"output_dir": str(root), "max_steps": STEPS, "fsdp_version": 1, "save_total_limit": 2, "resume": None,
+            "state_dict_type": state_dict_type}
     # The ranks wait to be killed once done: a run faster than the reference's window is killed after its end (all
     # saved), never found ended; how fast the machine is never decides the outcome.
     killed, early = run_until_killed_after({**spec, "hold": True}, directory, "killed", "rank0.began.pt", delay,
@@ -123,4 +160,10 @@ def _restart_problems(directory: Path, restart: JobResult, reference: list[dict[
     after = trainer_report(directory / "run")
     if after != {"complete": [6, 8], "broken": {}, "leftovers": []}:
         problems.append(f"after the restart: {after}")
+    elif reference[0].get("state_dict_type") == "FULL_STATE_DICT":
+        last = f"checkpoint-{STEPS}"
+        differing = full_files_differences(Path(reference[0]["output_dir"]) / last, directory / "run" / last)
+        if differing:
+            problems.append(f"the whole model and optimizer files of {last} differ from the uninterrupted run's: "
+                            f"{differing}")
     return problems
