@@ -1,9 +1,14 @@
 """accelerate-txn: a training checkpoint is either complete and verified, or it does not exist.
 
-Importing this package wraps ``Accelerator.save_state``/``load_state`` once (reversibly, see :func:`uninstall`).
-On a validated Accelerate/PyTorch pair, FSDP1 ``SHARDED_STATE_DICT`` saves and loads take the protected
-path; everything else runs native Accelerate unchanged. ``ACCELERATE_TXN_PATCHES=0`` turns automatic
-dispatch off; :func:`patch_accelerate_fsdp`/:func:`unpatch_accelerate_fsdp` opt one Accelerator in or out.
+Importing this package wraps ``Accelerator.save_state``/``load_state`` (and the transformers ``Trainer``'s
+checkpoints) once (reversibly, see :func:`uninstall`). Where the installed releases are protected (the evidence about
+the private pieces each path relies on), FSDP1 and FSDP2 saves and loads with ``SHARDED_STATE_DICT`` or
+``FULL_STATE_DICT`` (Accelerate's and the Trainer's defaults included) take the protected path; everything else runs
+native Accelerate unchanged, and an FSDP save or load that does logs one WARNING per process and reason with the fix
+(strict mode, ``configure_checkpointing(require_protection=True)`` or ``ACCELERATE_TXN_REQUIRE_PROTECTION=1``, raises
+:class:`CheckpointUnprotectedError` instead; :func:`protection` answers without saving). ``ACCELERATE_TXN_PATCHES=0``
+turns automatic dispatch off; :func:`patch_accelerate_fsdp`/:func:`unpatch_accelerate_fsdp` opt one Accelerator in
+or out.
 """
 
 from __future__ import annotations

@@ -278,7 +278,9 @@ def configure_checkpointing(
       are resharded, every other check still applies, and per-rank state (RNG, data-loader position, private
       state) follows the policy of ``accelerate_txn.accelerate.elastic`` (ranks in both runs keep theirs; new ranks take
       saved rank ``r % N``'s progress with derived random generators; the state of ranks that are gone is
-      dropped, with a warning). Default False: a world-size change is refused before anything is restored.
+      dropped, with a warning). Default False: a world-size change is refused before anything is restored, except
+      for a checkpoint saved and resumed with ``FULL_STATE_DICT`` (whole tensors: it resumes on another world size
+      without the opt-in, its per-rank state following the same policy).
     * ``reshard_rank_map``: ``{this run's rank: saved rank}`` for an elastic resume: the named ranks take that
       saved rank's per-rank state exactly (random generators included) instead of the default policy.
     * ``overwrite``: what a save does when its destination exists. ``"replace"`` (default, where native

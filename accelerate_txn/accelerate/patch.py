@@ -7,21 +7,25 @@ native Accelerate yields); ``uninstall()`` puts the originals back. The wrappers
 
 Protected path when all hold (and every rank agrees, else every rank raises):
 automatic dispatch is on (``ACCELERATE_TXN_PATCHES`` unset or truthy) or the instance was opted in with
-:func:`patch_accelerate_fsdp`; it was not opted out with :func:`unpatch_accelerate_fsdp`; the installed
-versions are validated (or the override is set); the backend is FSDP1 or FSDP2 with ``SHARDED_STATE_DICT`` (FSDP2
-only on the rows of ``validated.json`` marked ``"fsdp2": true``, else native with one warning); and the
-protected path can handle this setup (``accelerate.descriptor.unsupported_reason``: optimizer state made of
-parameter-shaped tensors and scalars, a supported sharding strategy, ...; on load also the checkpoint's
-optimizer state), decided from the live state at each call and agreed on by every rank. With
-``configure_checkpointing(protect="all")`` or ``ACCELERATE_TXN_PROTECT=all`` one process and DDP
-(:data:`BROADER_BACKENDS`) take the same path.
+:func:`patch_accelerate_fsdp`; it was not opted out with :func:`unpatch_accelerate_fsdp`; the evidence protects the
+installed releases on this Accelerator's path (``runtime.versions``: FSDP1, FSDP2, one-process/DDP), or the override
+is set; the backend is FSDP1 or FSDP2 with ``SHARDED_STATE_DICT`` or ``FULL_STATE_DICT`` (Accelerate's FSDP1 default;
+native Accelerate writes and reads the full files inside the transaction; FSDP1's ``LOCAL_STATE_DICT`` runs native);
+and the protected path can handle this setup (``accelerate.descriptor.unsupported_reason``: one optimizer per model,
+one shared filesystem, and with ``SHARDED_STATE_DICT`` optimizer state made of parameter-shaped tensors and scalars,
+a supported sharding strategy, ...; on load also the checkpoint's optimizer state), decided from the live state at
+each call and agreed on by every rank. With ``configure_checkpointing(protect="all")`` or
+``ACCELERATE_TXN_PROTECT=all`` one process and DDP (:data:`BROADER_BACKENDS`) take the same path.
 
-Never does importing the library make a working native save fail: under automatic dispatch an unsupported
-setup runs native Accelerate with one ``RuntimeWarning`` per Accelerator saying why and what is unprotected.
-An instance opted in with :func:`patch_accelerate_fsdp` is refused instead (``CheckpointConfigurationError``).
-Every FSDP setup that runs native logs one INFO line per Accelerator (logger ``accelerate_txn``) naming the
-condition that failed, except where the evidence does not protect the path (a changed piece, a damaged evidence file):
-then one ``RuntimeWarning`` per process and reason says why, and nothing repeats it.
+Never does importing the library make a working native save fail, unless strict mode asks for it: under automatic
+dispatch an unsupported setup runs native Accelerate with one ``RuntimeWarning`` per Accelerator saying why and what
+is unprotected. An instance opted in with :func:`patch_accelerate_fsdp` is refused instead
+(``CheckpointConfigurationError``). Every other FSDP setup that runs native logs one WARNING per process and reason
+(logger ``accelerate_txn``, main process: ``runtime.protection.say_native``) naming the condition that failed and
+the one change that would protect it, except where the evidence does not protect the path (a changed piece, a
+damaged evidence file): then one ``RuntimeWarning`` per process and reason says why, and nothing repeats it. Strict
+mode (``configure_checkpointing(require_protection=True)``, else ``ACCELERATE_TXN_REQUIRE_PROTECTION=1``) raises
+``CheckpointUnprotectedError`` on every rank instead of any native run, before anything is written or read.
 
 Caveats: a subclass that overrides ``save_state``/``load_state`` without calling ``super()`` bypasses the
 patch; wrapped methods do not pickle.

@@ -43,10 +43,11 @@ def fsdp_accelerator(
     """A real ``Accelerator`` using FSDP on CPU (gloo). Call once per process, in every rank.
 
     Pass either ``project_config`` (an Accelerate ``ProjectConfiguration``) or the shortcuts ``project_dir``,
-    ``automatic_checkpoint_naming`` and ``total_limit``, not both. ``state_dict_type``: ``"SHARDED_STATE_DICT"``
-    (what the protected path handles) or ``"LOCAL_STATE_DICT"``; ``"FULL_STATE_DICT"`` is refused because its
-    native save crashes the saving process on CPU (see :data:`UNSUPPORTED_STATE_DICT_TYPES`). ``fsdp_version=2``:
-    Accelerate's FSDP2 (``fully_shard``, DTensor parameters); prepare the model and its optimizer together.
+    ``automatic_checkpoint_naming`` and ``total_limit``, not both. ``state_dict_type``: ``"SHARDED_STATE_DICT"`` or
+    ``"FULL_STATE_DICT"`` (both protected; FSDP1's full gather runs with the fix of two torch bugs only CPU meets:
+    docs/testing.md, "FULL_STATE_DICT on CPU"), or ``"LOCAL_STATE_DICT"`` (FSDP1 only: not protected, a test of
+    the native fallback). ``fsdp_version=2``: Accelerate's FSDP2 (``fully_shard``, DTensor parameters); prepare the
+    model and its optimizer together.
     ``auto_wrap``: the module class FSDP wraps in units of its own (``None``: the model is one unit); FSDP2
     finds it by its class name in the model at ``prepare``.
     ``parallelism_config``: an Accelerate ``ParallelismConfig`` for FSDP2 on an N-D mesh (HSDP:

@@ -11,7 +11,7 @@ Supervision, by the processes' exit statuses polled within deadlines (no step is
 * every line a worker prints (stdout and stderr merged) is kept per rank, and optionally echoed as
   ``[rankN] line`` and written to ``rankN.log``; the echo carries one rank prefix per line: PyTorch's own
   ``[rankN]:`` (its ``sys.excepthook`` after ``init_process_group``, its logging) is replaced by the launcher's;
-* a setting the harness refuses inside a worker (the script's own plugin with ``FULL_STATE_DICT``, say) ends that
+* a setting the harness refuses inside a worker (the script's own plugin with ``LOCAL_STATE_DICT``, say) ends that
   worker with status 2 and a one-line message in a file of its own; the result carries it once (``refusal``);
 * the first worker that fails decides the exit status; the others get ``grace`` seconds to end on their own (they
   usually fail at their next collective), then are killed: nothing waits forever on a dead peer;
@@ -447,7 +447,7 @@ def start_script(
     script's own ``import accelerate_txn`` decides whether checkpoints are protected.
 
     FSDP settings (``None``: not given): ``fsdp_version`` 1 or 2; ``state_dict_type`` ``"SHARDED_STATE_DICT"`` or
-    ``"LOCAL_STATE_DICT"`` (``"FULL_STATE_DICT"`` is refused: its native save crashes on CPU); ``auto_wrap`` the
+    ``"FULL_STATE_DICT"`` (``"LOCAL_STATE_DICT"`` is refused: accelerate-txn does not protect it); ``auto_wrap`` the
     module class FSDP wraps (a class or its import path), or ``"none"``. Given settings override a plugin the
     script passes itself (``Accelerator(fsdp_plugin=...)``); the rest come from that plugin, else from
     :func:`fsdp_accelerator`'s defaults (FSDP1, ``SHARDED_STATE_DICT``, ``torch.nn.Linear`` wrapped).
