@@ -2,10 +2,12 @@
 complete checkpoint bitwise; native (``ACCELERATE_TXN_PATCHES=0``), a restart resumes the half-written one.
 
 * The random-instant sweep (tests/scenarios/crash_harness.py ``sweep``, the invariants of tests/core/test_crash.py) with
-  every save a ``FULL_STATE_DICT`` one, FSDP1 and FSDP2: whole-job ``kill -9`` at seeded instants, then a restart
-  that must select the newest complete checkpoint, restore it exactly (each rank's local shards, optimizer state,
-  scheduler, RNG, step), publish the next save and remove the leftovers. ``python -m tests.crash_sweep
+  every save an FSDP1 ``FULL_STATE_DICT`` one: whole-job ``kill -9`` at seeded instants, then a restart that must
+  select the newest complete checkpoint, restore it exactly (each rank's local shards, optimizer state and
+  param_groups, scheduler, RNG, step), publish the next save and remove the leftovers. ``python -m tests.crash_sweep
   --state-dict-type FULL_STATE_DICT [--fsdp-version 2]`` draws many.
+* FSDP1 and FSDP2 killed at one fixed instant (after the rename), the same exact restart. FSDP2 is an expected failure
+  (strict) until its restore gives ``param_groups``' ``betas`` back as the tuple it saved (:data:`FSDP2_BETAS`).
 * The same FSDP1 ``FULL_STATE_DICT`` run killed at two fixed instants inside native Accelerate's own writes
   (tests/scenarios/crash_native_full.py: deterministic kill points, no timing), once native and once protected, each
   followed by ``load_state()`` in a fresh run: rank 0 killed halfway through writing ``optimizer.bin`` of the second
@@ -17,8 +19,9 @@ complete checkpoint bitwise; native (``ACCELERATE_TXN_PATCHES=0``), a restart re
   restores ``checkpoint_0`` exactly.
 
 Real Accelerate, two gloo ranks on CPU (FSDP1's full gather with the harness's fix of torch's CPU-only bugs). Every
-launch has the crash harness's deadlines; the pytest timeout is a backstop above them. Cost on 2 CPU cores: the two
-2-trial sweeps about 50 s, the native/protected contrast about 90 s (8 launches); twice that under load.
+launch has the crash harness's deadlines; the pytest timeout is a backstop above them. Cost on 2 CPU cores: the
+2-trial sweep about 25 s, the fixed kills about 40 s, the native/protected contrast about 90 s (8 launches); twice that
+under load.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ from tests.scenarios.crash_harness import (
     SURVIVOR_TIMEOUT,
     Job,
     JobResult,
+    Link,
+    restart_problems,
+    run_chain,
     run_until_crash_point,
     summary,
     sweep,
@@ -55,15 +61,37 @@ pytestmark = [pytest.mark.distributed,
               pytest.mark.timeout(int((max(SWEEP_TRIALS + 1, LAUNCHES)) * (LAUNCH_TIMEOUT + SURVIVOR_TIMEOUT)) + 60)]
 
 
-@pytest.mark.parametrize(("version", "seed"), [(1, 20261208), (2, 20261209)], ids=["fsdp1", "fsdp2"])
 def test_full_state_dict_kill_9_of_the_whole_job_at_random_instants(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: int, seed: int) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(STATE_DICT_TYPE_ENV, "FULL_STATE_DICT")  # the ranks inherit it
-    trials = sweep(tmp_path, SWEEP_TRIALS, seed, entry=ENTRIES[version])  # one line per trial: shown on failure
+    trials = sweep(tmp_path, SWEEP_TRIALS, 20261208, entry=ENTRIES[1])  # one line per trial: shown on failure
     assert len(trials) == SWEEP_TRIALS
     assert [t for t in trials if t.problems] == [], summary(trials)
     manifest = next((tmp_path / "trial0" / "checkpoints").glob("checkpoint_*/checkpoint_manifest.json"))
     assert '"state_dict_type": "FULL_STATE_DICT"' in manifest.read_text()  # the sweep saved FULL checkpoints
+
+
+#: FSDP2's FULL_STATE_DICT restore (native Accelerate's ``load_fsdp_optimizer``: torch's ``set_optimizer_state_dict``
+#: with ``full_state_dict=True``, which flattens the state dict and rebuilds every tuple as a list) gives the
+#: optimizer's ``param_groups`` ``betas`` back as a list where the saved run had a tuple: every other part is exact.
+FSDP2_BETAS = pytest.mark.xfail(strict=True, reason="FSDP2 FULL_STATE_DICT restore returns param_groups' betas as a "
+                                "list, not the saved tuple (torch's set_optimizer_state_dict flatten/unflatten)")
+
+
+@pytest.mark.parametrize("version", [1, pytest.param(2, marks=FSDP2_BETAS)], ids=["fsdp1", "fsdp2"])
+def test_full_state_dict_whole_job_killed_after_the_rename_restarts_from_it_exactly(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: int) -> None:
+    # A fixed instant: the whole job killed right after checkpoint_1 was published, before retention. The restart
+    # selects it and must restore every part of it bitwise (each rank's shards, optimizer state and param_groups,
+    # scheduler, RNG, step), then publish checkpoint_2 and leave nothing behind.
+    monkeypatch.setenv(STATE_DICT_TYPE_ENV, "FULL_STATE_DICT")
+    link = Link("save:after-rename", True, [0, 1], {"fresh": True, "saves": 2, "kill_save": 2})
+    outcome = run_chain((link,), tmp_path, key=lambda link: link.point, entry=ENTRIES[version])[link.point]
+    if isinstance(outcome, BaseException):
+        pytest.fail(f"the job failed: {outcome}")
+    assert outcome.problems == [] and outcome.report["complete"] == link.complete_after, outcome.report
+    assert outcome.restart is not None
+    assert restart_problems(outcome.restart.obs, "checkpoint_1") == []
 
 
 # --- native and protected killed at the same instants -----------------------------------------------------------
