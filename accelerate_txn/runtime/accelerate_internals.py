@@ -223,10 +223,16 @@ ACCELERATE_FSDP1: tuple[Piece, ...] = (
           "MixedPrecision policy)"),
     Piece("accelerate", _FSDP_UTILS, "_set_model_state_dict", "code",
           "called by load_fsdp_model where it runs: what loads the model state it read"),
+    Piece("accelerate", _FSDP_UTILS, "load_fsdp_optimizer", "code",
+          "run by a protected FULL_STATE_DICT restore (rank 0 reads optimizer.bin, FSDP scatters it)"),
 )
 ACCELERATE_FSDP2: tuple[Piece, ...] = (
-    Piece("accelerate", _FSDP_UTILS, "save_fsdp_optimizer", "signature",
-          "replaced by the library's FSDP2 save: its body never runs there"),
-    Piece("accelerate", _FSDP_UTILS, "load_fsdp_model", "signature",
-          "replaced by the library's FSDP2 model restore: its body never runs there"),
+    Piece("accelerate", _FSDP_UTILS, "save_fsdp_optimizer", "code",
+          "replaced by the library's FSDP2 sharded save; run by a protected FULL_STATE_DICT save (rank 0 writes "
+          "optimizer.bin)"),
+    Piece("accelerate", _FSDP_UTILS, "load_fsdp_model", "code",
+          "replaced by the library's FSDP2 sharded model restore; run by a protected FULL_STATE_DICT restore (rank 0 "
+          "reads pytorch_model_fsdp.bin and broadcasts it)"),
+    Piece("accelerate", _FSDP_UTILS, "load_fsdp_optimizer", "code",
+          "run by a protected FULL_STATE_DICT restore (rank 0 reads optimizer.bin and broadcasts it)"),
 )

@@ -77,13 +77,16 @@ def rng_files(world: int) -> list[str]:
 def required_files(record: dict[str, Any], present: set[str]) -> list[str]:
     """The files a resume of a checkpoint saved as ``record`` reads, which every save must have written:
     ``trainer_state.json``; unless ``save_only_model``, every saving rank's RNG file and, under FSDP
-    ``SHARDED_STATE_DICT``, the model's and optimizer's DCP ``.metadata``; ``scheduler.pt`` when the save wrote one
+    ``SHARDED_STATE_DICT``, the model's and optimizer's DCP ``.metadata`` (``FULL_STATE_DICT``: Accelerate's full
+    ``pytorch_model_fsdp.bin`` and ``optimizer.bin``, which rank 0 writes); ``scheduler.pt`` when the save wrote one
     (``present``: the files written)."""
     required = [TRAINER_STATE]
     if not record.get("save_only_model"):
         required += rng_files(int(record["world_size"]))
         if record.get("state_dict_type") == "SHARDED_STATE_DICT":
             required += ["pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata"]
+        elif record.get("state_dict_type") == "FULL_STATE_DICT":
+            required += ["pytorch_model_fsdp.bin", "optimizer.bin"]
         if "scheduler.pt" in present:
             required.append("scheduler.pt")
     elif record.get("state_dict_type") == "SHARDED_STATE_DICT":

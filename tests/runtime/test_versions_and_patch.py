@@ -261,9 +261,11 @@ def test_dispatch_patch_env_off_is_native_unless_opted_in_and_opt_out_wins(lifec
 def test_a_release_that_changed_a_piece_is_detected_from_its_installed_source(unvalidated: dict[str, Any]) -> None:
     assert unvalidated["file"].startswith(tempfile.gettempdir())  # the changed release was imported
     assert unvalidated["protected_fsdp1"] is False
-    (reason,) = unvalidated["unprotected"]["fsdp1"]
+    # Its signature (a piece of every path) and, on the FSDP paths whose FULL_STATE_DICT restore runs it, its code.
+    reason, code = unvalidated["unprotected"]["fsdp1"]
     assert reason.startswith(f"accelerate {unvalidated['version']}: accelerate.utils.fsdp_utils.load_fsdp_optimizer "
                              "has the parameters (fsdp_plugin, accelerator, optimizer, model, input_dir, index=, ")
+    assert "accelerate.utils.fsdp_utils.load_fsdp_optimizer" in code and code != reason
     assert "optimizer_index=" in reason  # what the releases that passed have
     assert set(unvalidated["unprotected"]) == {"fsdp1", "common", "fsdp2"}
 

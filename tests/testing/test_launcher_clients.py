@@ -192,6 +192,8 @@ def test_sft_with_the_trainers_default_full_state_dict_is_protected_and_resumes_
     manifest = json.loads((reference / "out" / "checkpoint-2" / "checkpoint_manifest.json").read_text())
     assert manifest["trainer"]["state_dict_type"] == "FULL_STATE_DICT"
     assert {"model.safetensors", "optimizer.bin", "rng_state_0.pth", "rng_state_1.pth"} <= set(manifest["files"])
+    # what a resume reads, which every save must have written before it is published
+    assert {"pytorch_model_fsdp.bin", "optimizer.bin"} <= set(manifest["trainer"]["required"])
     # Every rank kills itself while hashing and flushing checkpoint-4: only checkpoint-2 is published.
     result = _sft(assets, killed, fsdp, *full, env={"ACCELERATE_TXN_KILL_AT": "save:during-flush#2"})
     assert result.returncode != 0 and not result.timed_out, result.describe()
