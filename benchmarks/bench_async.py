@@ -52,16 +52,10 @@ def worker(root: str, million: int, repeats: int, steps: int, fsdp_version: int 
     from accelerate_txn import configure_checkpointing, wait_for_checkpoint
     from accelerate_txn.accelerate.config import checkpoint_config
     from accelerate_txn.testing import fsdp_accelerator
-    from benchmarks.bench_checkpoint import _model
+    from benchmarks.bench_checkpoint import prepared
 
     accelerator = fsdp_accelerator(fsdp_version=fsdp_version)
-    torch.manual_seed(0)
-    if fsdp_version == 1:
-        model = accelerator.prepare(_model(million))
-        optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-4))
-    else:  # FSDP2: model and optimizer are prepared together (Accelerate swaps the optimizer's parameters)
-        raw_model = _model(million)
-        model, optimizer = accelerator.prepare(raw_model, torch.optim.AdamW(raw_model.parameters(), lr=1e-4))
+    model, optimizer = prepared(accelerator, million, fsdp_version)
     batch = torch.randn(8, 2048)
 
     def step() -> float:

@@ -148,19 +148,35 @@ def _dd(*arguments: str) -> None:
     subprocess.run(["dd", *arguments, "status=none"], check=True)
 
 
+def timed_dd_write(accelerator: Any, target: str, count: int) -> float:
+    """Seconds for every rank to write ``count`` bytes to its own ``target`` with ``dd`` (fdatasync before it exits),
+    concurrently: the disk's durable write of what each rank wrote. Leaves ``target`` in place."""
+    accelerator.wait_for_everyone()
+    start = time.perf_counter()
+    _dd("if=/dev/zero", f"of={target}", f"bs={DD_BLOCK}", "iflag=count_bytes", f"count={count}", "conv=fdatasync")
+    accelerator.wait_for_everyone()
+    return time.perf_counter() - start
+
+
+def prepared(accelerator: Any, million: int, fsdp_version: int,
+             optimizer: Any = lambda params: torch.optim.AdamW(params, lr=1e-4)) -> tuple[Any, Any]:
+    """The benchmark model (:func:`_model`) and its ``optimizer`` prepared by ``accelerator``, seeded: FSDP1 builds the
+    optimizer on the wrapped model, FSDP2 prepares both together (Accelerate swaps the optimizer's parameters)."""
+    torch.manual_seed(0)
+    if fsdp_version == 1:
+        model = accelerator.prepare(_model(million))
+        return model, accelerator.prepare(optimizer(model.parameters()))
+    raw_model = _model(million)
+    return accelerator.prepare(raw_model, optimizer(raw_model.parameters()))
+
+
 def worker(root: str, million: int, repeats: int, optimizer_name: str = "adamw",
            fsdp_version: int = 1) -> dict[str, Any]:
     import accelerate_txn
     from accelerate_txn.testing import fsdp_accelerator
 
     accelerator = fsdp_accelerator(fsdp_version=fsdp_version)
-    torch.manual_seed(0)
-    if fsdp_version == 1:
-        model = accelerator.prepare(_model(million))
-        optimizer = accelerator.prepare(OPTIMIZERS[optimizer_name](model.parameters()))
-    else:  # FSDP2: model and optimizer are prepared together (Accelerate swaps the optimizer's parameters)
-        raw_model = _model(million)
-        model, optimizer = accelerator.prepare(raw_model, OPTIMIZERS[optimizer_name](raw_model.parameters()))
+    model, optimizer = prepared(accelerator, million, fsdp_version, OPTIMIZERS[optimizer_name])
     model(torch.randn(2, 2048)).sum().backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -229,12 +245,7 @@ def worker(root: str, million: int, repeats: int, optimizer_name: str = "adamw",
         # The hardware baseline of this repeat: both ranks write their share of the protected checkpoint's bytes
         # with dd (fdatasync before dd exits), then read it back from the page cache.
         target = os.path.join(root, f"dd_{rank}")
-        accelerator.wait_for_everyone()
-        start = time.perf_counter()
-        _dd("if=/dev/zero", f"of={target}", f"bs={DD_BLOCK}", "iflag=count_bytes",
-            f"count={sizes['rank_protected'][-1]}", "conv=fdatasync")
-        accelerator.wait_for_everyone()
-        times["dd_write"].append(time.perf_counter() - start)
+        times["dd_write"].append(timed_dd_write(accelerator, target, sizes["rank_protected"][-1]))
         start = time.perf_counter()
         _dd(f"if={target}", "of=/dev/null", f"bs={DD_BLOCK}")
         accelerator.wait_for_everyone()

@@ -67,16 +67,10 @@ def worker(root: str, million: int, repeats: int, fsdp_version: int, warmup: int
 
     import accelerate_txn
     from accelerate_txn.testing import fsdp_accelerator
-    from benchmarks.bench_checkpoint import DD_BLOCK, _dd, _local, _model, _PeakRss, warm
+    from benchmarks.bench_checkpoint import _local, _PeakRss, prepared, timed_dd_write, warm
 
     accelerator = fsdp_accelerator(fsdp_version=fsdp_version, state_dict_type="FULL_STATE_DICT")
-    torch.manual_seed(0)
-    if fsdp_version == 1:
-        model = accelerator.prepare(_model(million))
-        optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-4))
-    else:  # FSDP2: model and optimizer are prepared together (Accelerate swaps the optimizer's parameters)
-        raw_model = _model(million)
-        model, optimizer = accelerator.prepare(raw_model, torch.optim.AdamW(raw_model.parameters(), lr=1e-4))
+    model, optimizer = prepared(accelerator, million, fsdp_version)
     model(torch.randn(2, 2048)).sum().backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -129,12 +123,7 @@ def worker(root: str, million: int, repeats: int, fsdp_version: int, warmup: int
             continue
         # The disk's durable write of the same bytes, each rank what it wrote, concurrently.
         target = os.path.join(root, f"dd_{rank}")
-        accelerator.wait_for_everyone()
-        start = time.perf_counter()
-        _dd("if=/dev/zero", f"of={target}", f"bs={DD_BLOCK}", "iflag=count_bytes",
-            f"count={sizes['rank_protected'][-1]}", "conv=fdatasync")
-        accelerator.wait_for_everyone()
-        times["dd_write"].append(time.perf_counter() - start)
+        times["dd_write"].append(timed_dd_write(accelerator, target, sizes["rank_protected"][-1]))
         os.remove(target)
         accelerator.wait_for_everyone()
     ratios = {f"{phase}_time": statistics.median(p / n for p, n in zip(times[f"{phase}_protected"],
