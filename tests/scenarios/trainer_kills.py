@@ -120,6 +120,7 @@ def random_kill_trial(directory: Path, reference: list[dict[str, Any]], seed: in
     problems: list[str] = []
     report = trainer_report(root)
     complete = report["complete"]
+    where += f", complete {complete}"
     if report["broken"]:
         problems.append(f"a half-written or corrupt checkpoint-N: {report}")  # never one under a final name
     saved = directory / "obs" / "killed" / "rank0.saved.json"
