@@ -2,7 +2,7 @@
 complete checkpoint bitwise; native (``ACCELERATE_TXN_PATCHES=0``), a restart resumes the half-written one.
 
 * The random-instant sweep (tests/scenarios/crash_harness.py ``sweep``, the invariants of tests/core/test_crash.py) with
-  every save an FSDP1 ``FULL_STATE_DICT`` one: whole-job ``kill -9`` at seeded instants, then a restart that must
+  every save an FSDP1 ``FULL_STATE_DICT`` one (3 trials): whole-job ``kill -9`` at seeded instants, then a restart that must
   select the newest complete checkpoint, restore it exactly (each rank's local shards, optimizer state and
   param_groups, scheduler, RNG, step), publish the next save and remove the leftovers. ``python -m tests.crash_sweep
   --state-dict-type FULL_STATE_DICT [--fsdp-version 2]`` draws many.
@@ -19,9 +19,9 @@ complete checkpoint bitwise; native (``ACCELERATE_TXN_PATCHES=0``), a restart re
   restores ``checkpoint_0`` exactly.
 
 Real Accelerate, two gloo ranks on CPU (FSDP1's full gather with the harness's fix of torch's CPU-only bugs). Every
-launch has the crash harness's deadlines; the pytest timeout is a backstop above them. Cost on 2 CPU cores: the
-2-trial sweep about 25 s, the fixed kills about 40 s, the native/protected contrast about 90 s (8 launches); twice that
-under load.
+launch has the crash harness's deadlines; the pytest timeout is a backstop above them. Cost on 2 idle CPU cores: about
+55 s (the 3-trial sweep about 13 s, the fixed kills 12 s, the native/protected contrast 26 s in 8 launches); about
+three times that under load.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from tests.scenarios.crash_native_full import COMPONENTS, ENTRY
 from tests.scenarios.crash_scenarios import STATE_DICT_TYPE_ENV
 
 #: Trials of each FULL_STATE_DICT sweep here (``CRASH_SWEEP_TRIALS`` overrides, as for tests/core/test_crash.py).
-SWEEP_TRIALS = int(os.environ.get("CRASH_SWEEP_TRIALS", "2"))
+SWEEP_TRIALS = int(os.environ.get("CRASH_SWEEP_TRIALS", "3"))
 ENTRIES = {1: "tests.scenarios.crash_scenarios", 2: "tests.scenarios.crash_fsdp2"}
 #: The kill points of the contrast (tests/scenarios/crash_native_full.py), both in the save of ``checkpoint_1``.
 TORN_OPTIMIZER = "native-write:torn:optimizer.bin@0"

@@ -137,10 +137,10 @@ def random_kill_trial(directory: Path, reference: list[dict[str, Any]], seed: in
         return where, problems
     # The restart: resume_from_checkpoint=True (nothing complete yet: a fresh start, as a script would do).
     restart = run_to_completion({**spec, "resume": True if complete else None}, directory, "restart", entry=ENTRY)
-    return where, _restart_problems(directory, restart, reference, complete)
+    return where, restart_problems(directory, restart, reference, complete)
 
 
-def _restart_problems(directory: Path, restart: JobResult, reference: list[dict[str, Any]],
+def restart_problems(directory: Path, restart: JobResult, reference: list[dict[str, Any]],
                       complete: list[int]) -> list[str]:
     problems = []
     began = observed(directory, "restart", "began")
