@@ -6,8 +6,9 @@ complete checkpoint bitwise; native (``ACCELERATE_TXN_PATCHES=0``), a restart re
   select the newest complete checkpoint, restore it exactly (each rank's local shards, optimizer state and
   param_groups, scheduler, RNG, step), publish the next save and remove the leftovers. ``python -m tests.crash_sweep
   --state-dict-type FULL_STATE_DICT [--fsdp-version 2]`` draws many.
-* FSDP1 and FSDP2 killed at one fixed instant (after the rename), the same exact restart. FSDP2 is an expected failure
-  (strict) until its restore gives ``param_groups``' ``betas`` back as the tuple it saved (:data:`FSDP2_BETAS`).
+* FSDP1 and FSDP2 killed at one fixed instant (after the rename), the same exact restart (FSDP2's full restore gives
+  ``param_groups``' ``betas`` back as the tuple it saved: torch's restore rebuilds it as a list, the library gives the
+  tuple back).
 * The same FSDP1 ``FULL_STATE_DICT`` run killed at two fixed instants inside native Accelerate's own writes
   (tests/scenarios/crash_native_full.py: deterministic kill points, no timing), once native and once protected, each
   followed by ``load_state()`` in a fresh run: rank 0 killed halfway through writing ``optimizer.bin`` of the second
@@ -71,14 +72,8 @@ def test_full_state_dict_kill_9_of_the_whole_job_at_random_instants(
     assert '"state_dict_type": "FULL_STATE_DICT"' in manifest.read_text()  # the sweep saved FULL checkpoints
 
 
-#: FSDP2's FULL_STATE_DICT restore (native Accelerate's ``load_fsdp_optimizer``: torch's ``set_optimizer_state_dict``
-#: with ``full_state_dict=True``, which flattens the state dict and rebuilds every tuple as a list) gives the
-#: optimizer's ``param_groups`` ``betas`` back as a list where the saved run had a tuple: every other part is exact.
-FSDP2_BETAS = pytest.mark.xfail(strict=True, reason="FSDP2 FULL_STATE_DICT restore returns param_groups' betas as a "
-                                "list, not the saved tuple (torch's set_optimizer_state_dict flatten/unflatten)")
 
-
-@pytest.mark.parametrize("version", [1, pytest.param(2, marks=FSDP2_BETAS)], ids=["fsdp1", "fsdp2"])
+@pytest.mark.parametrize("version", [1, 2], ids=["fsdp1", "fsdp2"])
 def test_full_state_dict_whole_job_killed_after_the_rename_restarts_from_it_exactly(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: int) -> None:
     # A fixed instant: the whole job killed right after checkpoint_1 was published, before retention. The restart
