@@ -39,7 +39,7 @@ from ..core.select import CHECKPOINT_NAME, numbered_checkpoints, refuse_transien
 from ..core.signing import check_legacy
 from ..errors import CheckpointConfigurationError, CheckpointIntegrityError, NoCheckpointError
 from ..fsdp.internals import uninitialise_grad_scaler
-from ..fsdp.optimizer_state import raw_optimizer
+from ..fsdp.optimizer_state import group_tuples_kept, raw_optimizer
 from ..runtime import async_save as _async
 from ..runtime.accelerate_internals import (
     custom_objects,
@@ -264,24 +264,6 @@ def _own_rng(owner: Any, found: Preflight) -> dict[str, Any]:
     return derive_rng(state, me) if me in found.plan.derived else state
 
 
-def _group_tuples(owner: Any) -> list[list[set[str]]]:
-    """For each prepared optimizer, each parameter group's keys whose value is a tuple (``betas``)."""
-    return [[{key for key, value in group.items() if isinstance(value, tuple)} for group in raw_optimizer(o).param_groups]
-            for o in prepared_optimizers(owner)]
-
-
-def _keep_group_tuples(owner: Any, tuples: list[list[set[str]]]) -> None:
-    """Give back the tuples a restore turned into lists: FSDP2's ``FULL_STATE_DICT`` restore (torch's
-    ``set_optimizer_state_dict`` with ``full_state_dict=True`` flattens the state dict and rebuilds every tuple of a
-    parameter group as a list: ``betas`` ``(0.9, 0.999)`` comes back ``[0.9, 0.999]``). The values are the saved ones
-    either way; the saved file holds the tuple, and so does the optimizer after a restore."""
-    for optimizer, keys in zip(prepared_optimizers(owner), tuples):
-        for group, names in zip(raw_optimizer(optimizer).param_groups, keys):
-            for key in names:
-                if isinstance(group.get(key), list):
-                    group[key] = tuple(group[key])
-
-
 def _restore(path: Path, group: dict[str, Any], found: dict[str, Preflight], kwargs: dict[str, Any]) -> None:
     for name, owner in group.items():
         directory = path / name
@@ -295,10 +277,8 @@ def _restore(path: Path, group: dict[str, Any], found: dict[str, Preflight], kwa
                     # Accelerate's FSDP2 load re-initialises the scaler from scaler.pt and asserts it was not
                     # initialised: after any fp16 step, or an earlier load in this process, it would fail part way.
                     uninitialise_grad_scaler(owner.scaler)
-                tuples = _group_tuples(owner)
-                load(str(directory), **kwargs)
-                if is_fsdp_full(owner):
-                    _keep_group_tuples(owner, tuples)
+                with group_tuples_kept(prepared_optimizers(owner) if is_fsdp_full(owner) else ()):
+                    load(str(directory), **kwargs)
 
         run_phase(native_load, f"Restoring {directory}")
         _faults.point("load:during-restore")

@@ -9,6 +9,8 @@ optimizer runs native Accelerate with a warning (``accelerate.patch``).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -58,3 +60,21 @@ def unsupported_checkpoint(metadata: Any, where: str) -> str | None:
         if len(path) > 4 and path[0] == "optimizer" and path[1] == "state":
             return f"{where} holds nested optimizer state {key!r}; {_WHAT}"
     return None
+
+
+@contextlib.contextmanager
+def group_tuples_kept(optimizers: Iterable[Any]) -> Iterator[None]:
+    """Around a full optimizer restore: give back the parameter-group tuples it turned into lists. FSDP2's
+    ``FULL_STATE_DICT`` restore (torch's ``set_optimizer_state_dict`` with ``full_state_dict=True``, which Accelerate's
+    ``load_fsdp_optimizer`` calls) flattens the state dict and rebuilds every tuple of a parameter group as a list:
+    ``betas`` ``(0.9, 0.999)`` comes back ``[0.9, 0.999]``. The values are the saved ones either way; the saved file
+    holds the tuple, and so does the optimizer after the restore."""
+    raws = [raw_optimizer(optimizer) for optimizer in optimizers]
+    keys = [[{key for key, value in group.items() if isinstance(value, tuple)} for group in raw.param_groups]
+            for raw in raws]
+    yield
+    for raw, names in zip(raws, keys):
+        for group, tuples in zip(raw.param_groups, names):
+            for key in tuples:
+                if isinstance(group.get(key), list):
+                    group[key] = tuple(group[key])

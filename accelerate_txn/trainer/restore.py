@@ -40,6 +40,7 @@ from typing import Any
 
 from ..core.ranks import run_phase
 from ..fsdp import fsdp1, fsdp2
+from ..fsdp.optimizer_state import group_tuples_kept
 from ..store.base import Hold
 from .adapters import load_arguments
 from .internals import model_load_arguments, optimizer_load_arguments
@@ -104,7 +105,9 @@ def restore_optimizer(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs
     trainer = _RESUMING.get()
     kind = routed_backend(trainer, bound)
     if kind is None:
-        return wrapped(*args, **kwargs)
+        full = trainer is not None and state_dict_type(trainer) == "FULL_STATE_DICT" and "optimizer" in bound
+        with group_tuples_kept([bound["optimizer"]] if full else ()):  # FSDP2's full restore makes them lists
+            return wrapped(*args, **kwargs)
     optimizer, model, index = bound["optimizer"], bound["model"], int(bound["optimizer_index"])
     directory = Path(bound["input_dir"]) / f"optimizer_{index}"
     if kind == "FSDP1":

@@ -170,6 +170,8 @@ def _full_differences(expected: Path, got: Path) -> list[str]:
                       for k, v in torch.load(directory / "pytorch_model_fsdp.bin", weights_only=True).items()})
         optimizer = torch.load(directory / "optimizer.bin", weights_only=True)
         found.update({f"optimizer.bin: {k}": v for k, v in _flat(optimizer["state"]).items()})
+        # param_groups as saved, tuples included (a restore that gave betas back as a list would save a list)
+        found["optimizer.bin: param_groups"] = optimizer["param_groups"]
         return found
 
     reference = tensors(expected / "out" / f"checkpoint-{MAX_STEPS}")
