@@ -47,10 +47,9 @@ from ..core.ranks import agree, any_rank, collective, distributed, run_phase, wo
 from ..core.remote import is_url
 from ..errors import CheckpointConfigurationError, UnsupportedVersionError
 from ..runtime.accelerate_internals import accelerator_module, prepared_optimizers
-from ..runtime.protection import REQUIRE, STATE_DICT_FIX, Protection, refuse_native, say_native
+from ..runtime.protection import REQUIRE, STATE_DICT_FIX, VERSIONS_FIX, Protection, refuse_native, say_native
 from ..runtime.versions import (
     DISPATCH,
-    OVERRIDE_ENV,
     automatic_dispatch_requested,
     override_requested,
     protected,
@@ -138,8 +137,7 @@ def protection(accelerator: Any) -> Protection:
     if not enabled:
         return native(_native_condition(accelerator, enabled))
     if not protected(path):
-        return native(unsupported_message(path), f"install a validated pair (accelerate-txn doctor) or set "
-                                                 f"{OVERRIDE_ENV}=1 at your own risk")
+        return native(unsupported_message(path), VERSIONS_FIX)
     if kind == "FSDP" and not is_fsdp_protected(accelerator):
         return native(_native_condition(accelerator, enabled))
     reason = unsupported_reason(accelerator)
@@ -278,7 +276,7 @@ def _protected(accelerator: Any, input_dir: Any = None, *, loading: bool = False
         if not strict:
             warn_once(unsupported_message(path_of(accelerator)), stacklevel=4)
         return _native(accelerator, unsupported_message(path_of(accelerator)),
-                       f"install a validated pair (accelerate-txn doctor) or set {OVERRIDE_ENV}=1 at your own risk",
+                       VERSIONS_FIX,
                        say=False)
     if not (enabled and eligible):
         return _native(accelerator, _native_condition(accelerator, enabled))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from ..compat.evidence import OVERRIDE_ENV
 from ..core.environment import flag
 from ..errors import CheckpointUnprotectedError
 
@@ -32,6 +33,10 @@ _SAID: set[str] = set()  # the reasons this process already warned about
 STATE_DICT_FIX = ("set the FSDP state dict type to SHARDED_STATE_DICT (accelerate config: fsdp_state_dict_type: "
                   "SHARDED_STATE_DICT; environment: FSDP_STATE_DICT_TYPE=SHARDED_STATE_DICT; Trainer: "
                   "fsdp_config={'state_dict_type': 'SHARDED_STATE_DICT'}) or FULL_STATE_DICT")
+
+#: The one change that protects a job whose installed releases the evidence does not protect (either front end).
+VERSIONS_FIX = (f"install releases the evidence protects (accelerate-txn doctor, docs/versions.md) or set "
+                f"{OVERRIDE_ENV}=1 at your own risk")
 
 
 @dataclass(frozen=True)

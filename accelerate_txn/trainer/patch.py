@@ -33,8 +33,7 @@ import wrapt
 from ..compat.evidence import warn_once
 from ..core import faults
 from ..core.ranks import agree, run_phase
-from ..runtime.protection import REQUIRE, STATE_DICT_FIX, Protection, refuse_native, say_native
-from ..runtime.versions import OVERRIDE_ENV
+from ..runtime.protection import REQUIRE, STATE_DICT_FIX, VERSIONS_FIX, Protection, refuse_native, say_native
 from .adapters import save_model, saving
 from .internals import LOAD_MODEL, LOAD_OPTIMIZER, LOAD_RNG, SAVE_CHECKPOINT, SAVE_MODEL, finalize_target, missing_points
 from .layout import backend, state_dict_type
@@ -101,7 +100,7 @@ def _trainer_fix(reason: str) -> str | None:
     if reason.startswith("push_to_hub"):
         return "push to the Hub after training (trainer.push_to_hub()) instead of push_to_hub=True during it"
     if "NOT protected" in reason:
-        return f"install a validated set of releases (accelerate-txn doctor) or set {OVERRIDE_ENV}=1 at your own risk"
+        return VERSIONS_FIX
     return None
 
 
