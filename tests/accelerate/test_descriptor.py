@@ -496,3 +496,19 @@ def test_model_config_descriptions_compare_equal_after_a_manifest_round_trip() -
     accelerator.prepare(_ConfiguredNet())
     saved = json.loads(json.dumps(describe(accelerator)))
     assert compare_descriptor(saved, describe(accelerator)) == []
+
+
+# --- full and sharded checkpoints ------------------------------------------------------------------------------
+
+def test_a_full_checkpoint_and_a_sharded_run_refuse_each_other_naming_the_state_dict_type() -> None:
+    from accelerate_txn.accelerate.descriptor import check_resume, full_on_both
+
+    full, sharded = _descriptor(state_dict_type="FULL_STATE_DICT"), _descriptor()
+    for saved, live in ((full, sharded), (sharded, full)):
+        assert not full_on_both(saved, live)
+        with pytest.raises(CheckpointConfigurationError, match="state_dict_type"):
+            check_resume(copy.deepcopy(saved), copy.deepcopy(live), where="run/checkpoint_0")
+    # Full on both sides: another world size is no difference (whole tensors), without the opt-in.
+    assert full_on_both(full, _descriptor(state_dict_type="FULL_STATE_DICT", world_size=4))
+    check_resume(copy.deepcopy(full), _descriptor(state_dict_type="FULL_STATE_DICT", world_size=4),
+                 where="run/checkpoint_0", allow_reshard=True)
