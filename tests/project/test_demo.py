@@ -33,8 +33,10 @@ def _make_dry_run(target: str, venv: Path) -> list[str]:
     """The commands ``make -n TARGET`` would run with ``VENV=venv``, one per line."""
     if shutil.which("make") is None:
         pytest.skip("GNU make is not installed")
-    completed = subprocess.run(["make", "-n", target, f"VENV={venv}"], cwd=REPO, capture_output=True, text=True,
-                               timeout=60, stdin=subprocess.DEVNULL)
+    # Under a parent make (CI's `make test`), MAKEFLAGS would add "Entering directory" lines: run it as a user would.
+    environment = {key: value for key, value in os.environ.items() if key not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    completed = subprocess.run(["make", "--no-print-directory", "-n", target, f"VENV={venv}"], cwd=REPO,
+                               capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, env=environment)
     assert completed.returncode == 0, completed.stderr
     return completed.stdout.splitlines()
 
