@@ -56,23 +56,26 @@ ORIGINALS: dict[str, Any] = {}
 _WARNED: set[str] = set()  # the reasons said by a warning (no INFO line besides)
 
 
-def native_reason(trainer: Any) -> str | None:
+def native_reason(trainer: Any, *, warn: bool = True) -> str | None:
     """Why this Trainer's checkpoints run native (``None``: protected); a changed piece, a damaged evidence file or a
-    Trainer without its private points is warned once per process and reason (``compat.evidence.warn_once``)."""
+    Trainer without its private points is warned once per process and reason (``compat.evidence.warn_once``) unless
+    ``warn`` is false (:func:`protection` only answers)."""
     if not automatic_dispatch_requested():
         return f"automatic dispatch is off ({DISPATCH.source()}={os.environ.get(DISPATCH.source())!r})"
     path = path_of_trainer(trainer)
     if not protected(type(trainer), path):
         message = unsupported_message(type(trainer), path)
-        _WARNED.add(message)
-        warn_once(message, stacklevel=4)
+        if warn:
+            _WARNED.add(message)
+            warn_once(message, stacklevel=4)
         return message
     missing = missing_points(type(trainer), transformers_series())
     if missing:
         message = (f"accelerate-txn: this transformers Trainer lacks {', '.join(missing)} (or has another signature): "
                    "Trainer checkpoints run natively, NOT protected.")
-        _WARNED.add(message)
-        warn_once(message, stacklevel=4)
+        if warn:
+            _WARNED.add(message)
+            warn_once(message, stacklevel=4)
         return message
     if backend(trainer) == "DeepSpeed":
         return "DeepSpeed writes its own checkpoint layout (native Trainer)"
@@ -108,16 +111,7 @@ def protection(trainer: Any) -> Protection:
     """Whether ``trainer``'s checkpoints take the protected path now (``accelerate_txn.protection``); local, no
     collective, no warning."""
     path = path_of_trainer(trainer)
-    if not automatic_dispatch_requested():
-        reason: str | None = (f"automatic dispatch is off ({DISPATCH.source()}="
-                              f"{os.environ.get(DISPATCH.source())!r})")
-    elif not protected(type(trainer), path):
-        reason = unsupported_message(type(trainer), path)
-    elif missing_points(type(trainer), transformers_series()):
-        reason = (f"this transformers Trainer lacks {', '.join(missing_points(type(trainer), transformers_series()))}"
-                  " (or has another signature)")
-    else:
-        reason = native_reason(trainer)
+    reason = native_reason(trainer, warn=False)
     if reason is None:
         return Protection(True, "trainer", path)
     return Protection(False, "trainer", path, reason, _trainer_fix(reason))
